@@ -1,0 +1,1 @@
+"""m3serve: serving the MiniMax-M3 model family on Triton Inference Server."""

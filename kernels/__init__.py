@@ -1,0 +1,1 @@
+"""OpenAI Triton kernels, each beside its torch reference (m3serve.kernels)."""
