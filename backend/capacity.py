@@ -1,0 +1,63 @@
+"""`m3serve capacity`: how many sequences of a given length fit, from the cache bytes per token."""
+from __future__ import annotations
+
+from m3serve.config import (ModelConfig, indexer_bytes_per_token, kv_bytes_per_token, normalize_kv_dtype,
+                            page_count)
+
+# bytes per parameter by format, scales included
+_WEIGHT_BYTES = {"bfloat16": 2.0, "nvfp4": 0.5 + 1 / 16, "mxfp8": 1.0 + 1 / 32}
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attn = h * hd * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    indexer = h * cfg.index_head_dim * (cfg.index_n_heads + 1)
+    expert = 3 * h * cfg.intermediate_size
+    shared = 3 * h * cfg.shared_intermediate_size
+    dense = 3 * h * cfg.dense_intermediate_size
+    router = cfg.num_local_experts * h
+    n = cfg.num_hidden_layers
+    out = {
+        "attention": attn * n, "indexer": indexer * cfg.num_sparse_layers,
+        "routed_experts": expert * cfg.num_local_experts * cfg.num_moe_layers,
+        "shared_experts": shared * cfg.num_moe_layers, "router": router * cfg.num_moe_layers,
+        "dense_mlp": dense * (n - cfg.num_moe_layers),
+        "embeddings": cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def weight_bytes(cfg: ModelConfig, experts: str = "bfloat16", shared: str = "bfloat16") -> int:
+    p = param_counts(cfg)
+    rest = p["total"] - p["routed_experts"] - p["shared_experts"]
+    return int(p["routed_experts"] * _WEIGHT_BYTES[experts] + p["shared_experts"] * _WEIGHT_BYTES[shared]
+               + rest * 2)
+
+
+def plan(cfg: ModelConfig, kv_cache_dtype: str, indexer_kv_dtype: str | None = None, gpus: int = 1,
+         gpu_memory_gb: float = 141.0, seq_len: int = 262144, weights_gb: float | None = None,
+         gpu_memory_utilization: float = 0.9, block_size: int | None = None,
+         activation_reserve_gb: float = 4.0) -> dict:
+    kv = normalize_kv_dtype(kv_cache_dtype)
+    idx = kv if indexer_kv_dtype in (None, "auto") else normalize_kv_dtype(indexer_kv_dtype)
+    q = cfg.quantization_config or {}
+    if weights_gb is None:
+        experts = "nvfp4" if q.get("routed_experts") == "NVFP4" else "bfloat16"
+        shared = {"MXFP8": "mxfp8", "NVFP4": "nvfp4"}.get(q.get("shared_experts"), "bfloat16")
+        wbytes = weight_bytes(cfg, experts, shared)
+    else:
+        wbytes = int(weights_gb * 1e9)
+    kv_tok, idx_tok = kv_bytes_per_token(cfg, kv), indexer_bytes_per_token(cfg, idx)
+    block = block_size or cfg.index_block_size
+    per_seq = page_count(seq_len, block) * block * (kv_tok + idx_tok)
+    budget = gpus * (gpu_memory_gb * 1e9 * gpu_memory_utilization - activation_reserve_gb * 1e9) - wbytes
+    return {
+        "kv_cache_dtype": kv, "indexer_kv_dtype": idx,
+        "kv_bytes_per_token": kv_tok, "indexer_bytes_per_token": idx_tok,
+        "cache_bytes_per_token": kv_tok + idx_tok,
+        "weight_bytes": wbytes, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "seq_len": seq_len,
+        "cache_budget_bytes": max(int(budget), 0),
+        "max_concurrent_sequences": max(int(budget // per_seq), 0) if per_seq else 0,
+        "max_cached_tokens": max(int(budget // (kv_tok + idx_tok)), 0),
+    }

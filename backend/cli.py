@@ -1,0 +1,144 @@
+"""The `m3serve` command: generate | quantize | capacity | make-tiny."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from m3serve.config import KV_CACHE_DTYPES, PRESETS, ConfigError
+
+
+def _ids(s: str) -> list[int]:
+    try:
+        return [int(t) for t in s.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {s!r}") from None
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options (vLLM names)")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    g.add_argument("--attention-config", type=json.loads, default={},
+                   help='JSON, e.g. \'{"indexer_kv_dtype": "nvfp4"}\'')
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--num-gpu-blocks-override", type=int)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    keys = ["device", "dtype", "kv_cache_dtype", "attention_config", "block_size", "max_num_seqs",
+            "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "enable_prefix_caching",
+            "tensor_parallel_size", "num_gpu_blocks_override", "seed"]
+    return {k: getattr(a, k) for k in keys}
+
+
+def cmd_generate(a) -> int:
+    from m3serve import LLM, SamplingParams
+
+    if not a.prompt_ids and not a.prompt:
+        raise SystemExit("generate: give --prompt-ids or --prompt")
+    llm = LLM(model=a.model, **_engine_kwargs(a))
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                        seed=a.sampling_seed, ignore_eos=a.ignore_eos)
+    prompts = list(a.prompt_ids or []) + list(a.prompt or [])
+    for i, out in enumerate(llm.generate(prompts, sp)):
+        rec = {"prompt_index": i, "token_ids": out.token_ids}
+        if out.text:
+            rec["text"] = out.text
+        rec["finish_reason"] = out.finish_reason
+        print(json.dumps(rec, ensure_ascii=False), flush=True)
+    return 0
+
+
+def cmd_quantize(a) -> int:
+    from m3serve.model.quantize import DEFAULT_MODULES, quantize_checkpoint
+
+    counts = quantize_checkpoint(a.model, a.out, a.scheme, tuple(a.modules or DEFAULT_MODULES))
+    print(json.dumps({"out": a.out, "scheme": a.scheme, **counts}))
+    return 0
+
+
+def cmd_capacity(a) -> int:
+    from m3serve.capacity import plan
+    from m3serve.config import ModelConfig, preset
+
+    cfg = preset(a.preset) if a.preset else ModelConfig.from_pretrained(a.model)
+    out = plan(cfg, a.kv_cache_dtype, a.indexer_kv_dtype, a.gpus, a.gpu_memory_gb, a.seq_len, a.weights_gb,
+               a.gpu_memory_utilization)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_make_tiny(a) -> int:
+    from m3serve.model.tiny import make_tiny
+
+    cfg = make_tiny(a.out, seed=a.seed, layout=a.layout)
+    print(json.dumps({"out": a.out, "layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size,
+                      "layer_types": cfg.layer_types, "mlp_layer_types": cfg.mlp_layer_types}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="m3serve", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate from token-id (or text) prompts; one JSON line per prompt")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompt-ids", type=_ids, action="append")
+    g.add_argument("--prompt", action="append", help="a text prompt (needs tokenizer.json)")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int)
+    g.add_argument("--ignore-eos", action="store_true")
+    _engine_options(g)
+    g.set_defaults(fn=cmd_generate)
+
+    q = sub.add_parser("quantize", help="write an NVFP4 / MXFP8 ModelOpt-style checkpoint")
+    q.add_argument("--model", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--scheme", choices=["nvfp4", "mxfp8"], default="nvfp4")
+    q.add_argument("--modules", nargs="+", help="experts shared_experts dense_mlp attention indexer")
+    q.set_defaults(fn=cmd_quantize)
+
+    c = sub.add_parser("capacity", help="KV bytes per token, weight bytes, max concurrent sequences")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--model")
+    c.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    c.add_argument("--indexer-kv-dtype", default=None, choices=KV_CACHE_DTYPES)
+    c.add_argument("--gpus", type=int, default=1)
+    c.add_argument("--gpu-memory-gb", type=float, default=141.0)
+    c.add_argument("--seq-len", type=int, default=262144)
+    c.add_argument("--weights-gb", type=float)
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    c.set_defaults(fn=cmd_capacity)
+
+    t = sub.add_parser("make-tiny", help="generate the tiny random M3 model (+ tokenizer) for demos and tests")
+    t.add_argument("--out", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layout", choices=["original", "transformers"], default="original")
+    t.set_defaults(fn=cmd_make_tiny)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"m3serve {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The MiniMax-M3 text model in PyTorch: the reference path every kernel and the engine are checked
+against (numerics of transformers 5.25 `MiniMaxM3VLForCausalLM`), written over an explicit cache.
+
+Tokens of all sequences of a step are flattened to `[T, hidden]`; `ForwardBatch` says which belong
+to which sequence. Module names follow the transformers layout so the loader's map stays short.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from m3serve.config import ModelConfig
+from m3serve.model.attention import ForwardBatch, TorchAttention
+from m3serve.model.weights import Linear, QuantWeight
+
+
+class RMSNorm(nn.Module):
+    """Gemma-style: normalize in fp32, scale by (1 + weight); weights are stored as offsets."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style RoPE on the first `cos.shape[-1]` channels of x [T, H, D]; the rest pass through."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gate|up (not interleaved): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.q_proj = Linear(cfg.hidden_size, cfg.index_n_heads * cfg.index_head_dim, dtype=dtype)
+        self.k_proj = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        iq = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))
+        ik = self.k_norm(self.k_proj(x).view(t, 1, self.head_dim))
+        cos, sin = cos[..., : self.head_dim], sin[..., : self.head_dim]
+        return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, 0]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, dtype=dtype)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, dtype=dtype)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, dtype=dtype)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.indexer = Indexer(cfg, dtype) if cfg.is_sparse_attention(layer) else None
+
+    def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, backend) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        iq = ik = None
+        if self.indexer is not None:
+            iq, ik = self.indexer(x, cos, sin)
+        out = backend.forward(self.layer, q, k, v, iq, ik, batch)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, inter: int, dtype: torch.dtype, fmt: str = "dense"):
+        super().__init__()
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, fmt=fmt, dtype=dtype)  # gate rows first
+        self.down_proj = Linear(inter, cfg.hidden_size, fmt=fmt, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+
+
+class Router(nn.Module):
+    """Sigmoid router with correction bias (bias chooses, does not weigh); fp32 throughout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_local_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        _, idx = torch.topk(probs + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False)
+        w = probs.gather(1, idx)
+        return w / w.sum(-1, keepdim=True), idx
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: str = "dense"):
+        super().__init__()
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_up_proj = QuantWeight(2 * i, h, fmt, dtype, lead=(e,))
+        self.down_proj = QuantWeight(h, i, fmt, dtype, lead=(e,))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            h = F.linear(x[tok], self.gate_up_proj.dequantize(e, x.dtype))
+            h = F.linear(swiglu_oai(h, self.alpha, self.limit), self.down_proj.dequantize(e, x.dtype))
+            out.index_add_(0, tok, (h * weights[tok, slot, None].to(h.dtype)).float())
+        return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_fmt: str = "dense", shared_fmt: str = "dense"):
+        super().__init__()
+        self.scaling = cfg.routed_scaling_factor
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, dtype, expert_fmt)
+        self.shared_experts = DenseMLP(cfg, cfg.shared_intermediate_size, dtype, shared_fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x)
+        return self.experts(x, weights, idx) * self.scaling + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, formats: dict[str, str]):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, dtype)
+        if cfg.is_moe(layer):
+            self.mlp = SparseMoE(cfg, dtype, formats.get("experts", "dense"), formats.get("shared_experts", "dense"))
+        else:
+            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype, formats.get("dense_mlp", "dense"))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class M3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, formats: dict[int, dict[str, str]] | None = None):
+        super().__init__()
+        formats = formats or {}
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, formats.get(i, {})) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class M3ForCausalLM(nn.Module):
+    """forward(input_ids [T], batch) -> final hidden states [T, H]; compute_logits(h) -> fp32 [N, V]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 formats: dict[int, dict[str, str]] | None = None):
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        self.model = M3Model(cfg, dtype, formats)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.reference_backend = TorchAttention(cfg.index_block_size, cfg.index_topk_blocks,
+                                                cfg.index_local_blocks, cfg.head_dim ** -0.5)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        backend = batch.backend or self.reference_backend
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, backend)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
