@@ -152,9 +152,7 @@ class ModelConfig:
             raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
         theta = rope.get("rope_theta", d.get("rope_theta", cls.rope_theta))
         prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-        head_dim = d.get("head_dim") or d.get("hidden_size", cls.hidden_size) // d.get(
-            "num_attention_heads", cls.num_attention_heads
-        )
+        head_dim = d.get("head_dim") or cls.head_dim  # transformers 5.25: an explicit 128, not hidden/heads
         if prf is None:
             # transformers 5.25 rotates the whole head when no partial_rotary_factor is given,
             # whatever `rotary_dim` says: follow the reference, but say so.
@@ -173,7 +171,7 @@ class ModelConfig:
             kwargs["num_local_experts"] = d["num_experts"]
         kwargs.update(rope_theta=float(theta), partial_rotary_factor=float(prf), head_dim=head_dim,
                       dtype=str(dtype).replace("torch.", ""), quantization_config=quant)
-        if kwargs.get("eos_token_id") is None:
+        if "eos_token_id" in kwargs and kwargs["eos_token_id"] is None:
             kwargs["eos_token_id"] = []
         return cls(**kwargs)
 

@@ -206,7 +206,10 @@ def _load_one(model, cfg, name, p, t: torch.Tensor, cov: _Coverage, report: Load
             rows = slice(None)
         if expert is not None and not 0 <= expert < cfg.num_local_experts:
             raise CheckpointError(f"{name}: expert {expert} out of range (config has {cfg.num_local_experts})")
-        target.load(role, t, index=expert, rows=rows, name=name)
+        try:
+            target.load(role, t, index=expert, rows=rows, name=name)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         cov.mark(full, role, target, expert, rows)
         return
     if role != "weight":

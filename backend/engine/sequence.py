@@ -1,0 +1,106 @@
+"""Request state: tokens, pages, progress through the prompt, sampling options and the text state
+(incremental detokenizer, stop strings, reasoning parser) that turns new tokens into text deltas."""
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+from m3serve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class SequenceText:
+    """New token ids -> (content delta, reasoning delta, stopped on a stop string)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], sp: SamplingParams, reasoning_parser=None):
+        from m3serve.text.detokenizer import IncrementalDetokenizer
+        from m3serve.text.stop_strings import StopStringMatcher
+
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, sp.skip_special_tokens)
+        self.stops = StopStringMatcher(sp.stop, sp.include_stop_str_in_output) if sp.stop else None
+        self.reasoning = reasoning_parser
+        self.min_tokens = sp.min_tokens
+        self.stopped = False
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        if self.reasoning is None:
+            return text, ""
+        r, c = self.reasoning.feed(text)
+        if final:
+            r2, c2 = self.reasoning.flush()
+            r, c = r + r2, c + c2
+        return c, r
+
+    def feed(self, token_ids: list[int], num_output_tokens: int, final: bool = False) -> tuple[str, str]:
+        """Text of `token_ids`; `num_output_tokens` counts outputs including these (stop strings are
+        only looked for once min_tokens is reached)."""
+        text = self.detok.add(token_ids) if token_ids else ""
+        if final:
+            text += self.detok.flush()
+        if self.stops is not None and num_output_tokens >= self.min_tokens:
+            text, self.stopped = self.stops.feed(text)
+            if self.stopped:
+                final = True
+            elif final:
+                text += self.stops.flush()
+        return self._split(text, final)
+
+
+class Sequence:
+    def __init__(self, request_id: str, arrival: int, prompt_token_ids: list[int], sp: SamplingParams,
+                 max_tokens: int, generator: torch.Generator | None = None, text: SequenceText | None = None):
+        self.request_id = request_id
+        self.arrival = arrival  # FCFS order (monotone per engine)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sp
+        self.max_tokens = max_tokens
+        self.generator = generator
+        self.text = text
+        self.status = SequenceStatus.WAITING
+        self.pages: list[int] = []  # page ids, the sequence's block table
+        self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, taken from the prefix cache at the latest admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.cumulative_logprob = 0.0
+        self.first_output_sent = False
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, pages={len(self.pages)})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def num_pages_for(self, num_tokens: int, block_size: int) -> int:
+        return math.ceil(num_tokens / block_size)
+
+    def block_token_ids(self, i: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[i * block_size:(i + 1) * block_size])
