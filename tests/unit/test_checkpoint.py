@@ -152,33 +152,6 @@ def test_mxfp8_round_trip(tiny, tmp_path):
     assert torch.equal(wq, mxfp8.dequantize_mxfp8(raw[name + ".weight"], raw[name + ".weight_scale_inv"]))
 
 
-def test_compressed_tensors_nvfp4_names_load_identically(tiny_nvfp4, tmp_path):
-    """compressed-tensors: weight_packed + weight_global_scale (the quant-side reciprocal)."""
-    d = _copy(tiny_nvfp4, tmp_path / "ct")
-    index_path = os.path.join(d, "model.safetensors.index.json")
-    index = json.load(open(index_path))
-    new_map = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        t = load_file(os.path.join(d, shard))
-        out = {}
-        for k, v in t.items():
-            if k.endswith(".weight") and v.dtype == torch.uint8:
-                k = k[: -len(".weight")] + ".weight_packed"
-            elif k.endswith(".weight_scale_2"):
-                k, v = k[: -len(".weight_scale_2")] + ".weight_global_scale", 1.0 / v
-            out[k] = v
-            new_map[k] = shard
-        save_file(out, os.path.join(d, shard))
-    index["weight_map"] = new_map
-    json.dump(index, open(index_path, "w"))
-    a, _ = load_model(tiny_nvfp4, progress=False)
-    b, rb = load_model(d, progress=False)
-    assert rb.formats
-    wa = a.model.layers[1].mlp.experts.gate_up_proj.dequantize(dtype=torch.float32)
-    wb = b.model.layers[1].mlp.experts.gate_up_proj.dequantize(dtype=torch.float32)
-    assert torch.allclose(wa, wb, rtol=1e-6, atol=0)
-
-
 def _rewrite(d, fn):
     """Apply fn(name, tensor) -> (name, tensor) | None to every tensor, keeping the index in sync."""
     index_path = os.path.join(d, "model.safetensors.index.json")
@@ -194,6 +167,27 @@ def _rewrite(d, fn):
         save_file(out, os.path.join(d, shard))
     index["weight_map"] = new_map
     json.dump(index, open(index_path, "w"))
+
+
+def test_compressed_tensors_nvfp4_names_load_identically(tiny_nvfp4, tmp_path):
+    """compressed-tensors: weight_packed + weight_global_scale (the quant-side reciprocal)."""
+    d = _copy(tiny_nvfp4, tmp_path / "ct")
+
+    def to_ct(k, v):
+        if k.endswith(".weight") and v.dtype == torch.uint8:
+            return k[: -len(".weight")] + ".weight_packed", v
+        if k.endswith(".weight_scale_2"):
+            return k[: -len(".weight_scale_2")] + ".weight_global_scale", 1.0 / v
+        return k, v
+
+    _rewrite(d, to_ct)
+    assert any(k.endswith(".weight_packed") for k in list_tensors(d))
+    a, _ = load_model(tiny_nvfp4, progress=False)
+    b, rb = load_model(d, progress=False)
+    assert rb.formats
+    wa = a.model.layers[1].mlp.experts.gate_up_proj.dequantize(dtype=torch.float32)
+    wb = b.model.layers[1].mlp.experts.gate_up_proj.dequantize(dtype=torch.float32)
+    assert torch.allclose(wa, wb, rtol=1e-6, atol=0)
 
 
 def test_missing_tensor_is_named(tiny, tmp_path):
