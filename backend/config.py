@@ -279,6 +279,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
+    enable_chunked_prefill: bool = True  # False: a prompt's prefill runs in one step (needs budget >= max_model_len)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
@@ -318,6 +319,12 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_gpu_blocks_override", "block_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                problems.append(f"{name}: must be >= 1, got {v}")
+        if self.reasoning_parser not in (None, "minimax_m3"):
+            problems.append(f"reasoning_parser: {self.reasoning_parser!r} is not supported (only 'minimax_m3')")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             problems.append(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if problems:

@@ -18,3 +18,4 @@ class RequestOutput:
     # one entry per new token: {token_id: logprob} for the sampled token and the top-n alternatives
     logprobs: list[dict[int, float]] | None = None
     prompt_token_ids: list[int] = field(default_factory=list)  # filled on the first output only
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at the latest admission)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 
@@ -98,9 +97,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def num_pages_for(self, num_tokens: int, block_size: int) -> int:
-        return math.ceil(num_tokens / block_size)
 
     def block_token_ids(self, i: int, block_size: int) -> tuple[int, ...]:
         return tuple(self.token_ids[i * block_size:(i + 1) * block_size])

@@ -1,0 +1,249 @@
+"""`LLMEngine`: requests in, `RequestOutput` deltas out, one `step()` at a time (single-threaded;
+`AsyncLLMEngine` drives it from its own thread).
+
+    engine = LLMEngine(EngineConfig(model=DIR, ...))
+    engine.add_request("r1", prompt_token_ids=[...], sampling_params=SamplingParams(...))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from m3serve.config import ConfigError, EngineConfig, ModelConfig, normalize_kv_dtype
+from m3serve.engine.block_manager import BlockManager
+from m3serve.engine.kv_cache import PagedKVCache, determine_num_pages
+from m3serve.engine.model_runner import ModelRunner, select_attention_backend
+from m3serve.engine.outputs import RequestOutput
+from m3serve.engine.sampler import SampledToken, Sampler
+from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
+from m3serve.engine.scheduler import Scheduler
+from m3serve.engine.sequence import Sequence, SequenceText
+
+log = logging.getLogger(__name__)
+
+REASONING_PARSERS = ("minimax_m3",)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        dtype = model_dtype if device.type == "cuda" else "float32"
+    return getattr(torch, dtype)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to become a `Sequence` (built off the engine thread)."""
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    reasoning_parser: str | None
+    thinking_mode: str | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, model=None, load_report=None, tokenizer=None):
+        config.validate()
+        self.config = config
+        mcfg = ModelConfig.from_pretrained(config.model) if model is None else model.config
+        self.model_config = mcfg
+        if config.block_size not in (None, mcfg.index_block_size):
+            raise ConfigError(f"block_size: {config.block_size} must equal the model's index_block_size "
+                              f"({mcfg.index_block_size}): a KV page is one MSA block")
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                              f"({mcfg.max_position_embeddings})")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                              f"({self.max_model_len}) when chunked prefill is disabled")
+        if model is None:
+            from m3serve.model.loader import load_model
+            self.device = resolve_device(config.device)
+            dtype = resolve_dtype(config.dtype, mcfg.dtype, self.device)
+            model, load_report = load_model(config.model, self.device, dtype, mcfg, progress=False)
+        else:
+            self.device = next(model.parameters()).device
+        self.model = model
+        dtype_name = str(model.dtype).replace("torch.", "")
+        self.kv_dtype = normalize_kv_dtype(config.kv_cache_dtype, dtype_name)
+        idx = config.indexer_kv_dtype
+        self.index_dtype = self.kv_dtype if idx == "auto" else normalize_kv_dtype(idx, dtype_name)
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.eos_token_ids = self._eos_ids()
+
+        num_pages = determine_num_pages(
+            mcfg, self.kv_dtype, self.index_dtype, self.device,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            num_gpu_blocks_override=config.num_gpu_blocks_override, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+        kv_scales = getattr(load_report, "kv_scales", None) or {}
+        self.cache = PagedKVCache(mcfg, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales)
+        self.block_manager = BlockManager(num_pages, mcfg.index_block_size, config.enable_prefix_caching,
+                                          watermark_pages=num_pages // 100)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.cache, Sampler(self.eos_token_ids), self.device,
+                                  select_attention_backend(model, self.device))
+        self._arrivals = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
+
+    # ---- setup helpers ---------------------------------------------------------------------------
+    def _load_tokenizer(self):
+        path = self.config.tokenizer or self.config.model
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            log.warning("no tokenizer.json in %s: token-id prompts only, no text output", path)
+            return None
+        from m3serve.text.tokenizer import Tokenizer
+        return Tokenizer.from_pretrained(path)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_id)
+        gen = os.path.join(self.config.model, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as f:
+                e = json.load(f).get("eos_token_id")
+            ids |= set(e if isinstance(e, list) else [] if e is None else [e])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests --------------------------------------------------------------------------------
+    def prepare_request(self, prompt=None, prompt_token_ids=None, sampling_params: SamplingParams | None = None,
+                        reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None
+                        ) -> PreparedRequest:
+        """Validate and tokenize (thread-safe: reads only immutable engine state). Raises InvalidRequest."""
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        sp.validate()
+        kwargs = dict(chat_template_kwargs or {})
+        if prompt_token_ids is None and prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt", "text prompts need a tokenizer (tokenizer.json) in the model directory")
+            if isinstance(prompt, str):
+                prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
+            elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+                try:
+                    prompt_token_ids = self.tokenizer.apply_chat_template(prompt, tokenize=True, **kwargs)
+                except ValueError as e:
+                    raise InvalidRequest("prompt", f"chat template failed: {e}") from None
+            else:
+                raise InvalidRequest("prompt", "must be a string or a list of chat messages")
+        ids = list(prompt_token_ids or [])
+        if not ids:
+            raise InvalidRequest("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest("prompt_token_ids", f"token id {bad[0]!r} is not in [0, {vocab})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequest("prompt", f"{len(ids)} prompt tokens leave no room under max_model_len="
+                                 f"{self.max_model_len}")
+        max_tokens = room if sp.max_tokens is None else sp.max_tokens
+        if max_tokens > room:
+            raise InvalidRequest("max_tokens", f"{len(ids)} prompt tokens + max_tokens={max_tokens} exceed "
+                                 f"max_model_len={self.max_model_len}")
+        if sp.stop and self.tokenizer is None:
+            raise InvalidRequest("stop", "stop strings need a tokenizer")
+        parser = reasoning_parser if reasoning_parser is not None else self.config.reasoning_parser
+        if parser is not None and parser not in REASONING_PARSERS:
+            raise InvalidRequest("reasoning_parser", f"{parser!r} is not one of {list(REASONING_PARSERS)}")
+        return PreparedRequest(ids, sp, max_tokens, parser, kwargs.get("thinking_mode"))
+
+    def add_prepared(self, request_id: str, req: PreparedRequest) -> Sequence:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+        sp = req.sampling_params
+        gen = None
+        if not sp.greedy:
+            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_rng))
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        text = None
+        if self.tokenizer is not None:
+            parser = None
+            if req.reasoning_parser is not None:
+                from m3serve.text.reasoning import MiniMaxM3ReasoningParser
+                parser = MiniMaxM3ReasoningParser(req.thinking_mode)
+            text = SequenceText(self.tokenizer, req.prompt_token_ids, sp, parser)
+        seq = Sequence(request_id, next(self._arrivals), req.prompt_token_ids, sp, req.max_tokens, gen, text)
+        self.scheduler.add(seq)
+        self.prompt_tokens_total += seq.num_prompt_tokens
+        return seq
+
+    def add_request(self, request_id: str, prompt=None, prompt_token_ids=None,
+                    sampling_params: SamplingParams | None = None, reasoning_parser: str | None = None,
+                    chat_template_kwargs: dict | None = None) -> Sequence:
+        req = self.prepare_request(prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs)
+        return self.add_prepared(request_id, req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a waiting or running request (its pages are freed now); its final output, or None."""
+        seq = self.scheduler.abort(request_id)
+        return None if seq is None else self._output(seq, [], "", "", None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        results = self.runner.step(batch)
+        self.scheduler.update(batch)
+        self.num_steps += 1
+        return [self._append(seq, st) for seq, st in results]
+
+    def _append(self, seq: Sequence, st: SampledToken) -> RequestOutput:
+        tok, sp = st.token_id, seq.sampling_params
+        seq.token_ids.append(tok)
+        seq.cumulative_logprob += st.logprob
+        self.generation_tokens_total += 1
+        stop_token = tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids)
+        reason = "stop" if stop_token else "length" if seq.num_output_tokens >= seq.max_tokens else None
+        text = reasoning = ""
+        if seq.text is not None:
+            shown = [] if stop_token and not sp.include_stop_str_in_output else [tok]
+            text, reasoning = seq.text.feed(shown, seq.num_output_tokens, final=reason is not None)
+            if seq.text.stopped:
+                reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._output(seq, [tok], text, reasoning, st.top_logprobs)
+
+    def _output(self, seq: Sequence, new_ids, text, reasoning, top) -> RequestOutput:
+        first = not seq.first_output_sent
+        seq.first_output_sent = True
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=list(new_ids), text=text, reasoning_text=reasoning,
+            finished=seq.is_finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens, cumulative_logprob=seq.cumulative_logprob,
+            logprobs=None if seq.sampling_params.logprobs is None else ([top] if new_ids else []),
+            prompt_token_ids=list(seq.prompt_token_ids) if first else [],
+            num_cached_tokens=seq.num_cached_tokens)
+
+    def stats(self) -> dict:
+        bm, sch = self.block_manager, self.scheduler
+        return {
+            "num_running": len(sch.running), "num_waiting": len(sch.waiting),
+            "num_free_pages": bm.num_free_pages, "num_total_pages": bm.num_pages,
+            "kv_cache_usage": 1.0 - bm.num_free_pages / bm.num_pages,
+            "num_preemptions": sch.num_preemptions, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_steps": self.num_steps, "num_chunked_prefills": sch.num_chunked_prefills,
+            "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,
+        }

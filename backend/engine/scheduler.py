@@ -1,0 +1,150 @@
+"""In-flight batching: every step picks which sequences run and how many of their tokens.
+
+Per step, under `max_num_batched_tokens` tokens and `max_num_seqs` running sequences:
+1. decodes (one token each), oldest first; a decode that needs a new page and finds none preempts the
+   newest running sequence not yet scheduled this step (possibly itself): its pages are freed and it goes
+   back to the waiting queue in arrival order, to be recomputed (prefix-cache hits make that cheap);
+2. sequences in the middle of a chunked prefill, oldest first, get the next chunk;
+3. waiting sequences are admitted strictly first-come-first-served (the head blocks those behind it,
+   so nothing starves) while pages, sequence slots and tokens remain; none in a step that preempted.
+An admitted sequence gets pages for all its tokens at once, so a prefill never has to preempt.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from m3serve.engine.block_manager import BlockManager
+from m3serve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # prefill chunks that did not finish their prompt
+        self.num_mixed_steps = 0  # steps with decodes and prefill tokens together
+        self.max_running = 0
+
+    @staticmethod
+    def _arrival(seq: Sequence) -> int:
+        return seq.arrival
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.request_id not in self.requests, seq.request_id
+        self.requests[seq.request_id] = seq
+        bisect.insort(self.waiting, seq, key=self._arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finished (or aborted): release its pages at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.bm.free(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.requests.pop(seq.request_id, None)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=self._arrival)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+            return 0
+        return n
+
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            out.seqs.append(seq), out.num_new_tokens.append(n)
+            scheduled.add(id(seq))
+            budget -= n
+
+        # 1. decodes
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            while not self.bm.can_append_slot(seq):
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                self.bm.append_slot(seq)
+                take(seq, 1)
+        num_decodes = len(out.seqs)
+        # 2. prefills in progress
+        for seq in self.running:
+            if budget == 0:
+                break
+            if id(seq) not in scheduled and seq.num_uncomputed_tokens > 1:
+                n = self._chunk(seq, budget)
+                if n:
+                    take(seq, n)
+        # 3. admissions, FCFS
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
+                break
+            if not self.enable_chunked_prefill and seq.num_tokens > budget:
+                break  # the whole prefill must fit one step
+            self.bm.allocate(seq)
+            n = self._chunk(seq, budget)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._arrival)
+            take(seq, n)
+        self.num_chunked_prefills += sum(
+            1 for s, n in zip(out.seqs, out.num_new_tokens) if n < s.num_uncomputed_tokens)
+        if num_decodes and len(out.seqs) > num_decodes:
+            self.num_mixed_steps += 1
+        self.max_running = max(self.max_running, len(self.running))
+        return out
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the forward: the scheduled tokens are in the cache; register full blocks."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.bm.mark_computed(seq)

@@ -1,0 +1,115 @@
+"""Session fixtures for the engine tests: the tiny model (made once), loaded once in fp32, engines that
+share it, and the reference greedy path (the model over a ContiguousCache, one sequence at a time)."""
+import os
+
+import pytest
+import torch
+
+from m3serve.config import EngineConfig
+from m3serve.model.attention import ForwardBatch
+from m3serve.model.kv_codec import KVCodec
+from m3serve.model.simple_cache import ContiguousCache
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from m3serve.model.tiny import make_tiny
+
+    d = tmp_path_factory.mktemp("tiny_m3_engine")
+    make_tiny(str(d))
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """(model fp32 on CPU, load report, tokenizer), shared by every engine of the session."""
+    from m3serve.model.loader import load_model
+    from m3serve.text.tokenizer import Tokenizer
+
+    model, report = load_model(tiny_model_dir, "cpu", torch.float32, progress=False)
+    return model, report, Tokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_model_dir, tiny_loaded):
+    from m3serve.engine.llm_engine import LLMEngine
+
+    model, report, tok = tiny_loaded
+
+    def make(**options):
+        options.setdefault("max_model_len", 512)
+        cfg = EngineConfig(model=tiny_model_dir, device="cpu", **options)
+        return LLMEngine(cfg, model=model, load_report=report, tokenizer=tok)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def reference_greedy(tiny_loaded):
+    """prompt ids, n -> the standalone greedy continuation (fp32 contiguous cache), memoized."""
+    model = tiny_loaded[0]
+    memo = {}
+
+    def run(prompt, n, kv_dtype="float32"):
+        key = (tuple(prompt), n, kv_dtype)
+        if key not in memo:
+            cache = ContiguousCache(1, KVCodec(kv_dtype), KVCodec(kv_dtype))
+            feed, done, out = list(prompt), 0, []
+            for _ in range(n):
+                batch = ForwardBatch(torch.arange(done, done + len(feed)), [0, len(feed)], cache)
+                hidden = model(torch.tensor(feed), batch)
+                done += len(feed)
+                out.append(int(model.compute_logits(hidden[-1:]).argmax()))
+                feed = [out[-1]]
+            memo[key] = out
+        return memo[key]
+
+    return run
+
+
+def random_prompts(lengths, seed=0, vocab=500):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_to_completion(engine, max_steps=10_000):
+    """Step until idle; {request_id: (token_ids, finish_reason, outputs)}."""
+    res = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for o in engine.step():
+            toks, _, outs = res.setdefault(o.request_id, ([], None, []))
+            toks += o.new_token_ids
+            outs.append(o)
+            res[o.request_id] = (toks, o.finish_reason, outs)
+    assert not engine.has_unfinished_requests(), "engine did not finish"
+    return res
+
+
+def check_invariants(engine):
+    """Ref counts equal the number of live sequences holding each page; free list = unreferenced pages."""
+    bm, sch = engine.block_manager, engine.scheduler
+    counts = [0] * bm.num_pages
+    for seq in sch.running:
+        assert len(seq.pages) * bm.block_size >= max(seq.num_computed_tokens, seq.num_tokens - 1)
+        for p in seq.pages:
+            counts[p] += 1
+    for seq in sch.waiting:
+        assert not seq.pages
+    assert [p.ref_count for p in bm.pages] == counts
+    assert set(bm.free_ids) == {i for i, c in enumerate(counts) if c == 0}
+    for h, pid in bm.cached.items():
+        assert bm.pages[pid].hash == h
+
+
+@pytest.fixture(scope="session")
+def eu():
+    """Engine test utilities (a fixture, so test files need not import conftest by name)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(random_prompts=random_prompts, run_to_completion=run_to_completion,
+                           check_invariants=check_invariants)

@@ -1,0 +1,194 @@
+"""Output processing: streamed text, stop strings across token boundaries, stop token ids, min_tokens,
+ignore_eos, the reasoning parser, aborts (waiting, mid-prefill, mid-decode) and the LLM wrapper."""
+import pytest
+
+from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
+
+PROMPT = "def add(a, b):"
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+def run_one(eng, eu, sp, prompt=PROMPT, **kw):
+    eng.add_request("x", prompt=prompt, sampling_params=sp, **kw)
+    toks, reason, outs = eu.run_to_completion(eng)["x"]
+    return toks, reason, outs
+
+
+@pytest.fixture
+def base_output(make_engine, eu):
+    toks, reason, outs = run_one(make_engine(), eu, greedy(30, ignore_eos=True))
+    return toks, "".join(o.text for o in outs)
+
+
+def test_streamed_text_is_the_decoded_output(make_engine, eu, tiny_loaded, base_output):
+    tok = tiny_loaded[2]
+    toks, text = base_output
+    assert text == tok.decode(toks) and len(toks) == 30
+    eng = make_engine()
+    ids = tok.encode(PROMPT)
+    _, _, outs = run_one(eng, eu, greedy(30, ignore_eos=True), prompt=None, prompt_token_ids=ids)
+    assert outs[0].prompt_token_ids == ids and all(not o.prompt_token_ids for o in outs[1:])
+    assert [o.num_output_tokens for o in outs] == list(range(1, 31))
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+
+
+def _boundary_stop(tok, toks):
+    """A stop string made of the end of token i and the start of token i+1 (plain ASCII), its first
+    occurrence in the text, and how many tokens it takes to complete it."""
+    pieces = [tok.decode([t]) for t in toks]
+    full = tok.decode(toks)
+    for i in range(2, len(toks) - 1):
+        a, b = pieces[i], pieces[i + 1]
+        if a.isascii() and b.isascii() and a.isprintable() and b.isprintable() and a and b:
+            stop = a[-2:] + b[:2]
+            at = full.find(stop)
+            need = next(j for j in range(1, len(toks) + 1) if stop in tok.decode(toks[:j]))
+            if need == i + 2 and at >= 0:
+                return stop, full[:at], need
+    raise AssertionError("no usable token boundary in the greedy text")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_token_boundary(make_engine, eu, tiny_loaded, base_output, include):
+    toks, full = base_output
+    stop, before, need = _boundary_stop(tiny_loaded[2], toks)
+    out_toks, reason, outs = run_one(make_engine(), eu, greedy(30, ignore_eos=True, stop=[stop, "never-seen"],
+                                                                 include_stop_str_in_output=include))
+    assert reason == "stop"
+    assert out_toks == toks[:need]  # generation stopped at the token completing the stop string
+    assert "".join(o.text for o in outs) == before + (stop if include else "")
+
+
+def test_stop_token_ids_and_min_tokens(make_engine, eu, tiny_loaded, base_output):
+    toks, _ = base_output
+    tok = tiny_loaded[2]
+    k = next(i for i in range(2, len(toks)) if toks[i] not in toks[:i])
+    stop_id = toks[k]
+    out, reason, outs = run_one(make_engine(), eu, greedy(30, stop_token_ids=[stop_id], ignore_eos=True))
+    assert reason == "stop" and out == toks[:k + 1]  # the stop token is kept in the ids ...
+    assert "".join(o.text for o in outs) == tok.decode(toks[:k])  # ... but not in the text
+    min_tokens = k + 4
+    out, reason, _ = run_one(make_engine(), eu, greedy(30, stop_token_ids=[stop_id], min_tokens=min_tokens, ignore_eos=True))
+    assert len(out) >= min_tokens and stop_id not in out[:min_tokens]
+    assert reason == "length" or (reason == "stop" and out[-1] == stop_id)
+
+
+def test_eos_and_ignore_eos(make_engine, eu, base_output):
+    toks, _ = base_output
+    k = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])
+    eng = make_engine()
+    eng.eos_token_ids.add(toks[k])  # make the model's own k-th greedy token an EOS
+    out, reason, _ = run_one(eng, eu, greedy(30))
+    assert reason == "stop" and out == toks[:k + 1]
+    eng2 = make_engine()
+    eng2.eos_token_ids.add(toks[k])
+    out, reason, _ = run_one(eng2, eu, greedy(30, ignore_eos=True))
+    assert reason == "length" and out == toks
+    eng3 = make_engine()
+    eng3.eos_token_ids.add(toks[k])
+    out, reason, _ = run_one(eng3, eu, greedy(30, min_tokens=k + 3))
+    assert len(out) >= k + 3 and toks[k] not in out[:k + 3]
+
+
+def test_stop_strings_wait_for_min_tokens(make_engine, eu, tiny_loaded, base_output):
+    toks, _ = base_output
+    stop, _, need = _boundary_stop(tiny_loaded[2], toks)
+    out, reason, _ = run_one(make_engine(), eu, greedy(30, ignore_eos=True, stop=[stop], min_tokens=need + 1))
+    assert len(out) > need
+
+
+def test_reasoning_parser(make_engine, eu, base_output):
+    toks, full = base_output
+    assert "<mm:think>" not in full and "</mm:think>" not in full
+    _, _, outs = run_one(make_engine(), eu, greedy(30, ignore_eos=True), reasoning_parser="minimax_m3",
+                         chat_template_kwargs={"thinking_mode": "enabled"})
+    assert "".join(o.reasoning_text for o in outs) == full and "".join(o.text for o in outs) == ""
+    _, _, outs = run_one(make_engine(), eu, greedy(30, ignore_eos=True), reasoning_parser="minimax_m3")
+    assert "".join(o.text for o in outs) == full and "".join(o.reasoning_text for o in outs) == ""
+
+
+def test_chat_messages_prompt(make_engine, eu, tiny_loaded):
+    tok = tiny_loaded[2]
+    msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    eng = make_engine()
+    eng.add_request("c", prompt=msgs, sampling_params=greedy(4), chat_template_kwargs={"thinking_mode": "disabled"})
+    outs = eu.run_to_completion(eng)["c"][2]
+    assert outs[0].prompt_token_ids == tok.apply_chat_template(msgs, tokenize=True, thinking_mode="disabled")
+
+
+def test_invalid_requests_disturb_nothing(make_engine, eu):
+    eng = make_engine(max_model_len=128)
+    eng.add_request("ok", prompt_token_ids=[1, 2, 3], sampling_params=greedy(5, ignore_eos=True))
+    bad = [
+        (dict(prompt_token_ids=[]), "prompt"), (dict(prompt=""), "prompt"),
+        (dict(prompt_token_ids=[1, 10**6]), "prompt_token_ids"), (dict(prompt_token_ids=[-1]), "prompt_token_ids"),
+        (dict(prompt_token_ids=[1] * 120, sampling_params=greedy(9)), "max_tokens"),
+        (dict(prompt_token_ids=[1] * 128), "prompt"),
+        (dict(prompt_token_ids=[1], reasoning_parser="nope"), "reasoning_parser"),
+        (dict(prompt=123), "prompt"),
+    ]
+    for kwargs, field in bad:
+        with pytest.raises(InvalidRequest) as e:
+            eng.add_request("bad", **kwargs)
+        assert e.value.field == field, kwargs
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request("ok", prompt_token_ids=[4])
+    assert e.value.field == "request_id"
+    res = eu.run_to_completion(eng)
+    assert list(res) == ["ok"] and len(res["ok"][0]) == 5
+
+
+def test_abort_waiting_mid_prefill_mid_decode(make_engine, reference_greedy, eu):
+    p_long, p_dec, p_wait, p_keep = eu.random_prompts([130, 20, 50, 70], seed=21)
+    eng = make_engine(max_num_batched_tokens=16, max_num_seqs=3)
+    sp = greedy(12, ignore_eos=True)
+    for rid, p in (("dec", p_dec), ("keep", p_keep), ("long", p_long), ("wait", p_wait)):
+        eng.add_request(rid, prompt_token_ids=p, sampling_params=sp)
+    got = {}
+    seqs = dict(eng.scheduler.requests)
+
+    def step():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    long_seq = seqs["long"]
+    for _ in range(100):
+        if 0 < long_seq.num_computed_tokens < 130 and len(got.get("dec", [])) >= 3:
+            break
+        step()
+    assert 0 < long_seq.num_computed_tokens < 130 and long_seq.pages  # mid-prefill
+    assert seqs["wait"].status.value == "waiting"
+    for rid in ("long", "dec", "wait"):
+        held = len(set(seqs[rid].pages))
+        free = eng.block_manager.num_free_pages
+        out = eng.abort_request(rid)
+        assert out.finished and out.finish_reason == "abort" and out.new_token_ids == []
+        assert eng.block_manager.num_free_pages == free + held  # freed at once
+        eu.check_invariants(eng)
+    assert eng.abort_request("dec") is None  # already gone
+    while eng.has_unfinished_requests():
+        step()
+    assert got["keep"] == reference_greedy(p_keep, 12)
+    assert "long" not in got and "wait" not in got and 3 <= len(got["dec"]) < 12
+    st = eng.stats()
+    assert st["num_free_pages"] == st["num_total_pages"] and st["num_running"] == st["num_waiting"] == 0
+
+
+def test_llm_generate(tiny_model_dir, reference_greedy, eu):
+    from m3serve import LLM
+
+    llm = LLM(tiny_model_dir, max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks_override=40)
+    prompts = eu.random_prompts([70, 5], seed=22)
+    outs = llm.generate(prompts + [PROMPT], [greedy(8, ignore_eos=True)] * 2 + [greedy(8, logprobs=1)])
+    assert [o.token_ids for o in outs[:2]] == [reference_greedy(p, 8) for p in prompts]
+    assert outs[0].prompt_token_ids == prompts[0] and outs[2].prompt_token_ids == llm.tokenizer.encode(PROMPT)
+    assert outs[2].text == llm.tokenizer.decode(outs[2].token_ids) and len(outs[2].logprobs) == len(outs[2].token_ids)
+    assert all(o.finish_reason in ("length", "stop") for o in outs)
+    single = llm.generate(prompts[1], greedy(8, ignore_eos=True))  # one token-id prompt
+    assert single[0].token_ids == outs[1].token_ids
+    with pytest.raises(InvalidRequest):
+        llm.generate([prompts[0], []], greedy(4))
+    assert not llm.engine.has_unfinished_requests()
