@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # m3serve build and run entry point.
-#   ./build.sh setup   create .venv with pinned packages (idempotent)
-#   ./build.sh demo    setup, make the tiny model, run the main job on it
+#   ./build.sh setup   create .venv with pinned packages and assemble the Triton backend dir (idempotent)
+#   ./build.sh serve [--model-repository DIR] [--grpc-port N --http-port N --metrics-port N] [tritonserver args]
+#                      the real tritonserver in the foreground (default: model_repository/ on the tiny model)
+#   ./build.sh demo    setup, make the tiny model, start the server, stream one chat reply, stop the server
 #   ./build.sh test    setup, run the whole test suite
+#   ./build.sh assemble                   only assemble the backend dir (with $M3SERVE_PYTHON: no venv; Docker)
+# $M3SERVE_PYTHON: use this Python (packages already installed) instead of .venv; $M3SERVE_TRITON_DIR: where the
+# backend dir goes (default .cache/triton); $M3SERVE_MODEL_DIR: where model.json's relative "model" paths resolve.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 VENV="${M3SERVE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 TINY="${M3SERVE_TINY_MODEL:-$ROOT/.cache/tiny-m3}"
+TRITON_DIR="${M3SERVE_TRITON_DIR:-$ROOT/.cache/triton}"   # assembled backends: python/ + m3serve/
+PYBIN="${M3SERVE_PYTHON:-$VENV/bin/python}"
+case "$PYBIN" in */*) ;; *) PYBIN="$(command -v "$PYBIN")" ;; esac  # a bare name: its PATH entry (venv kept)
 TRANSFORMERS_VERSION=5.25.0
 PYTRITON_VERSION=0.7.0
 
@@ -22,30 +30,136 @@ setup() {
   local stamp="$VENV/.m3serve-setup"
   local want
   want="$(cat requirements.txt requirements-test.txt pyproject.toml | sha256sum | cut -c1-16)-$TRANSFORMERS_VERSION-$PYTRITON_VERSION"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-    return 0
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    log "installing pinned packages"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+    # The reference model (tests only) and the real tritonserver: both without their declared deps.
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+      "transformers==$TRANSFORMERS_VERSION" "nvidia-pytriton==$PYTRITON_VERSION"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
+    echo "$want" > "$stamp"
   fi
-  log "installing pinned packages"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
-  # The reference model (tests only) and the real tritonserver: both without their declared deps.
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-    "transformers==$TRANSFORMERS_VERSION" "nvidia-pytriton==$PYTRITON_VERSION"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
-  echo "$want" > "$stamp"
+  assemble_backend
+}
+
+site_dir() { "$PYBIN" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
+# copy $1 to $2 only when it differs (atomic rename: concurrent setups never see a half-written file)
+install_file() {
+  if [ ! -f "$2" ] || ! cmp -s "$1" "$2"; then
+    cp "$1" "$2.tmp.$$" && chmod "${3:-644}" "$2.tmp.$$" && mv -f "$2.tmp.$$" "$2"
+  fi
+}
+
+# The Python-based backend: backends/python (the wheel's libtriton_python.so, the utils module and the stub
+# built for the venv's Python) and backends/m3serve/model.py (loaded for `backend: "m3serve"`).
+assemble_backend() {
+  local site pyver dist
+  site="$(site_dir)"
+  pyver="$("$PYBIN" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+  dist="$site/pytriton/tritonserver"
+  if [ ! -x "$dist/bin/tritonserver" ]; then
+    log "error: no tritonserver in $dist (nvidia-pytriton==$PYTRITON_VERSION missing?)"; return 1
+  fi
+  if [ ! -f "$dist/python_backend_stubs/$pyver/triton_python_backend_stub" ]; then
+    log "error: the wheel has no python backend stub for Python $pyver (has: $(ls "$dist/python_backend_stubs" | tr '\n' ' '))"
+    return 1
+  fi
+  mkdir -p "$TRITON_DIR/backends/python" "$TRITON_DIR/backends/m3serve"
+  install_file "$dist/backends/python/libtriton_python.so" "$TRITON_DIR/backends/python/libtriton_python.so" 755
+  install_file "$dist/backends/python/triton_python_backend_utils.py" \
+    "$TRITON_DIR/backends/python/triton_python_backend_utils.py"
+  install_file "$dist/python_backend_stubs/$pyver/triton_python_backend_stub" \
+    "$TRITON_DIR/backends/python/triton_python_backend_stub" 755
+  install_file "$ROOT/backend/triton/model.py" "$TRITON_DIR/backends/m3serve/model.py"
+}
+
+# Environment for tritonserver and its stubs: the server's bundled libs, the venv's libpython, and the venv
+# first on PATH (the embedded interpreter of the stub finds its prefix, hence the venv's packages, from it).
+server_env() {
+  local site libdir
+  site="$(site_dir)"
+  libdir="$("$PYBIN" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')"
+  export PATH="$(dirname "$PYBIN"):$PATH"
+  export LD_LIBRARY_PATH="$site/nvidia_pytriton.libs${libdir:+:$libdir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  TRITONSERVER="$site/pytriton/tritonserver/bin/tritonserver"
 }
 
 tiny() {
   if [ ! -f "$TINY/config.json" ]; then
     log "generating the tiny model at $TINY"
-    "$VENV/bin/m3serve" make-tiny --out "$TINY"
+    "$PYBIN" -m m3serve.cli make-tiny --out "$TINY"
   fi
 }
+
+# The default repository's model.json files name "tiny-m3", looked up under $M3SERVE_MODEL_DIR.
+default_model_dir() {
+  if [ -z "${M3SERVE_MODEL_DIR:-}" ]; then
+    tiny
+    mkdir -p "$ROOT/.cache/models"
+    ln -sfn "$TINY" "$ROOT/.cache/models/tiny-m3"
+    export M3SERVE_MODEL_DIR="$ROOT/.cache/models"
+  fi
+}
+
+# the interpreter named by $M3SERVE_PYTHON comes with its packages; otherwise the venv is made/checked here
+prepare() {
+  if [ -n "${M3SERVE_PYTHON:-}" ]; then assemble_backend; else setup; fi
+}
+
+serve() {
+  prepare
+  local repo="$ROOT/model_repository" grpc=8001 http=8000 metrics=8002
+  local extra=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --model-repository|--model-store) repo="$2"; shift 2 ;;
+      --model-repository=*|--model-store=*) repo="${1#*=}"; shift ;;
+      --grpc-port) grpc="$2"; shift 2 ;;
+      --grpc-port=*) grpc="${1#*=}"; shift ;;
+      --http-port) http="$2"; shift 2 ;;
+      --http-port=*) http="${1#*=}"; shift ;;
+      --metrics-port) metrics="$2"; shift 2 ;;
+      --metrics-port=*) metrics="${1#*=}"; shift ;;
+      *) extra+=("$1"); shift ;;
+    esac
+  done
+  default_model_dir
+  server_env
+  log "tritonserver: repository $repo, gRPC :$grpc, HTTP :$http, metrics :$metrics (models under $M3SERVE_MODEL_DIR)"
+  exec "$TRITONSERVER" --model-repository "$repo" --backend-directory "$TRITON_DIR/backends" \
+    --grpc-port "$grpc" --http-port "$http" --metrics-port "$metrics" ${extra[@]+"${extra[@]}"}
+}
+
+# SIGTERM the process group (server + stubs), wait for the server to unload, then SIGKILL what is left
+stop_group() {
+  kill -TERM -- "-$1" 2>/dev/null || return 0
+  local i
+  for i in $(seq 1 60); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL -- "-$1" 2>/dev/null || true
+}
+
+free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 demo() {
   setup
   tiny
   "$VENV/bin/m3serve" generate --model "$TINY" --prompt-ids 5,7,9 --prompt-ids 11,12 \
     --max-tokens 16 --temperature 0 --device cpu --dtype float32
+  local grpc http metrics logf pid
+  grpc="$(free_port)"; http="$(free_port)"; metrics="$(free_port)"
+  logf="$ROOT/.cache/demo-server.log"
+  mkdir -p "$ROOT/.cache"
+  log "starting tritonserver (log: $logf)"
+  setsid "$ROOT/build.sh" serve --grpc-port "$grpc" --http-port "$http" --metrics-port "$metrics" >"$logf" 2>&1 &
+  pid=$!
+  # shellcheck disable=SC2064
+  trap "stop_group $pid" EXIT
+  if ! "$VENV/bin/python" "$ROOT/clients/stream.py" --url "localhost:$grpc" --wait-ready 180 --max-tokens 48 \
+      --ignore-eos --chat "What is the weather like in Paris today?"; then
+    log "the demo failed; server log follows"; tail -n 60 "$logf" >&2; return 1
+  fi
 }
 
 run_tests() {
@@ -58,7 +172,9 @@ cmd="${1:-}"
 shift || true
 case "$cmd" in
   setup) setup ;;
+  assemble) assemble_backend ;;
+  serve) serve "$@" ;;
   demo) demo "$@" ;;
   test) run_tests "$@" ;;
-  *) echo "usage: $0 {setup|demo|test} [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 {setup|serve|demo|test|assemble} [args]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""The serving path's cost: engine-direct vs the real tritonserver (m3serve backend), and the Python
+backend's per-response cost with an engine that costs nothing.
+
+  python benchmarks/bench_server.py --device cuda --out OUT_DIR            # H200 (see docs/performance.md)
+  python benchmarks/bench_server.py --device cpu --concurrency 1,4 --max-tokens 16 --out /tmp/b   # smoke
+
+Three measurements at each concurrency C (C users, each sending --requests-per-user requests in a row,
+every request --max-tokens tokens with ignore_eos, greedy):
+  engine   AsyncLLMEngine in this process, C concurrent `generate` streams          (no server at all)
+  server   the same engine behind tritonserver: model `m3`, gRPC streaming, clients/bench.py's client
+  null     tritonserver with a zero-cost engine (model `m3null`, engine_factory=this file:null_engine):
+           what the server path alone can carry -> responses/s and microseconds per response
+Writes OUT_DIR/bench_server.json and OUT_DIR/bench_server.md. The server runs through `build.sh serve`
+(with $M3SERVE_PYTHON when there is no .venv), in its own process group, killed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PROMPT = "Please write a short poem about the sea, the sky, and the stars at night."
+
+
+# ---- the zero-cost engine (loaded by the m3serve backend through the engine_factory parameter) ----------
+class _NullEngine:
+    """Streams one token per output, as fast as the event loop runs: no model, no pages."""
+
+    def __init__(self, config):
+        from m3serve.text.tokenizer import Tokenizer
+
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+        self._aborted: set[str] = set()
+        self._running = 0
+        self._tokens = 0
+
+    async def generate(self, request_id, prompt=None, prompt_token_ids=None, sampling_params=None,
+                       reasoning_parser=None, chat_template_kwargs=None):
+        from m3serve.engine.outputs import RequestOutput
+
+        n_prompt = len(prompt_token_ids) if prompt_token_ids else len(self.tokenizer.encode(prompt or ""))
+        n = sampling_params.max_tokens or 16
+        self._running += 1
+        try:
+            for i in range(n):
+                await asyncio.sleep(0)
+                last = i == n - 1 or request_id in self._aborted
+                self._tokens += 1
+                yield RequestOutput(request_id, [65], text="x", finished=last,
+                                    finish_reason=("abort" if request_id in self._aborted else "length") if last
+                                    else None, num_prompt_tokens=n_prompt, num_output_tokens=i + 1,
+                                    cumulative_logprob=0.0)
+                if last:
+                    return
+        finally:
+            self._running -= 1
+            self._aborted.discard(request_id)
+
+    def abort_sync(self, request_id):
+        self._aborted.add(request_id)
+
+    async def abort(self, request_id):
+        self.abort_sync(request_id)
+
+    def stats(self):
+        return {"num_running": self._running, "num_waiting": 0, "num_free_pages": 1, "num_total_pages": 1,
+                "kv_cache_usage": 0.0, "num_preemptions": 0, "prefix_cache_hit_tokens": 0,
+                "prompt_tokens_total": 0, "generation_tokens_total": self._tokens}
+
+    def is_healthy(self):
+        return True
+
+    def shutdown(self):
+        pass
+
+
+def null_engine(config):
+    return _NullEngine(config)
+
+
+# ---- engine-direct ---------------------------------------------------------------------------------------
+def engine_options(a) -> dict:
+    return {"device": a.device, "dtype": a.dtype, "max_model_len": a.max_model_len,
+            "max_num_seqs": max(64, max(a.levels)), "max_num_batched_tokens": a.max_num_batched_tokens,
+            "num_gpu_blocks_override": a.num_pages}
+
+
+async def _engine_level(engine, c, n_per_user, max_tokens):
+    from m3serve.engine.sampling_params import SamplingParams
+
+    ttfts, rates, total = [], [], 0
+    counter = iter(range(c * n_per_user))
+
+    async def user(u):
+        nonlocal total
+        for i in counter:
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            first = last = None
+            n = 0
+            async for out in engine.generate(f"e{u}-{i}", prompt=PROMPT, sampling_params=sp):
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    if first is None:
+                        first = now
+                        n_first = len(out.new_token_ids)
+                    last = now
+                    n += len(out.new_token_ids)
+            total += n
+            ttfts.append(first - t0)
+            if n > n_first and last > first:
+                rates.append((n - n_first) / (last - first))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(user(u) for u in range(c)))
+    wall = time.perf_counter() - t0
+    ttfts.sort()
+    return {"concurrency": c, "requests": c * n_per_user, "output_tokens": total, "wall_s": wall,
+            "tokens_per_s_total": total / wall, "tokens_per_s_per_user_mean": sum(rates) / len(rates),
+            "ttft_ms_p50": 1000 * ttfts[len(ttfts) // 2]}
+
+
+def run_engine_direct(a, model_dir) -> list[dict]:
+    from m3serve.config import EngineConfig
+    from m3serve.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(EngineConfig(model=model_dir, **engine_options(a)))
+    try:
+        async def go():
+            await _engine_level(engine, min(a.levels), 1, a.max_tokens)  # warm-up (kernel compiles)
+            out = []
+            for c in a.levels:
+                out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens))
+                print(f"[engine] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s", file=sys.stderr, flush=True)
+            return out
+        return asyncio.run(go())
+    finally:
+        engine.shutdown()
+
+
+# ---- the server ------------------------------------------------------------------------------------------
+def write_repo(a, model_dir, repo) -> None:
+    src = os.path.join(ROOT, "model_repository", "m3", "config.pbtxt")
+    opts = dict(engine_options(a), model=model_dir, enable_prefix_caching=True)
+    for name, factory in (("m3", None), ("m3null", os.path.abspath(__file__) + ":null_engine")):
+        os.makedirs(os.path.join(repo, name, "1"), exist_ok=True)
+        cfg = open(src).read().replace('name: "m3"', f'name: "{name}"')
+        if factory:  # one response per token: measures the per-response cost, no coalescing
+            cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
+                                                f'"{factory}" }} }},\n  {{ key: "coalesce_responses" value: '
+                                                f'{{ string_value: "false" }} }},\n')
+        with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
+            f.write(cfg)
+        with open(os.path.join(repo, name, "1", "model.json"), "w") as f:
+            json.dump(opts, f, indent=2)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(repo, log_path, timeout=600):
+    import tritonclient.grpc as grpcclient
+
+    ports = [free_port() for _ in range(3)]
+    cmd = [os.path.join(ROOT, "build.sh"), "serve", "--model-repository", repo, "--grpc-port", str(ports[0]),
+           "--http-port", str(ports[1]), "--metrics-port", str(ports[2]), "--exit-on-error=false"]
+    env = dict(os.environ, M3SERVE_MODEL_DIR=os.path.dirname(repo))
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    url = f"localhost:{ports[0]}"
+    client = grpcclient.InferenceServerClient(url)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited ({proc.returncode}); see {log_path}")
+        try:
+            if client.is_model_ready("m3null"):
+                states = {m["name"]: m.get("state") for m in client.get_model_repository_index(as_json=True)
+                          .get("models", [])}
+                if client.is_model_ready("m3") or states.get("m3") == "UNAVAILABLE":
+                    return proc, url, ports[2]
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"tritonserver not ready after {timeout}s; see {log_path}")
+        time.sleep(0.5)
+
+
+def stop_server(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def load_bench_client():
+    spec = importlib.util.spec_from_file_location("m3bench_client", os.path.join(ROOT, "clients", "bench.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def server_counters(mport, model) -> dict:
+    import re
+    import urllib.request
+    with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
+        text = f.read().decode()
+    out = {}
+    for name in ("m3serve:responses_total", "m3serve:response_send_seconds_total", "vllm:generation_tokens_total"):
+        m = re.search(re.escape(name) + r'\{[^}]*model="' + re.escape(model) + r'"[^}]*\}\s+(\S+)', text)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
+    async def go():
+        await bench.run_level(url, model, "text", min(a.levels), 2, PROMPT, max_tokens, True, 0.0, 600, False)
+        out = []
+        for c in a.levels:
+            await asyncio.sleep(0.4)
+            before = server_counters(mport, model)
+            lv = await bench.run_level(url, model, "text", c, c * a.requests_per_user, PROMPT, max_tokens, True,
+                                       0.0, 600, False)
+            await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
+            after = server_counters(mport, model)
+            n = after["m3serve:responses_total"] - before["m3serve:responses_total"]
+            sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
+            lv["server_responses"] = n
+            lv["server_send_us_per_response"] = 1e6 * sec / n if n else None
+            out.append(lv)
+            print(f"[{model}] c={c}: {lv['tokens_per_s_total']:.0f} tok/s, {lv['errors']} errors, "
+                  f"{lv['server_send_us_per_response'] or 0:.0f} us/response in send", file=sys.stderr, flush=True)
+        return out
+    return asyncio.run(go())
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+def summarize(res) -> str:
+    lines = ["| C | engine-direct tok/s | server tok/s | server / engine | server TTFT p50 ms | server ITL p50 ms | "
+             "server resp/req | null-engine resp/s (1 token each) | us per response (end to end) | "
+             "us per response in send() |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for e, s, n in zip(res["engine"], res["server"], res["null"]):
+        resp = n["requests"] * (n["responses_per_request_mean"] or 0)
+        rps = resp / n["wall_s"] if n["wall_s"] else 0
+        lines.append(
+            f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {s['tokens_per_s_total']:.0f} | "
+            f"{s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | {s['ttft_ms'][50]:.1f} | {s['itl_ms'][50]:.2f} | "
+            f"{s['responses_per_request_mean'] or 0:.0f} | {rps:.0f} | {1e6 / rps if rps else 0:.0f} | "
+            f"{n['server_send_us_per_response'] or 0:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", help="model directory (default: a fresh tiny model)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--requests-per-user", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--null-max-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--num-pages", type=int, default=4096)
+    p.add_argument("--skip-engine", action="store_true")
+    a = p.parse_args(argv)
+    a.levels = [int(c) for c in a.concurrency.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    work = os.path.join(a.out, "work") if not os.environ.get("M3SERVE_BENCH_WORK") else os.environ["M3SERVE_BENCH_WORK"]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    model_dir = a.model
+    if not model_dir:
+        from m3serve.model.tiny import make_tiny
+        model_dir = os.path.join(work, "tiny-m3")
+        make_tiny(model_dir)
+    import torch
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "python": platform.python_version(),
+           "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "args": {k: v for k, v in vars(a).items()}, "model": model_dir}
+    t0 = time.time()
+    try:
+        res["engine"] = [] if a.skip_engine else run_engine_direct(a, model_dir)
+    except Exception as e:  # keep going: the null-engine numbers need no engine
+        import traceback
+        traceback.print_exc()
+        res["engine_error"] = f"{type(e).__name__}: {e}"
+        res["engine"] = []
+    res["engine_s"] = time.time() - t0
+    repo = os.path.join(work, "repo")
+    write_repo(a, model_dir, repo)
+    log_path = os.path.join(a.out, "tritonserver.log")
+    t0 = time.time()
+    proc, url, mport = start_server(repo, log_path)
+    res["server_start_s"] = time.time() - t0
+    try:
+        import tritonclient.grpc as grpcclient
+        bench = load_bench_client()
+        if grpcclient.InferenceServerClient(url).is_model_ready("m3"):
+            res["server"] = run_server_levels(bench, url, mport, "m3", a, a.max_tokens)
+        else:
+            res["server_error"] = "model m3 failed to load (see tritonserver.log)"
+        res["null"] = run_server_levels(bench, url, mport, "m3null", a, a.null_max_tokens)
+        import urllib.request
+        with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
+            res["metrics_tail"] = [ln for ln in f.read().decode().splitlines()
+                                   if ln.startswith(("vllm:generation_tokens_total", "vllm:num_requests_running",
+                                                     "m3serve:kv_cache_free_pages"))]
+    finally:
+        stop_server(proc)
+    nan = float("nan")
+    if not res["engine"]:
+        res["engine"] = [{"concurrency": c, "tokens_per_s_total": nan} for c in a.levels]
+    if not res.get("server"):
+        res["server"] = [{"concurrency": c, "tokens_per_s_total": nan, "ttft_ms": {50: nan}, "itl_ms": {50: nan},
+                          "responses_per_request_mean": nan} for c in a.levels]
+    res["table"] = summarize(res)
+    with open(os.path.join(a.out, "bench_server.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    with open(os.path.join(a.out, "bench_server.md"), "w") as f:
+        f.write(res["table"] + "\n")
+    print(res["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

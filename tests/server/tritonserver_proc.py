@@ -1,0 +1,116 @@
+"""Start and stop the real tritonserver through `./build.sh serve`, in its own process group
+(start_new_session=True): the whole group (server and python-backend stubs, which ignore SIGTERM after a
+crash) is killed at the end."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+READY_TIMEOUT = float(os.environ.get("M3SERVE_TEST_READY_TIMEOUT", "240"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    log_path: str
+    grpc_port: int
+    http_port: int
+    metrics_port: int
+    repo: str
+    env: dict = field(default_factory=dict)
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://localhost:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def group_pids(self) -> list[int]:
+        out = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    if os.getpgid(int(d)) == self.proc.pid:
+                        out.append(int(d))
+                except OSError:
+                    pass
+        return out
+
+    def stop(self, timeout: float = 40.0) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the group (orphaned stubs ignore SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def start_server(repo: str, log_path: str, env_extra: dict | None = None, args: list[str] | None = None,
+                 wait_models: list[str] | None = None) -> Server:
+    import tritonclient.grpc as grpcclient
+
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [os.path.join(ROOT, "build.sh"), "serve", "--model-repository", repo, "--grpc-port", str(grpc_port),
+           "--http-port", str(http_port), "--metrics-port", str(metrics_port)] + list(args or [])
+    logf = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+    logf.close()
+    srv = Server(proc, log_path, grpc_port, http_port, metrics_port, repo, env)
+    deadline = time.monotonic() + READY_TIMEOUT
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        while True:
+            if not srv.alive():
+                raise RuntimeError(f"tritonserver exited with {proc.returncode}; log:\n{srv.log()[-6000:]}")
+            try:
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in (wait_models or [])):
+                    return srv
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tritonserver not ready after {READY_TIMEOUT:.0f}s; log:\n{srv.log()[-6000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        srv.stop()
+        raise
+    finally:
+        client.close()
