@@ -39,3 +39,523 @@ def msa_attention_ref(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, vf)
     return out.to(q.dtype)
+
+
+# =============================================================================================== paged cache
+# K/V pages ``[P, H_kv, B, D]`` (bf16 / fp8) or ``uint8 [P, H_kv, B, D/2]`` + e4m3 ``[P, H_kv, B, D/16]``
+# (nvfp4), fp32 per-layer k_scale / v_scale; block_tables ``int32 [S, max_pages]``. ``block_ids`` are
+# token-major ``[T, H_kv, topk]`` (the indexer's paged output), logical block numbers of the sequence.
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .kv_insert import gather_pages_ref  # noqa: E402
+from .triton_utils import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8_WORDS_UNSCALE, NVFP4_UNSCALE, cache_format,  # noqa: E402
+                           cast_to, dot_dtype, fp8_words_f16, interpreting, joined_cols, next_pow2, num_sms,
+                           nvfp4_asm_ok, nvfp4_joined_tile, nvfp4_tile_f16, nvfp4_words_f16, prefill_tiles)
+
+
+def msa_decode_ref(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables, seq_lens,
+                   scale: float, block_ids=None) -> torch.Tensor:
+    """One query per sequence at position ``seq_lens - 1``: q ``[S, H_q, D]`` -> ``[S, H_q, D]`` (q.dtype)."""
+    B = k_data.shape[2]
+    out = torch.empty_like(q)
+    for s in range(q.shape[0]):
+        n = int(seq_lens[s])
+        keys = gather_pages_ref(k_data, k_scale_blocks, k_scale, block_tables[s], n)
+        vals = gather_pages_ref(v_data, v_scale_blocks, v_scale, block_tables[s], n)
+        pos = torch.tensor([n - 1], device=q.device)
+        bids = None if block_ids is None else block_ids[s][:, None, :]
+        out[s] = msa_attention_ref(q[s:s + 1], keys, vals, pos, scale, bids, B)[0]
+    return out
+
+
+def msa_prefill_ref(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables,
+                    query_start_loc, positions, scale: float, block_ids=None) -> torch.Tensor:
+    """Many queries per sequence (chunked prefill), causal by ``positions``; keys/values from the pages
+    (context + this chunk, already inserted). q ``[T, H_q, D]`` -> ``[T, H_q, D]``."""
+    B = k_data.shape[2]
+    qsl = [int(x) for x in query_start_loc]
+    out = torch.empty_like(q)
+    for s in range(len(qsl) - 1):
+        a, b = qsl[s], qsl[s + 1]
+        if a == b:
+            continue
+        pos = positions[a:b]
+        n = int(pos.max()) + 1
+        keys = gather_pages_ref(k_data, k_scale_blocks, k_scale, block_tables[s], n)
+        vals = gather_pages_ref(v_data, v_scale_blocks, v_scale, block_tables[s], n)
+        bids = None if block_ids is None else block_ids[a:b].permute(1, 0, 2)
+        out[a:b] = msa_attention_ref(q[a:b], keys, vals, pos, scale, bids, B)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- Triton
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(d_ptr, s_ptr, page, h, t_off, mask, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                  BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, DOT_DT: tl.constexpr):
+    """One [BN, D] tile of a page. nvfp4: (even elements, odd elements) [BN, D/2] each, valued E2M1 * S * 2^-7;
+    else (tile, tile)."""
+    base = d_ptr + page * sd_p + h * sd_h
+    if FMT == 2:
+        c = tl.arange(0, D // 2)
+        kb = tl.load(base + t_off[:, None] * sd_t + c[None, :], mask=mask[:, None], other=0)
+        sc = tl.load(s_ptr + page * ss_p + h * ss_h + t_off[:, None] * ss_t + tl.arange(0, D // 16)[None, :],
+                     mask=mask[:, None], other=0.0)
+        lo, hi = nvfp4_tile_f16(kb, sc, BN, D // 2)
+        return lo.to(DOT_DT), hi.to(DOT_DT)
+    else:
+        d = tl.arange(0, D)
+        x = tl.load(base + t_off[:, None] * sd_t + d[None, :], mask=mask[:, None], other=0.0).to(DOT_DT)
+        return x, x
+
+
+@triton.jit
+def _slot_cols(k: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, PERM: tl.constexpr):
+    """Element index of each column of slot k: j * NS + k, or (PERM, the joined nvfp4 word tile) the
+    column order that tl.join produces: column 8w + 4x + 2y + z holds element 8w + 4z + 2y + x."""
+    if PERM:
+        return joined_cols(D)
+    else:
+        return tl.arange(0, D // NS) * NS + k
+
+
+@triton.jit
+def _q_slot(qrow, k: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, gm, DOT_DT: tl.constexpr,
+            PERM: tl.constexpr = False):
+    """The query columns that multiply sub-tile k of a decoded K tile."""
+    cols = _slot_cols(k, NS, D, PERM)
+    return tl.load(qrow + cols[None, :], mask=gm[:, None], other=0.0).to(DOT_DT)
+
+
+@triton.jit
+def _tile_slots(d_ptr, s_ptr, page, h, t_off, mask, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, NS: tl.constexpr, DOT_DT: tl.constexpr,
+                ASM: tl.constexpr = False):
+    """One [BN, D] K or V tile as NS sub-tiles [BN, D / NS]; sub-tile k holds elements j * NS + k.
+
+    NS = 1: plain / fp8 (native cast). fp8 NS = 4: int32 words, values e4m3 * 2^-8. nvfp4 NS = 2: bytes
+    (low / high nibble), NS = 8: int32 words; nvfp4 values are E2M1 * S * 2^-7. Unused slots repeat slot 0.
+    """
+    base = d_ptr + page * sd_p + h * sd_h
+    if FMT == 2:
+        if NS == 1:  # int32 words, the 8 codes of each word re-joined into one tile (columns permuted)
+            wp1 = base.to(tl.pointer_type(tl.int32), bitcast=True)
+            w1 = tl.load(wp1 + t_off[:, None] * (sd_t // 4) + tl.arange(0, D // 8)[None, :], mask=mask[:, None],
+                         other=0)
+            sc1 = tl.load(s_ptr + page * ss_p + h * ss_h + t_off[:, None] * ss_t + tl.arange(0, D // 16)[None, :],
+                          mask=mask[:, None], other=0.0)
+            t = nvfp4_joined_tile(w1, sc1, BN, D, ASM).to(DOT_DT)
+            return t, t, t, t, t, t, t, t
+        elif NS == 8:
+            W: tl.constexpr = D // 8
+            j = tl.arange(0, W)
+            wp = base.to(tl.pointer_type(tl.int32), bitcast=True)
+            w = tl.load(wp + t_off[:, None] * (sd_t // 4) + j[None, :], mask=mask[:, None], other=0)
+            sc = tl.load(s_ptr + page * ss_p + h * ss_h + t_off[:, None] * ss_t + tl.arange(0, D // 16)[None, :],
+                         mask=mask[:, None], other=0.0).to(tl.float16) * 128.0
+            s_w = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, D // 16, 2)), (BN, W))
+            e0, e1, e2, e3, e4, e5, e6, e7 = nvfp4_words_f16(w)
+            return ((e0 * s_w).to(DOT_DT), (e1 * s_w).to(DOT_DT), (e2 * s_w).to(DOT_DT), (e3 * s_w).to(DOT_DT),
+                    (e4 * s_w).to(DOT_DT), (e5 * s_w).to(DOT_DT), (e6 * s_w).to(DOT_DT), (e7 * s_w).to(DOT_DT))
+        else:
+            c = tl.arange(0, D // 2)
+            kb = tl.load(base + t_off[:, None] * sd_t + c[None, :], mask=mask[:, None], other=0)
+            sc = tl.load(s_ptr + page * ss_p + h * ss_h + t_off[:, None] * ss_t + tl.arange(0, D // 16)[None, :],
+                         mask=mask[:, None], other=0.0)
+            lo, hi = nvfp4_tile_f16(kb, sc, BN, D // 2)
+            lo = lo.to(DOT_DT)
+            hi = hi.to(DOT_DT)
+            return lo, hi, lo, lo, lo, lo, lo, lo
+    elif FMT == 1 and NS == 4:
+        j = tl.arange(0, D // 4)
+        wp = base.to(tl.pointer_type(tl.int32), bitcast=True)
+        w = tl.load(wp + t_off[:, None] * (sd_t // 4) + j[None, :], mask=mask[:, None], other=0)
+        b0, b1, b2, b3 = fp8_words_f16(w)
+        return b0, b1, b2, b3, b0, b0, b0, b0
+    else:
+        d = tl.arange(0, D)
+        x = tl.load(base + t_off[:, None] * sd_t + d[None, :], mask=mask[:, None], other=0.0).to(DOT_DT)
+        return x, x, x, x, x, x, x, x
+
+
+@triton.jit
+def _msa_decode_kernel(
+    q_ptr, sq_s, sq_h,
+    k_ptr, v_ptr, sd_p, sd_h, sd_t,
+    ks_ptr, vs_ptr, ss_p, ss_h, ss_t,
+    bt_ptr, sbt_s, seq_lens_ptr,
+    bid_ptr, pg_ptr, sbid_s, sbid_h,
+    out_ptr, so_s, so_h,
+    op_ptr, lse_ptr,
+    qk_scale, v_scale, tiles_per_split, nsplit,
+    G, B,
+    G_PAD: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr, SPARSE: tl.constexpr,
+    FMT: tl.constexpr, NS_K: tl.constexpr, NS_V: tl.constexpr, DOT_DT: tl.constexpr, SPLIT: tl.constexpr,
+    PERM: tl.constexpr, ASM: tl.constexpr,
+):
+    """Program (sequence, KV head, split): the G query heads of the KV head against tiles
+    [split * tiles_per_split, ...) of its selected blocks (SPARSE; block id and page precomputed per slot)
+    or of its whole context, online softmax; writes the output or (SPLIT) a normalized partial + its lse."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + s)
+    tpb = B // BN
+    if SPARSE:
+        n_tiles = TOPK * tpb
+    else:
+        n_tiles = tl.cdiv(seq_len, BN)
+    t_begin = sp * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    qrow = q_ptr + s.to(tl.int64) * sq_s + (h * G + g)[:, None] * sq_h
+    q0 = _q_slot(qrow, 0, NS_K, D, gm, DOT_DT, PERM)
+    if NS_K > 1:
+        q1 = _q_slot(qrow, 1, NS_K, D, gm, DOT_DT)
+    if NS_K > 2:
+        q2 = _q_slot(qrow, 2, NS_K, D, gm, DOT_DT)
+        q3 = _q_slot(qrow, 3, NS_K, D, gm, DOT_DT)
+    if NS_K > 4:
+        q4 = _q_slot(qrow, 4, NS_K, D, gm, DOT_DT)
+        q5 = _q_slot(qrow, 5, NS_K, D, gm, DOT_DT)
+        q6 = _q_slot(qrow, 6, NS_K, D, gm, DOT_DT)
+        q7 = _q_slot(qrow, 7, NS_K, D, gm, DOT_DT)
+    DV: tl.constexpr = D // NS_V
+    a0 = tl.zeros([G_PAD, DV], tl.float32)
+    a1 = tl.zeros([G_PAD, DV], tl.float32)
+    a2 = tl.zeros([G_PAD, DV], tl.float32)
+    a3 = tl.zeros([G_PAD, DV], tl.float32)
+    a4 = tl.zeros([G_PAD, DV], tl.float32)
+    a5 = tl.zeros([G_PAD, DV], tl.float32)
+    a6 = tl.zeros([G_PAD, DV], tl.float32)
+    a7 = tl.zeros([G_PAD, DV], tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    n = tl.arange(0, BN)
+    bt_row = bt_ptr + s.to(tl.int64) * sbt_s
+    for j in range(t_begin, t_end):
+        item = j // tpb
+        if SPARSE:
+            blk = tl.load(bid_ptr + s.to(tl.int64) * sbid_s + h * sbid_h + item)
+            page = tl.load(pg_ptr + s.to(tl.int64) * sbid_s + h * sbid_h + item).to(tl.int64)
+        else:
+            blk = item
+            page = tl.load(bt_row + blk).to(tl.int64)
+        t_off = (j % tpb) * BN + n
+        valid = (blk * B + t_off < seq_len) & (blk >= 0)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _tile_slots(k_ptr, ks_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
+                                                     ss_p, ss_h, ss_t, BN, D, FMT, NS_K, DOT_DT, ASM)
+        sc = tl.dot(q0, tl.trans(k0))
+        if NS_K > 1:
+            sc = tl.dot(q1, tl.trans(k1), sc)
+        if NS_K > 2:
+            sc = tl.dot(q2, tl.trans(k2), sc)
+            sc = tl.dot(q3, tl.trans(k3), sc)
+        if NS_K > 4:
+            sc = tl.dot(q4, tl.trans(k4), sc)
+            sc = tl.dot(q5, tl.trans(k5), sc)
+            sc = tl.dot(q6, tl.trans(k6), sc)
+            sc = tl.dot(q7, tl.trans(k7), sc)
+        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        v0, v1, v2, v3, v4, v5, v6, v7 = _tile_slots(v_ptr, vs_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
+                                                     ss_p, ss_h, ss_t, BN, D, FMT, NS_V, DOT_DT, ASM)
+        pd = p.to(v0.dtype)
+        a0 = tl.dot(pd, v0, a0 * alpha[:, None])
+        if NS_V > 1:
+            a1 = tl.dot(pd, v1, a1 * alpha[:, None])
+        if NS_V > 2:
+            a2 = tl.dot(pd, v2, a2 * alpha[:, None])
+            a3 = tl.dot(pd, v3, a3 * alpha[:, None])
+        if NS_V > 4:
+            a4 = tl.dot(pd, v4, a4 * alpha[:, None])
+            a5 = tl.dot(pd, v5, a5 * alpha[:, None])
+            a6 = tl.dot(pd, v6, a6 * alpha[:, None])
+            a7 = tl.dot(pd, v7, a7 * alpha[:, None])
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    inv = (v_scale / l_safe)[:, None]
+    hq = h * G + g
+    if SPLIT:
+        prow = (s.to(tl.int64) * (tl.num_programs(1) * G) + hq) * nsplit + sp  # [G_PAD]
+        tl.store(lse_ptr + prow, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=gm)
+        orow = op_ptr + prow[:, None] * D
+    else:
+        orow = out_ptr + s.to(tl.int64) * so_s + hq[:, None] * so_h
+    _store_slot(orow, a0 * inv, 0, NS_V, D, gm, SPLIT, PERM)
+    if NS_V > 1:
+        _store_slot(orow, a1 * inv, 1, NS_V, D, gm, SPLIT)
+    if NS_V > 2:
+        _store_slot(orow, a2 * inv, 2, NS_V, D, gm, SPLIT)
+        _store_slot(orow, a3 * inv, 3, NS_V, D, gm, SPLIT)
+    if NS_V > 4:
+        _store_slot(orow, a4 * inv, 4, NS_V, D, gm, SPLIT)
+        _store_slot(orow, a5 * inv, 5, NS_V, D, gm, SPLIT)
+        _store_slot(orow, a6 * inv, 6, NS_V, D, gm, SPLIT)
+        _store_slot(orow, a7 * inv, 7, NS_V, D, gm, SPLIT)
+
+
+@triton.jit
+def _store_slot(orow, x, k: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, gm, RAW: tl.constexpr,
+                PERM: tl.constexpr = False):
+    cols = _slot_cols(k, NS, D, PERM)
+    if RAW:
+        tl.store(orow + cols[None, :], x, mask=gm[:, None])
+    else:
+        tl.store(orow + cols[None, :], cast_to(x, orow.dtype.element_ty), mask=gm[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(op_ptr, lse_ptr, out_ptr, so_s, so_h, H_q, nsplit, NS_PAD: tl.constexpr,
+                         D: tl.constexpr):
+    """Log-sum-exp merge of the split-K partials of one (sequence, query head)."""
+    s = tl.program_id(0)
+    hq = tl.program_id(1)
+    row = s.to(tl.int64) * H_q + hq
+    i = tl.arange(0, NS_PAD)
+    im = i < nsplit
+    lse = tl.load(lse_ptr + row * nsplit + i, mask=im, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    w = tl.where(im, tl.exp2(lse - mx), 0.0)
+    d = tl.arange(0, D)
+    o = tl.load(op_ptr + (row * nsplit + i)[:, None] * D + d[None, :], mask=im[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + s.to(tl.int64) * so_s + hq * so_h + d, cast_to(res, out_ptr.dtype.element_ty))
+
+
+def _slots(fmt: int, D: int, words):
+    """(K sub-tiles, V sub-tiles, qk unscale, v unscale, permuted columns) of the decode kernel.
+
+    nvfp4: words=True (default) int32 words re-joined into one tile with permuted columns; "split": 8
+    sub-tiles; False: bytes, 2 sub-tiles (even / odd). fp8: words -> V (the transposed operand) from
+    int32 words in 4 sub-tiles, K by the native cast."""
+    if fmt == FMT_NVFP4:
+        if words == "split" and D // 8 >= 16:
+            return 8, 8, NVFP4_UNSCALE, NVFP4_UNSCALE, False
+        if words and D % 8 == 0:
+            return 1, 1, NVFP4_UNSCALE, NVFP4_UNSCALE, True
+        return 2, 2, NVFP4_UNSCALE, NVFP4_UNSCALE, False
+    if fmt == FMT_FP8 and words and D // 4 >= 16:
+        return 1, 4, 1.0, FP8_WORDS_UNSCALE, False
+    return 1, 1, 1.0, 1.0, False
+
+
+def _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks):
+    if fmt == FMT_NVFP4:
+        return k_scale_blocks, v_scale_blocks
+    return k_data, v_data
+
+
+def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables, seq_lens,
+               scale: float, block_ids=None, num_splits=None, block_n=None, num_warps=4, num_stages=None,
+               out=None, words=None, split_target=None, block_pages=None, asm=None):
+    """Triton version of :func:`msa_decode_ref`: grid (sequence, KV head, split); the G = H_q / H_kv query
+    heads of a KV head share each loaded tile; split-K over the selected blocks (or, ``block_ids=None``, over
+    the whole context) with a log-sum-exp merge."""
+    S, H_q, D = q.shape
+    _, H_kv, B, _ = k_data.shape
+    G = H_q // H_kv
+    fmt = cache_format(k_data)
+    out = torch.empty_like(q) if out is None else out
+    if S == 0:
+        return out
+    sparse = block_ids is not None
+    if words is None:  # measured on the H200 (docs/performance.md, decoder rows): nvfp4 sparse -> byte
+        words = fmt != FMT_NVFP4 or not sparse  # decoder; nvfp4 dense and fp8 (V) -> int32-word decoders
+    if block_n is None:
+        block_n = 32 if interpreting() else (128 if fmt == FMT_NVFP4 and not sparse else 64)
+    block_n = min(B, block_n)
+    tpb = B // block_n
+    topk = block_ids.shape[-1] if sparse else 1
+    max_tiles = topk * tpb if sparse else block_tables.shape[1] * tpb
+    if num_splits is None:
+        want = -(-(split_target or 2) * num_sms(q.device) // (S * H_kv))
+        num_splits = max(1, min(max_tiles, want))
+    tiles_per_split = -(-max_tiles // num_splits)
+    num_splits = -(-max_tiles // tiles_per_split)
+    ks, vs = _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks)
+    if fmt == FMT_PLAIN:  # per-layer scales apply to quantized caches only
+        k_scale = v_scale = 1.0
+    if num_splits > 1:
+        op = torch.empty(S, H_q, num_splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(S, H_q, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        op = lse = out
+    if sparse:  # page of every selected block, so the kernel's two loads per tile are independent
+        if block_pages is None:
+            safe = block_ids.clamp(min=0).to(torch.int64).flatten(1)
+            block_pages = torch.where(block_ids >= 0, block_tables.gather(1, safe).view_as(block_ids), -1)
+        bid, pg = block_ids.contiguous(), block_pages.to(torch.int32).contiguous()
+    else:
+        bid = pg = seq_lens
+    ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, words)
+    kwargs = {} if num_stages is None else {"num_stages": num_stages}
+    _msa_decode_kernel[(S, H_kv, num_splits)](
+        q, q.stride(0), q.stride(1),
+        k_data, v_data, k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
+        block_tables, block_tables.stride(0), seq_lens,
+        bid, pg, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
+        out, out.stride(0), out.stride(1),
+        op, lse,
+        float(scale * k_scale * LOG2E * qk_s), float(v_scale * v_s), tiles_per_split, num_splits,
+        G, B,
+        G_PAD=max(16, next_pow2(G)), D=D, BN=block_n, TOPK=topk, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
+        DOT_DT=dot_dtype(fmt, k_data.dtype), SPLIT=num_splits > 1, PERM=perm,
+        ASM=perm and (asm if asm is not None else nvfp4_asm_ok(q.device)),
+        num_warps=num_warps, **kwargs,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(S, H_q)](op, lse, out, out.stride(0), out.stride(1), H_q, num_splits,
+                                       NS_PAD=max(8, next_pow2(num_splits)), D=D, num_warps=2)
+    return out
+
+
+@triton.jit
+def _msa_prefill_kernel(
+    q_ptr, sq_t, sq_h,
+    k_ptr, v_ptr, sd_p, sd_h, sd_t,
+    ks_ptr, vs_ptr, ss_p, ss_h, ss_t,
+    bt_ptr, sbt_s,
+    tiles_ptr, pos_ptr,
+    bid_ptr, sbid_t, sbid_h,
+    out_ptr, so_t, so_h,
+    qk_scale, v_scale,
+    G, B,
+    G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr,
+    SPARSE: tl.constexpr, FMT: tl.constexpr, DOT_DT: tl.constexpr,
+):
+    """One tile of BLOCK_T consecutive query tokens of one sequence x the G query heads of one KV head
+    (rows = token-major (token, head)); causal by position; sparse: a key block counts for the rows whose
+    token selected it (blocks nobody in the tile selected are skipped)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    R: tl.constexpr = BLOCK_T * G_PAD
+    seq = tl.load(tiles_ptr + tile * 3)
+    t0 = tl.load(tiles_ptr + tile * 3 + 1)
+    t1 = tl.load(tiles_ptr + tile * 3 + 2)
+    r = tl.arange(0, R)
+    g = r % G_PAD
+    tok = t0 + r // G_PAD
+    row_ok = (tok < t1) & (g < G)
+    qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+    n_blk = tl.max(qpos, axis=0) // B + 1
+    qrow = q_ptr + tok.to(tl.int64)[:, None] * sq_t + (h * G + g)[:, None] * sq_h
+    if FMT == 2:
+        c = tl.arange(0, D // 2)
+        q_a = tl.load(qrow + 2 * c[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
+        q_b = tl.load(qrow + 2 * c[None, :] + 1, mask=row_ok[:, None], other=0.0).to(DOT_DT)
+        acc_a = tl.zeros([R, D // 2], tl.float32)
+        acc_b = tl.zeros([R, D // 2], tl.float32)
+    else:
+        c = tl.arange(0, D)
+        q_a = tl.load(qrow + c[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
+        q_b = q_a
+        acc_a = tl.zeros([R, D], tl.float32)
+        acc_b = acc_a
+    if SPARSE:
+        tt = t0 + tl.arange(0, BLOCK_T)
+        kk = tl.arange(0, TOPK)
+        sel_ids = tl.load(bid_ptr + tt.to(tl.int64)[:, None] * sbid_t + h * sbid_h + kk[None, :],
+                          mask=(tt < t1)[:, None], other=-1)  # [BLOCK_T, TOPK]
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    n = tl.arange(0, BN)
+    bt_row = bt_ptr + seq.to(tl.int64) * sbt_s
+    for blk in range(0, n_blk):
+        if SPARSE:
+            hit = tl.max((sel_ids == blk).to(tl.int32), axis=1)  # [BLOCK_T]
+            any_hit = tl.max(hit, axis=0) > 0
+            row_sel = tl.reshape(tl.broadcast_to(hit[:, None], (BLOCK_T, G_PAD)), (R,)) > 0
+        else:
+            any_hit = blk >= 0
+            row_sel = row_ok
+        if any_hit:
+            page = tl.load(bt_row + blk).to(tl.int64)
+            for sub in range(0, B // BN):
+                t_off = sub * BN + n
+                kpos = blk * B + t_off
+                kv_ok = kpos <= tl.max(qpos, axis=0)
+                k_a, k_b = _load_kv_tile(k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h,
+                                         ss_t, BN, D, FMT, DOT_DT)
+                sc = tl.dot(q_a, tl.trans(k_a))
+                if FMT == 2:
+                    sc = tl.dot(q_b, tl.trans(k_b), sc)
+                keep = (kpos[None, :] <= qpos[:, None]) & row_sel[:, None]
+                sc = tl.where(keep, sc * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(sc - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+                v_a, v_b = _load_kv_tile(v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h,
+                                         ss_t, BN, D, FMT, DOT_DT)
+                pd = p.to(DOT_DT)
+                acc_a = tl.dot(pd, v_a, acc_a * alpha[:, None])
+                if FMT == 2:
+                    acc_b = tl.dot(pd, v_b, acc_b * alpha[:, None])
+    inv = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
+    orow = out_ptr + tok.to(tl.int64)[:, None] * so_t + (h * G + g)[:, None] * so_h
+    if FMT == 2:
+        tl.store(orow + 2 * c[None, :], cast_to(acc_a * inv[:, None], out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(orow + 2 * c[None, :] + 1, cast_to(acc_b * inv[:, None], out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        tl.store(orow + c[None, :], cast_to(acc_a * inv[:, None], out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_block_t(G: int) -> int:
+    """Query tokens per prefill tile: rows = tokens x next_pow2(G) >= 16 (tl.dot), ~64 on GPU."""
+    g_pad = next_pow2(G)
+    return max(1, (32 if interpreting() else 64) // g_pad, 16 // g_pad)
+
+
+def msa_prefill(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables,
+                query_start_loc, positions, scale: float, block_ids=None, block_t=None, tiles=None,
+                block_n=None, num_warps=4, out=None) -> torch.Tensor:
+    """Triton version of :func:`msa_prefill_ref`: grid (token tile, KV head), keys from pages."""
+    T, H_q, D = q.shape
+    _, H_kv, B, _ = k_data.shape
+    G = H_q // H_kv
+    fmt = cache_format(k_data)
+    out = torch.empty_like(q) if out is None else out
+    if T == 0:
+        return out
+    if block_t is None:
+        block_t = prefill_block_t(G)
+    if tiles is None:
+        tiles = prefill_tiles(query_start_loc, block_t, q.device)
+    if tiles.shape[0] == 0:
+        return out
+    if block_n is None:
+        block_n = min(B, 32 if interpreting() else 64)
+    if fmt == FMT_PLAIN:
+        k_scale = v_scale = 1.0
+    ks, vs = _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks)
+    sparse = block_ids is not None
+    bid = block_ids if sparse else positions
+    un = NVFP4_UNSCALE if fmt == FMT_NVFP4 else 1.0
+    _msa_prefill_kernel[(tiles.shape[0], H_kv)](
+        q, q.stride(0), q.stride(1),
+        k_data, v_data, k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
+        block_tables, block_tables.stride(0),
+        tiles, positions,
+        bid, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
+        out, out.stride(0), out.stride(1),
+        float(scale * k_scale * LOG2E * un), float(v_scale * un),
+        G, B,
+        G_PAD=next_pow2(G), BLOCK_T=block_t, D=D, BN=block_n, TOPK=block_ids.shape[-1] if sparse else 1,
+        SPARSE=sparse, FMT=fmt, DOT_DT=dot_dtype(fmt, k_data.dtype),
+        num_warps=num_warps,
+    )
+    return out

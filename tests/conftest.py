@@ -1,9 +1,14 @@
 import os
 
-import pytest
-import torch
-
 os.environ.setdefault("USE_HUB_KERNELS", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Without a GPU the Triton kernels can only run in the interpreter; set it before any test module
+# (the engine's, the kernels') imports triton, whatever the collection order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
