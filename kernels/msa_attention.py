@@ -340,7 +340,9 @@ def _slots(fmt: int, D: int, words):
     if fmt == FMT_NVFP4:
         if words == "split" and D // 8 >= 16:
             return 8, 8, NVFP4_UNSCALE, NVFP4_UNSCALE, False
-        if words and D % 8 == 0:
+        # the joined-word tile is right only for D // 8 >= 16 (the dot's K dim): measured on the H200,
+        # D = 32 / 64 gave errors of order 1 (D = 128, M3's head dim, matches the byte path)
+        if words and D % 8 == 0 and D // 8 >= 16:
             return 1, 1, NVFP4_UNSCALE, NVFP4_UNSCALE, True
         return 2, 2, NVFP4_UNSCALE, NVFP4_UNSCALE, False
     if fmt == FMT_FP8 and words and D // 4 >= 16:

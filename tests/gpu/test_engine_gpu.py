@@ -1,0 +1,56 @@
+"""The engine on CUDA uses the Triton kernels (insert, indexer, block-sparse attention) and its
+outputs still match the reference path: the same engine with the torch reference attention over the
+same paged cache. fp32 model compute; the kernels' dots take bf16 operands, so logprobs differ by
+0.02-0.07 (measured, also under the interpreter); a wrong kernel moves them by whole units."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3serve import LLM, SamplingParams
+from m3serve.engine.kernel_attention import TritonAttention
+from m3serve.model.tiny import make_tiny
+
+pytestmark = pytest.mark.gpu
+
+# > top-k x block = 64 tokens for the tiny model, so the indexer really drops blocks
+PROMPTS = [list(range(3, 23)), [(7 * i) % 500 + 3 for i in range(90)], [(13 * i) % 480 + 5 for i in range(150)]]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny_gpu"))
+    make_tiny(d)
+    return d
+
+
+def _run(tiny_dir, kv_cache_dtype, reference: bool, **kw):
+    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+              max_model_len=512, num_gpu_blocks_override=64, **kw)
+    runner = llm.engine.runner
+    if reference:
+        runner.backend = None  # the model's TorchAttention over the same PagedKVCache
+    else:
+        assert isinstance(runner.backend, TritonAttention), "the engine did not pick the kernels on CUDA"
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    return llm.generate(PROMPTS, sp)
+
+
+NVFP4_GAP = pytest.mark.xfail(strict=True, reason=(
+    "known, 2026-12-02 on the H200: at the tiny model's head dims (32) the nvfp4 engine path keeps every greedy "
+    "token but one logprob is 0.5 off the reference; the decode kernels alone are right there "
+    "(test_msa_decode_small_head_dims_gpu), the indexer prefill's joined-word tile at D_idx // 8 < 16 is suspect"))
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8", pytest.param("nvfp4", marks=NVFP4_GAP)])
+@pytest.mark.parametrize("budget", [8192, 40])  # whole prefills, and chunked prefill mixed with decodes
+def test_engine_kernels_match_reference(tiny_dir, kv, budget):
+    ref = _run(tiny_dir, kv, True, max_num_batched_tokens=budget)
+    got = _run(tiny_dir, kv, False, max_num_batched_tokens=budget)
+    for r, g in zip(ref, got):
+        # identical cache bytes: greedy tokens agree until a near-tie meets bf16 rounding
+        n = next((i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b), len(r.token_ids))
+        assert n >= 8, (kv, budget, n, r.token_ids, g.token_ids)
+        lp_r = [d[t] for d, t in zip(r.logprobs, r.token_ids)][:n]
+        lp_g = [d[t] for d, t in zip(g.logprobs, g.token_ids)][:n]
+        assert len(lp_r) == n and max(abs(a - b) for a, b in zip(lp_r, lp_g)) < 0.15
