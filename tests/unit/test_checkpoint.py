@@ -190,17 +190,12 @@ def test_compressed_tensors_nvfp4_names_load_identically(tiny_nvfp4, tmp_path):
     assert torch.allclose(wa, wb, rtol=1e-6, atol=0)
 
 
-def test_missing_tensor_is_named(tiny, tmp_path):
-    d = _copy(tiny, tmp_path / "m")
-    gone = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
-    _rewrite(d, lambda k, v: None if k == gone else (k, v))
-    with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
-        load_model(d, progress=False)
-
-
-def test_missing_scale_is_named(tiny_nvfp4, tmp_path):
-    d = _copy(tiny_nvfp4, tmp_path / "m")
-    gone = "language_model.model.layers.1.block_sparse_moe.shared_experts.down_proj.weight_scale"
+@pytest.mark.parametrize("source, gone", [
+    ("tiny", "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"),
+    ("tiny_nvfp4", "language_model.model.layers.1.block_sparse_moe.shared_experts.down_proj.weight_scale"),
+])
+def test_missing_tensor_is_named(source, gone, request, tmp_path):
+    d = _copy(request.getfixturevalue(source), tmp_path / "m")
     _rewrite(d, lambda k, v: None if k == gone else (k, v))
     with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
         load_model(d, progress=False)
