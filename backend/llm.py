@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from m3serve.config import EngineConfig
-from m3serve.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
+from m3serve.engine.llm_engine import LLMEngine
 from m3serve.engine.sampling_params import SamplingParams
 
 

@@ -153,22 +153,16 @@ def _sub(schema: Any, key: str, name: str | None = None) -> Any:
 
 def _coerce_one(text: str, t: str) -> tuple[bool, Any]:
     s = text.strip()
-    if t == "integer":
+    if t in ("integer", "number"):
         if _INT.fullmatch(s):
             return True, int(s)
         try:
             f = float(s)
         except ValueError:
             return False, None
-        return (f.is_integer(), int(f)) if math.isfinite(f) else (False, None)
-    if t == "number":
-        if _INT.fullmatch(s):
-            return True, int(s)
-        try:
-            f = float(s)
-        except ValueError:
+        if not math.isfinite(f):
             return False, None
-        return math.isfinite(f), f
+        return (f.is_integer(), int(f)) if t == "integer" else (True, f)
     if t == "boolean":
         return (s.lower() in ("true", "false")), s.lower() == "true"
     if t in ("object", "array"):
