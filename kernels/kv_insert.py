@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from . import fp8, nvfp4
-from .triton_utils import (FMT_FP8, FMT_NVFP4, cache_format, cast_to, e4m3_bits_to_f32, f32_to_e2m1_codes,
-                           f32_to_e4m3_bits, interpreting, next_pow2, u8_view)
+from .triton_utils import (FMT_FP8, FMT_NVFP4, cache_format, cast_to, fp8_encode, interpreting, next_pow2,
+                           nvfp4_encode, u8_view)
 
 __all__ = ["kv_insert_ref", "kv_insert", "gather_pages_ref", "dequant_pages_ref"]
 
@@ -107,14 +107,7 @@ def _quant_store(x_ptr, sx_t, sx_h, dst_ptr, sd_p, sd_h, sd_t, sb_ptr, ss_p, ss_
         xp = x_ptr + src_row[:, None, None] + gg * 16 + ii * 2
         xe = tl.load(xp, mask=m, other=0.0).to(tl.float32)
         xo = tl.load(xp + 1, mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [R, D/16]
-        sf_bits = f32_to_e4m3_bits(tl.minimum(tl.math.div_rn(amax, 6.0 * scale), 448.0))
-        denom = e4m3_bits_to_f32(sf_bits) * scale
-        pos = denom > 0.0
-        den = tl.where(pos, denom, 1.0)[:, :, None]
-        ye = tl.where(pos[:, :, None], tl.math.div_rn(xe, den), 0.0)
-        yo = tl.where(pos[:, :, None], tl.math.div_rn(xo, den), 0.0)
-        byte = f32_to_e2m1_codes(ye) | (f32_to_e2m1_codes(yo) << 4)
+        byte, sf_bits = nvfp4_encode(xe, xo, scale)
         tl.store(dst_ptr + dst_row[:, None, None] + gg * 8 + ii, byte, mask=m)
         sb_row = page * ss_p + hd * ss_h + (slot % B) * ss_t
         g2 = tl.arange(0, D // 16)[None, :]
@@ -124,8 +117,7 @@ def _quant_store(x_ptr, sx_t, sx_h, dst_ptr, sd_p, sd_h, sd_t, sb_ptr, ss_p, ss_
         m = ok[:, None] & (dd >= 0)
         x = tl.load(x_ptr + src_row[:, None] + dd, mask=m, other=0.0)
         if FMT == 1:
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
-            tl.store(dst_ptr + dst_row[:, None] + dd, f32_to_e4m3_bits(y), mask=m)
+            tl.store(dst_ptr + dst_row[:, None] + dd, fp8_encode(x.to(tl.float32), scale), mask=m)
         else:
             tl.store(dst_ptr + dst_row[:, None] + dd, cast_to(x, dst_ptr.dtype.element_ty), mask=m)
 

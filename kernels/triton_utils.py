@@ -139,6 +139,26 @@ def f32_to_e2m1_codes(y):
 
 
 @triton.jit
+def nvfp4_encode(xe, xo, scale):
+    """Even/odd elements ``[R, G, 8]`` (fp32) of G 16-element groups -> (packed bytes ``[R, G, 8]``, e4m3 block-scale
+    bits ``[R, G]``) with the per-tensor ``scale``: the bytes of ``nvfp4.quantize_nvfp4`` (exact divisions)."""
+    amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [R, G]
+    sf_bits = f32_to_e4m3_bits(tl.minimum(tl.math.div_rn(amax, 6.0 * scale), 448.0))
+    denom = e4m3_bits_to_f32(sf_bits) * scale
+    pos = denom > 0.0
+    den = tl.where(pos, denom, 1.0)[:, :, None]
+    ye = tl.where(pos[:, :, None], tl.math.div_rn(xe, den), 0.0)
+    yo = tl.where(pos[:, :, None], tl.math.div_rn(xo, den), 0.0)
+    return f32_to_e2m1_codes(ye) | (f32_to_e2m1_codes(yo) << 4), sf_bits
+
+
+@triton.jit
+def fp8_encode(x, scale):
+    """fp32 -> e4m3 bits of ``x / scale`` (saturating): the bytes of ``fp8.quantize_fp8``."""
+    return f32_to_e4m3_bits(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+
+
+@triton.jit
 def f32_to_bf16_rne(x):
     """float32 -> bfloat16, round to nearest even in integer ops (the interpreter's own cast truncates)."""
     b = x.to(tl.int32, bitcast=True)

@@ -77,6 +77,7 @@ class LLMEngine:
         else:
             self.device = next(model.parameters()).device
         self.model = model
+        model.fuse_qkv_projections()  # one GEMM for q/k/v (+ indexer q/k) per layer
         dtype_name = str(model.dtype).replace("torch.", "")
         self.kv_dtype = normalize_kv_dtype(config.kv_cache_dtype, dtype_name)
         idx = config.indexer_kv_dtype

@@ -71,12 +71,16 @@ class Indexer(nn.Module):
         self.q_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        t = x.shape[0]
-        iq = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))
-        ik = self.k_norm(self.k_proj(x).view(t, 1, self.head_dim))
+    def finish(self, iq, ik, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected iq [T, H_i * D_i], ik [T, D_i] -> normed and rotated iq [T, H_i, D_i], ik [T, D_i]."""
+        t = iq.shape[0]
+        iq = self.q_norm(iq.view(t, self.n_heads, self.head_dim))
+        ik = self.k_norm(ik.view(t, 1, self.head_dim))
         cos, sin = cos[..., : self.head_dim], sin[..., : self.head_dim]
         return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, 0]
+
+    def forward(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.finish(self.q_proj(x), self.k_proj(x), cos, sin)
 
 
 class Attention(nn.Module):
@@ -84,6 +88,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps, self.rotary_dim = cfg.rms_norm_eps, cfg.rotary_dim
         self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, dtype=dtype)
         self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, dtype=dtype)
         self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, dtype=dtype)
@@ -91,17 +96,61 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.indexer = Indexer(cfg, dtype) if cfg.is_sparse_attention(layer) else None
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections()
 
-    def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, backend) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+    def _projections(self) -> list[Linear]:
+        ix = self.indexer
+        return [self.q_proj, self.k_proj, self.v_proj] + ([ix.q_proj, ix.k_proj] if ix is not None else [])
+
+    def fuse_projections(self) -> None:
+        """One weight for every projection of the layer's input (q | k | v | index q | index k), so one GEMM
+        computes them; the separate weights become views into it (no extra memory)."""
+        if self.qkv_weight is not None:
+            return
+        lins = self._projections()
+        if any(lin.w.fmt != "dense" for lin in lins):
+            return
+        self.qkv_weight = torch.cat([lin.w.weight for lin in lins])
+        row = 0
+        for lin in lins:
+            lin.w.weight = self.qkv_weight[row: row + lin.w.n]
+            row += lin.w.n
+
+    @property
+    def qkv_sizes(self) -> list[int]:
+        return [lin.w.n for lin in self._projections()]
+
+    @property
+    def norm_weights(self) -> tuple:
+        ix = self.indexer
+        return (self.q_norm.weight, self.k_norm.weight) + (
+            (ix.q_norm.weight, ix.k_norm.weight) if ix is not None else (None, None))
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The raw projections (q | k | v | index q | index k): one GEMM once fused."""
+        if self.qkv_weight is not None:
+            return list(torch.split(F.linear(x, self.qkv_weight), self.qkv_sizes, dim=-1))
+        return [lin(x) for lin in self._projections()]
+
+    def finish(self, parts, cos, sin):
+        """Raw projections -> q [T, H, D], k [T, H_kv, D] (QK-normed, RoPE'd), v, and the index q / k (or None)."""
+        t = parts[0].shape[0]
+        q = self.q_norm(parts[0].reshape(t, self.n_heads, self.head_dim))
+        k = self.k_norm(parts[1].reshape(t, self.n_kv, self.head_dim))
+        v = parts[2].reshape(t, self.n_kv, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         iq = ik = None
         if self.indexer is not None:
-            iq, ik = self.indexer(x, cos, sin)
-        out = backend.forward(self.layer, q, k, v, iq, ik, batch)
+            iq, ik = self.indexer.finish(parts[3], parts[4], cos, sin)
+        return q, k, v, iq, ik
+
+    def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, backend) -> torch.Tensor:
+        t = x.shape[0]
+        if self.qkv_weight is not None and getattr(backend, "packed_qkv", False):
+            # the backend norms, rotates and caches straight from the one GEMM's output
+            out = backend.forward_packed(self.layer, F.linear(x, self.qkv_weight), self, cos, sin, batch)
+        else:
+            out = backend.forward(self.layer, *self.finish(self.project(x), cos, sin), batch)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -211,6 +260,11 @@ class M3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, backend)
         return self.model.norm(x)
+
+    def fuse_qkv_projections(self) -> None:
+        """One QKV(+indexer) GEMM per layer (see `Attention.fuse_projections`); done once after loading."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref  # noqa: E402
 from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref, msa_prefill, msa_prefill_ref  # noqa: E402
 from m3serve.kernels.triton_utils import interpreting  # noqa: E402
 from paged_testing import KV_DTYPES, alloc, build, chunk_positions, rel_err  # noqa: E402
+from test_qkv_insert import check_qkv_insert  # noqa: E402
+from m3serve.kernels.qkv_insert import QKVLayout  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET is set: these test compiled kernels")]
@@ -147,3 +149,12 @@ def test_msa_decode_small_head_dims_gpu(kv_dtype, head_dim):
         for words in (None, False, True):
             out = msa_decode(q, *_kv(st), st.bt, st.seq_lens, head_dim ** -0.5, b, words=words)
             assert rel_err(out, ref) < 1e-2, (b is None, words, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("layout", [QKVLayout(H_Q, H_KV, D, 64, H_KV, DI), QKVLayout(H_Q, H_KV, D, 64),
+                                    QKVLayout(H_Q // 4, H_KV // 4, D, 64, H_KV // 4, DI)],
+                         ids=["sparse", "full", "sparse-tp4"])
+def test_qkv_insert_gpu(kv_dtype, layout):
+    for seed in (1, 2):  # fresh inputs each check
+        check_qkv_insert(layout, kv_dtype, kv_dtype, 700 + seed, seed=seed, device=DEV)

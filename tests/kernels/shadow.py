@@ -1,0 +1,101 @@
+"""A shadow attention backend for engine tests: at every layer of every step it runs the Triton kernels
+and the torch reference on the same inputs over the same paged cache, checks them against each other,
+and hands the reference output on (teacher forcing), so one discrete flip cannot snowball.
+
+Why not compare two free runs: the kernels' dots take fp16/bf16 operands, so hidden states differ by
+~1e-3 from the reference; over layers a near-tie in a router's or the indexer's top-k flips, and from
+there the two runs see different inputs (with an nvfp4 cache the flipped block moved one logprob by 0.5
+on the tiny model, 2026-12-02; the kernels matched their references on that step's cache).
+
+A token whose output differs by more than `tol` must be explained by a block-selection near-tie: the
+blocks the kernel chose instead of the reference's score within `tie_rtol` of them in fp32 on the
+cached keys. Anything else is an error.
+"""
+from __future__ import annotations
+
+import torch
+
+from m3serve.kernels.indexer import indexer_decode, indexer_prefill, indexer_prefill_ref
+from m3serve.kernels.kv_insert import gather_pages_ref
+
+
+def _block_scores(iq_t, keys, pos, B):
+    """fp32 block scores [H, n_blocks] of one query (causal) over keys [L, D]."""
+    s = torch.einsum("hd,kd->hk", iq_t.float(), keys.float())
+    s[:, pos + 1:] = float("-inf")
+    n = keys.shape[0]
+    nb = -(-n // B)
+    s = torch.nn.functional.pad(s, (0, nb * B - n), value=float("-inf"))
+    return s.view(s.shape[0], nb, B).amax(-1)
+
+
+class ShadowAttention:
+    def __init__(self, kernel, reference, tol: float, tie_rtol: float = 1e-2):
+        self.kernel, self.reference, self.tol, self.tie_rtol = kernel, reference, tol, tie_rtol
+        self.calls = self.tokens = self.flips = self.packed_calls = 0
+        self.max_err = 0.0  # over tokens that needed no explanation
+
+    @property
+    def packed_qkv(self) -> bool:
+        return getattr(self.kernel, "packed_qkv", False)
+
+    def forward(self, layer, q, k, v, iq, ik, batch):
+        out_k = self.kernel.forward(layer, q, k, v, iq, ik, batch)  # inserts the new K/V/index keys
+        out_r = self.reference.forward(layer, q, k, v, iq, ik, batch)  # stores the same bytes, reads them back
+        return self._compare(layer, q, out_k, out_r, iq, batch)
+
+    def forward_packed(self, layer, qkv, attn, cos, sin, batch):
+        """The kernels from the fused projection output; the reference from the model's own unfused math on it
+        (which rounds between norm and RoPE, so its stored bytes may differ on rare rounding ties)."""
+        self.packed_calls += 1
+        out_k = self.kernel.forward_packed(layer, qkv, attn, cos, sin, batch)
+        q, k, v, iq, ik = attn.finish(torch.split(qkv, attn.qkv_sizes, dim=-1), cos, sin)
+        out_r = self.reference.forward(layer, q, k, v, iq, ik, batch)
+        return self._compare(layer, q, out_k, out_r, iq, batch)
+
+    def _compare(self, layer, q, out_k, out_r, iq, batch):
+        ref = out_r.float()
+        err = (out_k.float() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax().clamp_min(1e-6)
+        bad = (err > self.tol).nonzero().flatten().tolist()
+        self.calls += 1
+        self.tokens += q.shape[0]
+        ok = err.clone()
+        ok[bad] = 0
+        self.max_err = max(self.max_err, float(ok.max()))
+        if bad:
+            self._explain(layer, iq, batch, bad, err)
+        return out_r
+
+    def _explain(self, layer, iq, batch, bad, err):
+        cache = batch.extra["cache"]
+        assert iq is not None and cache.idx_data[layer] is not None, (
+            f"layer {layer} (dense) tokens {bad}: kernel vs reference error {err[bad].tolist()} > {self.tol}")
+        idx = (cache.idx_data[layer], cache.idx_scale_blocks[layer], cache.idx_scale[layer])
+        ex, qsl, pos = batch.extra, batch.query_start_loc, batch.positions
+        bt, topk, local, B = ex["block_tables"], self.kernel.topk, self.kernel.local_blocks, self.kernel.block_size
+        if all(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1)):  # what TritonAttention ran
+            sel_k = indexer_decode(iq.contiguous(), *idx, bt, ex["seq_lens"], topk, local)
+        else:
+            sel_k = indexer_prefill(iq.contiguous(), *idx, bt, qsl, pos, topk, local)
+        sel_r = indexer_prefill_ref(iq, *idx, bt, qsl, pos, topk, local)
+        for t in bad:
+            s = max(i for i in range(len(qsl) - 1) if qsl[i] <= t)
+            p = int(pos[t])
+            keys = gather_pages_ref(*idx, bt[s], int(ex["seq_lens_cpu"][s]))
+            scores = _block_scores(iq[t], keys, p, B)
+            flipped = False
+            for h in range(iq.shape[1]):
+                a = {int(x) for x in sel_r[t, h] if x >= 0}
+                b = {int(x) for x in sel_k[t, h] if x >= 0}
+                if a == b:
+                    continue
+                flipped = True
+                lost, won = sorted(a - b), sorted(b - a)
+                span = float(scores[h][torch.isfinite(scores[h])].abs().max())
+                gap = max(abs(float(scores[h, i]) - float(scores[h, j])) for i in lost for j in won)
+                assert gap <= self.tie_rtol * span, (
+                    f"layer {layer} token {t} (pos {p}) head {h}: kernel chose blocks {won} over {lost}, "
+                    f"score gap {gap:.4g} is not a near-tie (scores {scores[h].tolist()})")
+            assert flipped, (f"layer {layer} token {t} (pos {p}): kernel vs reference error {float(err[t]):.4g} "
+                             f"> {self.tol} with the same block selection")
+            self.flips += 1
