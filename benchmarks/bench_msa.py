@@ -325,7 +325,8 @@ def bench_tune(pool, device, copy_bw, timer, shapes=((131072, 64), (32768, 8))):
 
 
 def bench_decoders(pool, device, copy_bw, timer, ctx=131072, S=64):
-    """NVFP4: inline-PTX vs portable word decoder vs byte decoder; FP8: V from words vs native cast."""
+    """NVFP4: the mma.sync kernels' variants vs the portable kernels; FP8: V from words vs native cast.
+    Timed with CUDA-graph replays (the caller's timer)."""
     rows = []
     if ctx // B * S > pool.P:
         return rows
@@ -340,17 +341,21 @@ def bench_decoders(pool, device, copy_bw, timer, ctx=131072, S=64):
     attn_bytes = int((ids >= 0).sum()) * B * 2 * D * be
     dense_s = 8
     variants = []
-    if pool.dtype == "nvfp4":
-        for asm in (True, False):
-            variants.append(("indexer_scan", f"asm={asm}", S * ctx * D_IDX * be,
-                             lambda asm=asm: indexer_block_scores(iq, *pool.index(), bt, seq_lens=sl, asm=asm)))
-        for words, asm in ((True, True), (True, False), (False, False)):
-            variants.append(("msa_sparse", f"words={words} asm={asm}", attn_bytes,
-                             lambda w=words, a=asm: msa_decode(q, *pool.kv(), bt, sl, scale, ids, block_pages=pages,
-                                                               words=w, asm=a)))
-            variants.append(("msa_dense", f"b={dense_s} words={words} asm={asm}", dense_s * ctx * H_KV * 2 * D * be,
-                             lambda w=words, a=asm: msa_decode(q[:dense_s], *pool.kv(), bt[:dense_s], sl[:dense_s],
-                                                               scale, None, words=w, asm=a)))
+    if pool.dtype == "nvfp4":  # the mma.sync kernels (nvfp4_mma: decoder mode, pages in flight) vs the portable ones
+        scan_v = [("portable", {"mma": False})] + [
+            (f"mma mode={m} unroll={u}", {"mma_mode": m, "mma_unroll": u}) for m, u in ((0, 1), (0, 2), (1, 1), (1, 2),
+                                                                                        (1, 3), (1, 4))]
+        for params, kw in scan_v:
+            variants.append(("indexer_scan", params, S * ctx * D_IDX * be,
+                             lambda kw=kw: indexer_block_scores(iq, *pool.index(), bt, seq_lens=sl, **kw)))
+        for params, kw in (("portable", {"mma": False}), ("mma kmode=0", {"mma_kmode": 0}),
+                           ("mma kmode=1", {"mma_kmode": 1}), ("mma split_target=1", {"split_target": 1}),
+                           ("mma split_target=4", {"split_target": 4}), ("mma split_target=8", {"split_target": 8})):
+            variants.append(("msa_sparse", params, attn_bytes,
+                             lambda kw=kw: msa_decode(q, *pool.kv(), bt, sl, scale, ids, block_pages=pages, **kw)))
+            variants.append(("msa_dense", f"b={dense_s} {params}", dense_s * ctx * H_KV * 2 * D * be,
+                             lambda kw=kw: msa_decode(q[:dense_s], *pool.kv(), bt[:dense_s], sl[:dense_s], scale,
+                                                      None, **kw)))
     else:
         for words in (True, False):
             variants.append(("msa_sparse", f"words={words}", attn_bytes,
@@ -456,7 +461,7 @@ def main():
         if args.tune and device == "cuda":
             tune_rows += bench_tune(pool, device, copy_bw, timer)
         if args.tune_decoders and device == "cuda" and dtype != "bfloat16":
-            tune_rows += bench_decoders(pool, device, copy_bw, timer)
+            tune_rows += bench_decoders(pool, device, copy_bw, lambda fn: graph(fn) or timer(fn))
         for ctx, chunk in prefill:
             if ctx // B <= pool.P:
                 try:
@@ -475,14 +480,16 @@ def main():
                 print(f"FAILED insert {dtype} T={T}: {type(e).__name__}: {e}", flush=True)
     # speedups vs dense SDPA at the same (context, batch)
     sdpa = {(r["context"], r["batch"]): r.get("sdpa_dense_bf16_ms") for r in decode_rows if "sdpa_dense_bf16_ms" in r}
+    sdpa_g = {(r["context"], r["batch"]): r.get("sdpa_dense_bf16_graph_ms") for r in decode_rows
+              if r.get("sdpa_dense_bf16_graph_ms")}
     unf = {(r["context"], r["batch"]): r.get("torch_msa_unfused_bf16_ms") for r in decode_rows
            if "torch_msa_unfused_bf16_ms" in r}
     for r in decode_rows:
         key = (r["context"], r["batch"])
         if sdpa.get(key):
             r["speedup_vs_sdpa_bf16"] = sdpa[key] / r["msa_decode_total_ms"]
-            if r.get("msa_decode_total_graph_ms") and r.get("sdpa_dense_bf16_graph_ms"):
-                r["speedup_vs_sdpa_bf16_graph"] = r["sdpa_dense_bf16_graph_ms"] / r["msa_decode_total_graph_ms"]
+        if r.get("msa_decode_total_graph_ms") and sdpa_g.get(key):
+            r["speedup_vs_sdpa_bf16_graph"] = sdpa_g[key] / r["msa_decode_total_graph_ms"]
         if unf.get(key):
             r["speedup_vs_torch_msa_bf16"] = unf[key] / r["msa_decode_total_ms"]
     dump({"meta": meta, "decode": decode_rows, "insert": insert_rows, "prefill": prefill_rows, "tune": tune_rows})

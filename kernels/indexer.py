@@ -49,6 +49,7 @@ def indexer_topk_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from . import nvfp4_mma  # noqa: E402
 from .kv_insert import gather_pages_ref  # noqa: E402
 from .triton_utils import (FMT_NVFP4, FMT_PLAIN, NVFP4_UNSCALE, cache_format, dot_dtype, interpreting,  # noqa: E402
                            joined_cols, next_pow2, num_sms, nvfp4_asm_ok, nvfp4_joined_tile, prefill_tiles)
@@ -182,11 +183,12 @@ def indexer_block_t(H: int) -> int:
 def indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, *, seq_lens=None,
                          query_start_loc=None, positions=None, local_blocks: int = 1, num_chunks=None,
                          block_t=None, tiles=None, out=None, num_warps=None, num_stages=3,
-                         asm=None) -> torch.Tensor:
+                         asm=None, mma=None, mma_mode=nvfp4_mma.MODE_INT, mma_unroll=3) -> torch.Tensor:
     """Stage 1: fp32 ``[T, H, max_pages]`` block max scores (-inf where not scored, +inf local blocks).
 
     Decode (``seq_lens`` given): one token per sequence at ``seq_lens - 1``. Prefill: ``query_start_loc`` and
-    ``positions`` (tiles of ``block_t`` consecutive tokens share each loaded key page).
+    ``positions`` (tiles of ``block_t`` consecutive tokens share each loaded key page). NVFP4 decode at M3's
+    shapes on sm_89/sm_90 runs `nvfp4_mma`'s kernel (``mma=False``: the portable one).
     """
     T, H, D = iq.shape
     B = idx_data.shape[1]
@@ -215,6 +217,11 @@ def indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables
         num_chunks = max(1, min(nb, -(-4 * num_sms(iq.device) // n_tiles)))
     bpp = -(-nb // num_chunks)
     num_chunks = -(-nb // bpp)
+    if decode and fmt == FMT_NVFP4 and mma is not False and nvfp4_mma.indexer_decode_supported(iq, idx_data,
+                                                                                               idx_scale_blocks):
+        return nvfp4_mma.indexer_decode_scores(iq, idx_data, idx_scale_blocks, float(idx_scale), block_tables,
+                                               seq_lens, out, fill, num_chunks, bpp, local_blocks, mma_mode,
+                                               mma_unroll)
     if num_warps is None:  # measured on the H200 (docs/performance.md, tune rows)
         num_warps = 8 if fmt == FMT_PLAIN else 4
     kd = idx_data

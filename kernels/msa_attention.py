@@ -48,6 +48,7 @@ def msa_attention_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from . import nvfp4_mma  # noqa: E402
 from .kv_insert import gather_pages_ref  # noqa: E402
 from .triton_utils import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8_WORDS_UNSCALE, NVFP4_UNSCALE, cache_format,  # noqa: E402
                            cast_to, dot_dtype, fp8_words_f16, interpreting, joined_cols, next_pow2, num_sms,
@@ -358,10 +359,12 @@ def _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks):
 
 def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables, seq_lens,
                scale: float, block_ids=None, num_splits=None, block_n=None, num_warps=4, num_stages=None,
-               out=None, words=None, split_target=None, block_pages=None, asm=None):
+               out=None, words=None, split_target=None, block_pages=None, asm=None, mma=None,
+               mma_kmode=nvfp4_mma.MODE_INT):
     """Triton version of :func:`msa_decode_ref`: grid (sequence, KV head, split); the G = H_q / H_kv query
     heads of a KV head share each loaded tile; split-K over the selected blocks (or, ``block_ids=None``, over
-    the whole context) with a log-sum-exp merge."""
+    the whole context) with a log-sum-exp merge. NVFP4 at M3's shapes on sm_89/sm_90 runs `nvfp4_mma`'s
+    kernel (``mma=False``: the portable one)."""
     S, H_q, D = q.shape
     _, H_kv, B, _ = k_data.shape
     G = H_q // H_kv
@@ -370,6 +373,10 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
     if S == 0:
         return out
     sparse = block_ids is not None
+    use_mma = (fmt == FMT_NVFP4 and mma is not False
+               and nvfp4_mma.attention_supported(q, k_data, v_data, k_scale_blocks, v_scale_blocks))
+    if use_mma:
+        block_n = nvfp4_mma.ATT_SPLIT_UNIT
     if words is None:  # measured on the H200 (docs/performance.md, decoder rows): nvfp4 sparse -> byte
         words = fmt != FMT_NVFP4 or not sparse  # decoder; nvfp4 dense and fp8 (V) -> int32-word decoders
     if block_n is None:
@@ -379,7 +386,9 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
     topk = block_ids.shape[-1] if sparse else 1
     max_tiles = topk * tpb if sparse else block_tables.shape[1] * tpb
     if num_splits is None:
-        want = -(-(split_target or 2) * num_sms(q.device) // (S * H_kv))
+        if split_target is None:  # programs per SM, measured on the H200 (docs/performance.md, decoder rows)
+            split_target = (1 if sparse else 8) if use_mma else 2
+        want = -(-split_target * num_sms(q.device) // (S * H_kv))
         num_splits = max(1, min(max_tiles, want))
     tiles_per_split = -(-max_tiles // num_splits)
     num_splits = -(-max_tiles // tiles_per_split)
@@ -398,6 +407,11 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
         bid, pg = block_ids.contiguous(), block_pages.to(torch.int32).contiguous()
     else:
         bid = pg = seq_lens
+    if use_mma:
+        nvfp4_mma.msa_decode_launch(q, k_data, v_data, k_scale_blocks, v_scale_blocks, scale * k_scale * LOG2E,
+                                    v_scale, block_tables, seq_lens, bid, pg, sparse, topk, num_splits,
+                                    tiles_per_split, out, op, lse, mma_kmode)
+        return _merge(out, op, lse, num_splits)
     ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, words)
     kwargs = {} if num_stages is None else {"num_stages": num_stages}
     _msa_decode_kernel[(S, H_kv, num_splits)](
@@ -415,7 +429,13 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
         ASM=perm and (asm if asm is not None else nvfp4_asm_ok(q.device)),
         num_warps=num_warps, **kwargs,
     )
+    return _merge(out, op, lse, num_splits)
+
+
+def _merge(out, op, lse, num_splits: int):
+    """Merge the split-K partials ``op`` / ``lse`` into ``out`` (nothing to do for one split)."""
     if num_splits > 1:
+        S, H_q, D = out.shape
         _merge_splits_kernel[(S, H_q)](op, lse, out, out.stride(0), out.stride(1), H_q, num_splits,
                                        NS_PAD=max(8, next_pow2(num_splits)), D=D, num_warps=2)
     return out

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call on a GPU machine that has torch + triton but not this package installed (the lent H200):
+# lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
+# in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
+# benchmarks/bench_qkv.py $QKV_ARGS. Logs and JSON go to $OUT (or ./device_out).
+#   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/device_out}"
+mkdir -p "$OUT" /tmp/p/m3serve
+cp -r backend/. /tmp/p/m3serve/ && rm -rf /tmp/p/m3serve/kernels && cp -r kernels /tmp/p/m3serve/kernels
+export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+for step in ${STEPS:-tests msa qkv}; do
+  case "$step" in
+    tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    msa) timeout "${MSA_TIMEOUT:-300}" python3 benchmarks/bench_msa.py --out "$OUT/bench_msa.json" ${MSA_ARGS:-} 2>&1 \
+           | tee "$OUT/bench_msa.log" | grep -v "^decode \|^prefill {\|^insert {" ;;
+    qkv) timeout "${QKV_TIMEOUT:-200}" python3 benchmarks/bench_qkv.py --out "$OUT/bench_qkv.json" ${QKV_ARGS:-} 2>&1 \
+           | tee "$OUT/bench_qkv.log" | tail -30 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

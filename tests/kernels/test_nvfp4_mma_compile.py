@@ -1,0 +1,94 @@
+"""The NVFP4 mma.sync kernels (kernels/nvfp4_mma.py) cannot run without an sm_89/sm_90 GPU (Gluon has no
+interpreter), so CI checks what can be checked on the CPU: they compile for sm_90 (which proves, through
+``convert_layout(..., assert_trivial=True)``, that the decoded registers are the mma fragments as they stand:
+no data moves between threads), the SASS has the instructions the design relies on, and the dispatch never picks
+them where they cannot run. Their numbers are checked on the H200 (tests/gpu/test_nvfp4_mma_gpu.py)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from m3serve.kernels import nvfp4_mma
+from m3serve.kernels.indexer import indexer_decode, indexer_decode_ref
+from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref
+from paged_testing import build, rel_err
+
+I32, F32 = "i32", "fp32"
+IDX_SIG = {"iq_ptr": "*bf16", "siq_s": I32, "siq_h": I32, "kd_ptr": "*u8", "ks_ptr": "*fp8e4nv", "idx_scale": F32,
+           "bt_ptr": "*i32", "sbt_s": I32, "seq_lens_ptr": "*i32", "out_ptr": "*fp32", "so_t": I32, "so_h": I32,
+           "blocks_per_prog": I32, "nb": I32, "H": I32}
+ATT_SIG = {"q_ptr": "*bf16", "sq_s": I32, "sq_h": I32, "k_ptr": "*u8", "v_ptr": "*u8", "sd_p": I32,
+           "ks_ptr": "*fp8e4nv", "vs_ptr": "*fp8e4nv", "ss_p": I32, "bt_ptr": "*i32", "sbt_s": I32,
+           "seq_lens_ptr": "*i32", "bid_ptr": "*i32", "pg_ptr": "*i32", "sbid_s": I32, "sbid_h": I32,
+           "out_ptr": "*bf16", "so_s": I32, "so_h": I32, "op_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": F32,
+           "v_scale": F32, "blocks_per_split": I32, "nsplit": I32, "n_kv": I32}
+
+
+def _compile(kernel: str, signature: dict, constexprs: dict, cubin: str) -> None:
+    """Run in a child process without TRITON_INTERPRET (the interpreter patches the language functions)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = getattr(nvfp4_mma, kernel)
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    src = GluonASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                         attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nvfp4_mma.NUM_WARPS})
+    Path(cubin).write_bytes(compiled.asm["cubin"])
+
+
+def _sass(kernel, signature, constexprs, tmp_path):
+    cubin = tmp_path / "k.cubin"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_nvfp4_mma_compile as t; "
+            f"t._compile({kernel!r}, {signature!r}, {constexprs!r}, {str(cubin)!r})")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    import triton
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(cuobjdump), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass.stdout)
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    return ops, usage
+
+
+@pytest.mark.parametrize("mode", [nvfp4_mma.MODE_CVT, nvfp4_mma.MODE_INT])
+def test_index_scan_compiles_to_register_mma(mode, tmp_path):
+    ops, usage = _sass("_indexer_decode_kernel", IDX_SIG, {"LOCAL": 1, "FILL": True, "MODE": mode,
+                                                                   "UNROLL": 2}, tmp_path)
+    assert ops.count("HMMA") == 2 * 16  # 2 pages x (2 m-tiles of 16 rows per warp x 8 k-steps)
+    assert "LDS" in ops  # only the block max crosses warps (through shared memory) ...
+    assert ops.count("STS") <= 8  # ... not the decoded tiles (those would be hundreds of stores)
+    assert ops.count("F2FP") >= (64 if mode == nvfp4_mma.MODE_CVT else 0)  # the e4m3x2 -> f16x2 converts
+    assert "LOCAL:0" in usage.replace(" ", "")  # no spills
+
+
+def test_decode_attention_compiles_without_spills(tmp_path):
+    ops, usage = _sass("_msa_decode_kernel", ATT_SIG, {"TOPK": 16, "SPARSE": True, "SPLIT": True,
+                                                               "KMODE": nvfp4_mma.MODE_INT}, tmp_path)
+    assert ops.count("HMMA") >= 2 * 32  # one block per iteration: 2 tiles x (16 for QK^T + 16 for PV)
+    assert "LOCAL:0" in usage.replace(" ", "")
+
+
+def test_dispatch_checks_shapes_and_never_picks_the_fast_path_here():
+    g = torch.Generator().manual_seed(0)
+    st = build([300, 40], 1, 128, 128, "nvfp4", "nvfp4", 128, gen=g)  # M3 page / head dims, TP4 head counts
+    iq = torch.randn(2, 1, 128, generator=g)
+    q = torch.randn(2, 16, 128, generator=g)
+    assert nvfp4_mma.indexer_decode_shapes_ok(iq, st.idx, st.isb)
+    assert nvfp4_mma.attention_shapes_ok(q, st.kd, st.vd, st.ksb, st.vsb)
+    assert not nvfp4_mma.attention_shapes_ok(q[:, :8], st.kd, st.vd, st.ksb, st.vsb)  # 8 query heads per KV head
+    assert not nvfp4_mma.indexer_decode_shapes_ok(iq, st.idx[:, :, :32], st.isb)  # not a whole contiguous row
+    assert not nvfp4_mma.available(q.device)
+    # so the portable kernels serve, and match their references (interpreter)
+    ids = indexer_decode(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 2)
+    assert torch.equal(ids, indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 2))
+    kv = (st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale)
+    out = msa_decode(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)
+    assert rel_err(out, msa_decode_ref(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)) < 1e-2
