@@ -49,10 +49,10 @@ def indexer_topk_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from . import nvfp4_mma  # noqa: E402
 from .kv_insert import gather_pages_ref  # noqa: E402
 from .triton_utils import (FMT_NVFP4, FMT_PLAIN, NVFP4_UNSCALE, cache_format, dot_dtype, interpreting,  # noqa: E402
-                           joined_cols, next_pow2, num_sms, nvfp4_asm_ok, nvfp4_joined_tile, prefill_tiles)
+                           joined_cols, next_pow2, num_sms, nvfp4_asm_ok, nvfp4_joined_tile, nvfp4_mma_kernels,
+                           prefill_tiles)
 
 
 def indexer_decode_ref(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, seq_lens, topk: int,
@@ -183,7 +183,7 @@ def indexer_block_t(H: int) -> int:
 def indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, *, seq_lens=None,
                          query_start_loc=None, positions=None, local_blocks: int = 1, num_chunks=None,
                          block_t=None, tiles=None, out=None, num_warps=None, num_stages=3,
-                         asm=None, mma=None, mma_mode=nvfp4_mma.MODE_INT, mma_unroll=3) -> torch.Tensor:
+                         asm=None, mma=None, mma_mode=None, mma_unroll=None) -> torch.Tensor:
     """Stage 1: fp32 ``[T, H, max_pages]`` block max scores (-inf where not scored, +inf local blocks).
 
     Decode (``seq_lens`` given): one token per sequence at ``seq_lens - 1``. Prefill: ``query_start_loc`` and
@@ -217,11 +217,10 @@ def indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables
         num_chunks = max(1, min(nb, -(-4 * num_sms(iq.device) // n_tiles)))
     bpp = -(-nb // num_chunks)
     num_chunks = -(-nb // bpp)
-    if decode and fmt == FMT_NVFP4 and mma is not False and nvfp4_mma.indexer_decode_supported(iq, idx_data,
-                                                                                               idx_scale_blocks):
-        return nvfp4_mma.indexer_decode_scores(iq, idx_data, idx_scale_blocks, float(idx_scale), block_tables,
-                                               seq_lens, out, fill, num_chunks, bpp, local_blocks, mma_mode,
-                                               mma_unroll)
+    fast = nvfp4_mma_kernels() if decode and fmt == FMT_NVFP4 and mma is not False else None
+    if fast is not None and fast.indexer_decode_supported(iq, idx_data, idx_scale_blocks):
+        return fast.indexer_decode_scores(iq, idx_data, idx_scale_blocks, float(idx_scale), block_tables,
+                                          seq_lens, out, fill, num_chunks, bpp, local_blocks, mma_mode, mma_unroll)
     if num_warps is None:  # measured on the H200 (docs/performance.md, tune rows)
         num_warps = 8 if fmt == FMT_PLAIN else 4
     kd = idx_data

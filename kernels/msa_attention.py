@@ -48,11 +48,11 @@ def msa_attention_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from . import nvfp4_mma  # noqa: E402
 from .kv_insert import gather_pages_ref  # noqa: E402
 from .triton_utils import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8_WORDS_UNSCALE, NVFP4_UNSCALE, cache_format,  # noqa: E402
                            cast_to, dot_dtype, fp8_words_f16, interpreting, joined_cols, next_pow2, num_sms,
-                           nvfp4_asm_ok, nvfp4_joined_tile, nvfp4_tile_f16, nvfp4_words_f16, prefill_tiles)
+                           nvfp4_asm_ok, nvfp4_joined_tile, nvfp4_mma_kernels, nvfp4_tile_f16, nvfp4_words_f16,
+                           prefill_tiles)
 
 
 def msa_decode_ref(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables, seq_lens,
@@ -359,8 +359,7 @@ def _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks):
 
 def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables, seq_lens,
                scale: float, block_ids=None, num_splits=None, block_n=None, num_warps=4, num_stages=None,
-               out=None, words=None, split_target=None, block_pages=None, asm=None, mma=None,
-               mma_kmode=nvfp4_mma.MODE_INT):
+               out=None, words=None, split_target=None, block_pages=None, asm=None, mma=None, mma_kmode=None):
     """Triton version of :func:`msa_decode_ref`: grid (sequence, KV head, split); the G = H_q / H_kv query
     heads of a KV head share each loaded tile; split-K over the selected blocks (or, ``block_ids=None``, over
     the whole context) with a log-sum-exp merge. NVFP4 at M3's shapes on sm_89/sm_90 runs `nvfp4_mma`'s
@@ -373,10 +372,10 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
     if S == 0:
         return out
     sparse = block_ids is not None
-    use_mma = (fmt == FMT_NVFP4 and mma is not False
-               and nvfp4_mma.attention_supported(q, k_data, v_data, k_scale_blocks, v_scale_blocks))
+    fast = nvfp4_mma_kernels() if fmt == FMT_NVFP4 and mma is not False else None
+    use_mma = fast is not None and fast.attention_supported(q, k_data, v_data, k_scale_blocks, v_scale_blocks)
     if use_mma:
-        block_n = nvfp4_mma.ATT_SPLIT_UNIT
+        block_n = fast.ATT_SPLIT_UNIT
     if words is None:  # measured on the H200 (docs/performance.md, decoder rows): nvfp4 sparse -> byte
         words = fmt != FMT_NVFP4 or not sparse  # decoder; nvfp4 dense and fp8 (V) -> int32-word decoders
     if block_n is None:
@@ -408,9 +407,9 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
     else:
         bid = pg = seq_lens
     if use_mma:
-        nvfp4_mma.msa_decode_launch(q, k_data, v_data, k_scale_blocks, v_scale_blocks, scale * k_scale * LOG2E,
-                                    v_scale, block_tables, seq_lens, bid, pg, sparse, topk, num_splits,
-                                    tiles_per_split, out, op, lse, mma_kmode)
+        fast.msa_decode_launch(q, k_data, v_data, k_scale_blocks, v_scale_blocks, scale * k_scale * LOG2E, v_scale,
+                               block_tables, seq_lens, bid, pg, sparse, topk, num_splits, tiles_per_split, out, op,
+                               lse, mma_kmode)
         return _merge(out, op, lse, num_splits)
     ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, words)
     kwargs = {} if num_stages is None else {"num_stages": num_stages}

@@ -265,9 +265,13 @@ def _contiguous_pool(data: torch.Tensor, scales: torch.Tensor | None) -> bool:
 
 
 def indexer_decode_scores(iq, idx_data, idx_scale_blocks, idx_scale: float, block_tables, seq_lens, out, fill: bool,
-                          num_chunks: int, bpp: int, local_blocks: int, mode: int = MODE_INT, unroll: int = 3):
+                          num_chunks: int, bpp: int, local_blocks: int, mode: int | None = None,
+                          unroll: int | None = None):
     """Launch for ``indexer.indexer_block_scores`` (decode): same arguments, already resolved there; ``idx_scale``
-    is the layer's per-tensor scale of the index keys."""
+    is the layer's per-tensor scale of the index keys. Defaults measured on the H200 (docs/performance.md):
+    the integer decoder, 3 pages in flight per program."""
+    mode = MODE_INT if mode is None else mode
+    unroll = 3 if unroll is None else unroll
     S, H, _ = iq.shape
     _indexer_decode_kernel[(S, num_chunks)](
         iq, iq.stride(0), iq.stride(1),
@@ -493,11 +497,13 @@ def attention_supported(q, k_data, v_data, k_scale_blocks, v_scale_blocks) -> bo
 
 def msa_decode_launch(q, k_data, v_data, k_scale_blocks, v_scale_blocks, qk_scale: float, v_scale: float,
                       block_tables, seq_lens, bid, pg, sparse: bool, topk: int, num_splits: int, blocks_per_split: int,
-                      out, op, lse, kmode: int = MODE_INT):
-    """Launch for ``msa_attention.msa_decode`` (its arguments resolved there; splits of whole blocks).
+                      out, op, lse, kmode: int | None = None):
+    """Launch for ``msa_attention.msa_decode`` (its arguments resolved there; splits of whole blocks). K's decoder:
+    ``kmode`` (default the integer one; V always uses the convert).
     ``qk_scale`` = softmax scale * k_scale * log2(e), ``v_scale`` = the layer's V scale."""
     S, _, _ = q.shape
     n_kv = k_data.shape[1]
+    kmode = MODE_INT if kmode is None else kmode
     _msa_decode_kernel[(S, n_kv, num_splits)](
         q, q.stride(0), q.stride(1),
         k_data, v_data, k_data.stride(0), k_scale_blocks, v_scale_blocks, k_scale_blocks.stride(0),

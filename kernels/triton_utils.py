@@ -82,6 +82,17 @@ def prefill_tiles(query_start_loc, block_t: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 3)
 
 
+@functools.lru_cache(maxsize=None)
+def nvfp4_mma_kernels():
+    """The module ``nvfp4_mma`` (Gluon kernels for sm_89/sm_90), or None where this Triton has no Gluon (older or
+    some ROCm builds): then the portable kernels serve everywhere."""
+    try:
+        from . import nvfp4_mma
+    except ImportError:
+        return None
+    return nvfp4_mma
+
+
 def u8_view(t: torch.Tensor | None) -> torch.Tensor | None:
     """uint8 view of an e4m3 tensor (kernels write e4m3 bits computed with integer ops)."""
     if t is None:

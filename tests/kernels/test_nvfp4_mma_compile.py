@@ -92,3 +92,42 @@ def test_dispatch_checks_shapes_and_never_picks_the_fast_path_here():
     kv = (st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale)
     out = msa_decode(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)
     assert rel_err(out, msa_decode_ref(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)) < 1e-2
+
+
+class _Launch:
+    """Stands in for a Gluon kernel: records ``kernel[grid](*args, **kw)``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
+def test_dispatch_launches_the_fast_kernels_with_the_measured_defaults(monkeypatch):
+    """Where `available` holds (sm_89/sm_90), M3-shaped NVFP4 decode goes to these kernels: the Python glue (grid,
+    strides, scales, defaults) is checked here with the launches recorded; the kernels' numbers on the H200."""
+    g = torch.Generator().manual_seed(1)
+    st = build([128 * 20 + 5, 40], 4, 128, 128, "nvfp4", "nvfp4", 128, gen=g)
+    iq = torch.randn(2, 4, 128, generator=g)
+    q = torch.randn(2, 64, 128, generator=g)
+    scan, attn = _Launch(), _Launch()
+    monkeypatch.setattr(nvfp4_mma, "available", lambda device: True)
+    monkeypatch.setattr(nvfp4_mma, "_indexer_decode_kernel", scan)
+    monkeypatch.setattr(nvfp4_mma, "_msa_decode_kernel", attn)
+    from m3serve.kernels.indexer import indexer_block_scores
+    out = indexer_block_scores(iq, st.idx, st.isb, st.idx_scale, st.bt, seq_lens=st.seq_lens)
+    (grid, args, kw), = scan.calls
+    assert grid[0] == 2 and out.shape == (2, 4, st.bt.shape[1])
+    assert kw["MODE"] == nvfp4_mma.MODE_INT and kw["UNROLL"] == 3 and kw["FILL"] and kw["LOCAL"] == 1
+    assert args[5] == pytest.approx(st.idx_scale * nvfp4_mma.UNSCALE[nvfp4_mma.MODE_INT])  # the decoder's unscale
+    ids = torch.tensor([[[0, 3, -1, -1]] * 4, [[0, -1, -1, -1]] * 4], dtype=torch.int32)
+    kv = (st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale)
+    msa_decode(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)
+    (grid, args, kw), = attn.calls
+    assert grid == (2, 4, 1)  # sparse: one program per (sequence, KV head) when there are fewer than SMs x 1 ...
+    assert kw["SPARSE"] and not kw["SPLIT"] and kw["TOPK"] == 4 and kw["KMODE"] == nvfp4_mma.MODE_INT
+    msa_decode(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, None)
+    grid, args, kw = attn.calls[1]
+    assert not kw["SPARSE"] and kw["SPLIT"] and grid[2] > 1  # ... dense-mode splits whole blocks 8 per SM
+    assert not nvfp4_mma.attention_supported(q[:, :32], *kv[:4])  # not 16 query heads per KV head
