@@ -237,10 +237,12 @@ def preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "nvfp4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "nvfp4")  # the option's accepted values
 
-# bytes per cached element, scales included (NVFP4: half a byte + one E4M3 scale per 16)
-KV_BYTES_PER_ELEMENT = {"bfloat16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1.0 / 16}
+# how cached K / V / index keys can be stored, with bytes per element, scales included (NVFP4: half a byte +
+# one E4M3 scale per 16); float32 / float16 follow a float32 / float16 model under "auto"
+KV_BYTES_PER_ELEMENT = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1.0 / 16}
+CACHE_DTYPES = tuple(KV_BYTES_PER_ELEMENT)
 
 
 def normalize_kv_dtype(name: str, model_dtype: str = "bfloat16") -> str:
@@ -253,12 +255,12 @@ def normalize_kv_dtype(name: str, model_dtype: str = "bfloat16") -> str:
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str) -> int:
     """Main K+V cache bytes per token over all layers (the indexer keys are counted separately)."""
-    per_elt = KV_BYTES_PER_ELEMENT.get(kv_cache_dtype, 4.0)
+    per_elt = KV_BYTES_PER_ELEMENT[kv_cache_dtype]
     return int(round(cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * per_elt))
 
 
 def indexer_bytes_per_token(cfg: ModelConfig, indexer_kv_dtype: str) -> int:
-    per_elt = KV_BYTES_PER_ELEMENT.get(indexer_kv_dtype, 4.0)
+    per_elt = KV_BYTES_PER_ELEMENT[indexer_kv_dtype]
     return int(round(cfg.num_sparse_layers * cfg.index_head_dim * per_elt))
 
 

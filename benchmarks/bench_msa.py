@@ -29,12 +29,12 @@ if "--smoke" in sys.argv:
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from m3serve.config import KV_BYTES_PER_ELEMENT  # noqa: E402
 from m3serve.kernels.indexer import indexer_block_scores, indexer_decode, indexer_prefill  # noqa: E402
 from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref  # noqa: E402
 from m3serve.kernels.msa_attention import msa_decode, msa_prefill  # noqa: E402
 
 H_Q, H_KV, D, H_IDX, D_IDX, B, TOPK = 64, 4, 128, 4, 128, 128, 16
-BYTES_PER_ELT = {"bfloat16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}
 SCALE = {"bfloat16": 1.0, "fp8": 2.0 / 448, "nvfp4": 2.0 / 2688}
 
 
@@ -156,7 +156,7 @@ def bench_decode(pool, ctx, batch, device, copy_bw, timer, graph, refs):
     q = torch.randn(S, H_Q, D, device=device, dtype=torch.bfloat16)
     iq = torch.randn(S, H_IDX, D_IDX, device=device, dtype=torch.bfloat16)
     scale = D ** -0.5
-    be = BYTES_PER_ELT[pool.dtype]
+    be = KV_BYTES_PER_ELEMENT[pool.dtype]
     idx_bytes = S * ctx * D_IDX * be
     row = {"kv_dtype": pool.dtype, "index_dtype": pool.dtype, "context": ctx, "batch": S}
 
@@ -229,7 +229,7 @@ def bench_insert(dtype, T, device, timer):
     args = (k, v, slots, kd, vd, ksb, vsb, s, s, ik, idd, isb, s)
     fused = timer(lambda: kv_insert(*args))
     unfused = timer(lambda: kv_insert_ref(*args))
-    nbytes = T * (2 * H_KV * D + D_IDX) * (2 + BYTES_PER_ELT[dtype])
+    nbytes = T * (2 * H_KV * D + D_IDX) * (2 + KV_BYTES_PER_ELEMENT[dtype])
     return {"kv_dtype": dtype, "tokens": T, "fused_ms": fused, "unfused_torch_ms": unfused,
             "speedup": unfused / fused, "bytes": nbytes, "fused_TBps": nbytes / (fused * 1e-3) / 1e12}
 
@@ -264,7 +264,7 @@ def bench_prefill(pool, ctx, chunk, device, timer):
 def bench_tune(pool, device, copy_bw, timer, shapes=((131072, 64), (32768, 8))):
     """Variants of the decode kernels at the large shapes (block sizes, warps, stages, decoders, splits)."""
     rows = []
-    be = BYTES_PER_ELT[pool.dtype]
+    be = KV_BYTES_PER_ELEMENT[pool.dtype]
     scale = D ** -0.5
 
     def setup(ctx, S):
@@ -330,7 +330,7 @@ def bench_decoders(pool, device, copy_bw, timer, ctx=131072, S=64):
     rows = []
     if ctx // B * S > pool.P:
         return rows
-    be = BYTES_PER_ELT[pool.dtype]
+    be = KV_BYTES_PER_ELEMENT[pool.dtype]
     nb = ctx // B
     bt = torch.randperm(pool.P, device=device)[: S * nb].view(S, nb).to(torch.int32)
     sl = torch.full((S,), ctx, dtype=torch.int32, device=device)
@@ -436,7 +436,7 @@ def main():
     decode_rows, insert_rows, prefill_rows, tune_rows = [], [], [], []
     max_pages = max(c // B * b for c in contexts for b in batches)
     for dtype in dtypes:
-        page_bytes = B * (2 * H_KV * D + D_IDX) * BYTES_PER_ELT[dtype]
+        page_bytes = B * (2 * H_KV * D + D_IDX) * KV_BYTES_PER_ELEMENT[dtype]
         n_pages = int(min(max_pages, args.mem_gb * 1e9 / page_bytes)) + 1
         pool = Pool(dtype, n_pages, device)
         refs = make_refs(pool if dtype == "bfloat16" else None, device, timer, graph) \

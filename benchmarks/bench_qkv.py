@@ -30,13 +30,12 @@ if "--smoke" in sys.argv:
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from m3serve.config import ModelConfig, preset  # noqa: E402
-from m3serve.engine.kv_cache import PagedKVCache  # noqa: E402
+from m3serve.config import KV_BYTES_PER_ELEMENT, ModelConfig, preset  # noqa: E402
+from m3serve.executor.kv_cache import PagedKVCache  # noqa: E402
 from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref  # noqa: E402
 from m3serve.kernels.qkv_insert import QKVLayout, qkv_insert  # noqa: E402
 from m3serve.model.m3 import Attention, Rotary  # noqa: E402
 
-BYTES_PER_ELT = {"bfloat16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}
 
 
 def layer_config(tp: int, smoke: bool) -> ModelConfig:
@@ -65,10 +64,9 @@ def bench_one(cfg, layer, kv, T, device, timer):
     cos, sin = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)(pos, dtype)
     slots = torch.randperm(n_pages * cfg.index_block_size, device=device)[:T]
     sparse = attn.indexer is not None
-    c = [cache.k_data[layer], cache.v_data[layer], cache.k_scale_blocks[layer], cache.v_scale_blocks[layer],
-         cache.k_scale[layer], cache.v_scale[layer]]
-    ic = dict(idx_data=cache.idx_data[layer], idx_scale_blocks=cache.idx_scale_blocks[layer],
-              idx_scale=cache.idx_scale[layer]) if sparse else {}
+    lc = cache.layers[layer]
+    c = [lc.k, lc.v, lc.k_scale_blocks, lc.v_scale_blocks, lc.k_scale, lc.v_scale]
+    ic = dict(idx_data=lc.index, idx_scale_blocks=lc.index_scale_blocks, idx_scale=lc.index_scale) if sparse else {}
 
     def unfused():
         q, k, v, iq, ik = attn.finish(attn.project(x), cos, sin)
@@ -99,7 +97,7 @@ def bench_one(cfg, layer, kv, T, device, timer):
     e = 2 if dtype == torch.bfloat16 else 4
     out_cols = layout.n_q * layout.head_dim + layout.n_idx * layout.index_dim
     cache_cols = 2 * layout.n_kv * layout.head_dim + (layout.index_dim if sparse else 0)
-    nbytes = T * (layout.width * e + out_cols * e + cache_cols * BYTES_PER_ELT[kv])
+    nbytes = T * (layout.width * e + out_cols * e + cache_cols * KV_BYTES_PER_ELEMENT[kv])
     return {"heads": f"{layout.n_q}/{layout.n_kv}/{layout.n_idx}", "layer": "sparse" if sparse else "full",
             "kv_dtype": kv, "tokens": T, "unfused_ms": t_unfused, "gemm_insert_ms": t_gi, "fused_ms": t_fused,
             "gemm_ms": t_gemm, "qkv_insert_ms": t_kernel, "speedup_vs_unfused": t_unfused / t_fused,

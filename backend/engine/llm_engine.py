@@ -18,13 +18,13 @@ import torch
 
 from m3serve.config import ConfigError, EngineConfig, ModelConfig, normalize_kv_dtype
 from m3serve.engine.block_manager import BlockManager
-from m3serve.engine.kv_cache import PagedKVCache, determine_num_pages
-from m3serve.engine.model_runner import ModelRunner, select_attention_backend
 from m3serve.engine.outputs import RequestOutput
-from m3serve.engine.sampler import SampledToken, Sampler
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
+from m3serve.executor.kv_cache import PagedKVCache, determine_num_pages
+from m3serve.executor.model_runner import ModelRunner
+from m3serve.executor.sampler import SampledToken, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,7 @@ class LLMEngine:
                                           watermark_pages=num_pages // 100)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.cache, Sampler(self.eos_token_ids), self.device,
-                                  select_attention_backend(model, self.device))
+        self.runner = ModelRunner(model, self.cache, Sampler(self.eos_token_ids), self.device)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0

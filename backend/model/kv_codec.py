@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from m3serve.config import CACHE_DTYPES
 from m3serve.kernels import fp8, nvfp4
-
-CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8", "nvfp4")
 
 
 class KVCodec:

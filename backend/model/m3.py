@@ -1,8 +1,9 @@
 """The MiniMax-M3 text model in PyTorch: the reference path every kernel and the engine are checked
 against (numerics of transformers 5.25 `MiniMaxM3VLForCausalLM`), written over an explicit cache.
 
-Tokens of all sequences of a step are flattened to `[T, hidden]`; `ForwardBatch` says which belong
-to which sequence. Module names follow the transformers layout so the loader's map stays short.
+Tokens of all sequences of a step are flattened to `[T, hidden]`; the `StepInput` says which belong to
+which sequence, and an attention backend (model/layers/attention.py) owns the cache. Module names follow
+the transformers layout so the loader's map stays short.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3serve.config import ModelConfig
-from m3serve.model.attention import ForwardBatch, TorchAttention
+from m3serve.engine.step import StepInput
+from m3serve.model.layers.attention import AttentionSpec
 from m3serve.model.weights import Linear, QuantWeight
 
 
@@ -144,13 +146,13 @@ class Attention(nn.Module):
             iq, ik = self.indexer.finish(parts[3], parts[4], cos, sin)
         return q, k, v, iq, ik
 
-    def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos, sin, step: StepInput, backend) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_weight is not None and getattr(backend, "packed_qkv", False):
             # the backend norms, rotates and caches straight from the one GEMM's output
-            out = backend.forward_packed(self.layer, F.linear(x, self.qkv_weight), self, cos, sin, batch)
+            out = backend.forward_packed(self.layer, F.linear(x, self.qkv_weight), self, cos, sin, step)
         else:
-            out = backend.forward(self.layer, *self.finish(self.project(x), cos, sin), batch)
+            out = backend.forward(self.layer, *self.finish(self.project(x), cos, sin), step)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -223,8 +225,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
+    def forward(self, x, cos, sin, step: StepInput, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -240,7 +242,7 @@ class M3Model(nn.Module):
 
 
 class M3ForCausalLM(nn.Module):
-    """forward(input_ids [T], batch) -> final hidden states [T, H]; compute_logits(h) -> fp32 [N, V]."""
+    """forward(step, backend) -> final hidden states [T, H]; compute_logits(h) -> fp32 [N, V]."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  formats: dict[int, dict[str, str]] | None = None):
@@ -249,16 +251,15 @@ class M3ForCausalLM(nn.Module):
         self.model = M3Model(cfg, dtype, formats)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        self.reference_backend = TorchAttention(cfg.index_block_size, cfg.index_topk_blocks,
-                                                cfg.index_local_blocks, cfg.head_dim ** -0.5)
+        self.attention_spec = AttentionSpec.of(cfg)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        backend = batch.backend or self.reference_backend
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
+    def forward(self, step: StepInput, backend) -> torch.Tensor:
+        """`backend`: an attention backend over the cache the step's tokens go into."""
+        x = self.model.embed_tokens(step.input_ids)
+        cos, sin = self.rotary(step.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, backend)
+            x = layer(x, cos, sin, step, backend)
         return self.model.norm(x)
 
     def fuse_qkv_projections(self) -> None:

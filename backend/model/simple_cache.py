@@ -1,21 +1,20 @@
 """A contiguous per-sequence cache (no paging): what the reference tests and the simple generation
 loop use. Values are stored through the KV codec (quantized and read back), so its numerics equal a
-quantized cache's."""
+quantized cache's. Sequence s of every step is the cache's sequence s."""
 from __future__ import annotations
 
 import torch
 
-from m3serve.model.attention import ForwardBatch
+from m3serve.engine.step import StepInput
 from m3serve.model.kv_codec import KVCodec
 
 
 class ContiguousCache:
-    def __init__(self, num_seqs: int, kv_codec: KVCodec, index_codec: KVCodec | None = None):
+    def __init__(self, kv_codec: KVCodec, index_codec: KVCodec | None = None):
         self.kv_codec, self.index_codec = kv_codec, index_codec or kv_codec
         self.k: dict[tuple[int, int], torch.Tensor] = {}
         self.v: dict[tuple[int, int], torch.Tensor] = {}
         self.ik: dict[tuple[int, int], torch.Tensor] = {}
-        self.num_seqs = num_seqs
 
     def _append(self, store: dict, key, x: torch.Tensor, pos: torch.Tensor) -> None:
         old = store.get(key)
@@ -25,14 +24,13 @@ class ContiguousCache:
                              f"the {start} cached tokens")
         store[key] = x if old is None else torch.cat([old, x], 0)
 
-    def store(self, layer, seq, batch: ForwardBatch, k, v, ik) -> None:
-        sid = batch.extra.get("seq_ids", list(range(batch.num_seqs)))[seq]
-        pos = batch.positions[batch.query_start_loc[seq]:batch.query_start_loc[seq + 1]]
-        self._append(self.k, (layer, sid), self.kv_codec.roundtrip(k), pos)
-        self._append(self.v, (layer, sid), self.kv_codec.roundtrip(v), pos)
+    def store(self, layer, seq, step: StepInput, k, v, ik) -> None:
+        qsl = step.query_start_loc_cpu
+        pos = step.positions[qsl[seq]:qsl[seq + 1]]
+        self._append(self.k, (layer, seq), self.kv_codec.roundtrip(k), pos)
+        self._append(self.v, (layer, seq), self.kv_codec.roundtrip(v), pos)
         if ik is not None:
-            self._append(self.ik, (layer, sid), self.index_codec.roundtrip(ik), pos)
+            self._append(self.ik, (layer, seq), self.index_codec.roundtrip(ik), pos)
 
-    def load(self, layer, seq, batch: ForwardBatch):
-        sid = batch.extra.get("seq_ids", list(range(batch.num_seqs)))[seq]
-        return self.k[(layer, sid)], self.v[(layer, sid)], self.ik.get((layer, sid))
+    def load(self, layer, seq, step: StepInput):
+        return self.k[(layer, seq)], self.v[(layer, seq)], self.ik.get((layer, seq))

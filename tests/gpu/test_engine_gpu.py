@@ -7,18 +7,14 @@ Two free runs can part at a near-tie (see tests/kernels/shadow.py), so the per-l
 shadow run: kernels and reference on the same inputs at every layer of every step."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-import torch
 
 from m3serve import LLM, SamplingParams
-from m3serve.engine.kernel_attention import TritonAttention
+from m3serve.model.layers.attention import TorchAttention
+from m3serve.model.layers.triton_attention import TritonAttention
 from m3serve.model.tiny import make_tiny
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
-from shadow import ShadowAttention  # noqa: E402
+from support.shadow import shadow_of
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +34,7 @@ def _run(tiny_dir, kv_cache_dtype, reference: bool, **kw):
               max_model_len=512, num_gpu_blocks_override=64, **kw)
     runner = llm.engine.runner
     if reference:
-        runner.backend = None  # the model's TorchAttention over the same PagedKVCache
+        runner.backend = TorchAttention(runner.model.attention_spec, runner.cache)  # over the same PagedKVCache
     else:
         assert isinstance(runner.backend, TritonAttention), "the engine did not pick the kernels on CUDA"
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
@@ -69,7 +65,7 @@ def test_engine_kernels_shadow(tiny_dir, kv, budget):
               num_gpu_blocks_override=64, max_num_batched_tokens=budget)
     runner = llm.engine.runner
     assert isinstance(runner.backend, TritonAttention)
-    shadow = ShadowAttention(runner.backend, runner.model.reference_backend, tol=0.05)
+    shadow = shadow_of(runner.backend, tol=0.05)
     runner.backend = shadow
     llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     print(f"{kv} budget={budget}: {shadow.calls} layer calls, {shadow.tokens} token rows, "

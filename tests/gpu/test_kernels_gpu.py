@@ -1,21 +1,16 @@
 """The paged kernels on the GPU at M3 shapes (64 q heads, 4 KV heads, D=128, index 4x128, B=128, top-16),
 compiled for real (not the interpreter), against the torch references on the same device."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
-
-from m3serve.kernels.indexer import (indexer_decode, indexer_decode_ref, indexer_prefill,  # noqa: E402
+from m3serve.kernels.indexer import (indexer_decode, indexer_decode_ref, indexer_prefill,
                                      indexer_prefill_ref)
-from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref  # noqa: E402
-from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref, msa_prefill, msa_prefill_ref  # noqa: E402
-from m3serve.kernels.triton_utils import interpreting  # noqa: E402
-from paged_testing import KV_DTYPES, alloc, build, chunk_positions, rel_err  # noqa: E402
-from test_qkv_insert import check_qkv_insert  # noqa: E402
-from m3serve.kernels.qkv_insert import QKVLayout  # noqa: E402
+from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref
+from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref, msa_prefill, msa_prefill_ref
+from m3serve.kernels.triton_utils import interpreting
+from support.paged import KV_DTYPES, alloc, build, chunk_positions, rel_err
+from support.qkv import check_qkv_insert
+from m3serve.kernels.qkv_insert import QKVLayout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET is set: these test compiled kernels")]

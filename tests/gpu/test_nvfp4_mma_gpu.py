@@ -1,19 +1,14 @@
 """The NVFP4 mma.sync kernels (kernels/nvfp4_mma.py: index scan and decode attention, Gluon, sm_89/sm_90) at M3
 shapes against the torch references and the portable kernels, on fresh random caches, outputs poisoned first.
 Both decoders (hardware convert, integer ops) and every launch variant the benchmark times are checked."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
-
-from m3serve.kernels import nvfp4_mma  # noqa: E402
-from m3serve.kernels.indexer import indexer_block_scores, indexer_decode, indexer_decode_ref  # noqa: E402
-from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref  # noqa: E402
-from m3serve.kernels.triton_utils import interpreting  # noqa: E402
-from paged_testing import build, rel_err  # noqa: E402
+from m3serve.kernels import nvfp4_mma
+from m3serve.kernels.indexer import indexer_block_scores, indexer_decode, indexer_decode_ref
+from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref
+from m3serve.kernels.triton_utils import interpreting
+from support.paged import build, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET is set: these test compiled kernels")]
@@ -105,11 +100,11 @@ def test_engine_uses_the_mma_kernels_and_matches_the_reference(tmp_path):
     blocks, top-16), an NVFP4 cache, prompts past 16 blocks: the engine's decode steps run the mma.sync kernels,
     shadowed at every layer by the torch reference on the same cache (tests/kernels/shadow.py)."""
     _need_mma()
-    from shadow import ShadowAttention
+    from support.shadow import shadow_of
 
     from m3serve import LLM, SamplingParams
     from m3serve.config import FULL, SPARSE
-    from m3serve.engine.kernel_attention import TritonAttention
+    from m3serve.model.layers.triton_attention import TritonAttention
     from m3serve.model.checkpoint_writer import write_checkpoint
     from m3serve.model.tiny import make_tiny, random_state, tiny_config
 
@@ -126,11 +121,11 @@ def test_engine_uses_the_mma_kernels_and_matches_the_reference(tmp_path):
     runner = llm.engine.runner
     assert isinstance(runner.backend, TritonAttention)
     cache = runner.cache
-    assert nvfp4_mma.indexer_decode_supported(torch.zeros(1, 1, 128, device=DEV), cache.idx_data[1],
-                                              cache.idx_scale_blocks[1])
-    assert nvfp4_mma.attention_supported(torch.zeros(1, 16, 128, device=DEV), cache.k_data[1], cache.v_data[1],
-                                         cache.k_scale_blocks[1], cache.v_scale_blocks[1])
-    shadow = ShadowAttention(runner.backend, runner.model.reference_backend, tol=0.05)
+    lc = cache.layers[1]
+    assert nvfp4_mma.indexer_decode_supported(torch.zeros(1, 1, 128, device=DEV), lc.index, lc.index_scale_blocks)
+    assert nvfp4_mma.attention_supported(torch.zeros(1, 16, 128, device=DEV), lc.k, lc.v, lc.k_scale_blocks,
+                                         lc.v_scale_blocks)
+    shadow = shadow_of(runner.backend, tol=0.05)
     runner.backend = shadow
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, tiny.vocab_size - 1, (n,), generator=g).tolist() for n in (2300, 2600, 700)]

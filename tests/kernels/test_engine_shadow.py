@@ -2,13 +2,12 @@
 (tests/kernels/shadow.py): the tiny model, nvfp4 cache, chunked prefill mixed with decodes. And the shadow
 check itself: a backend that is wrong on one token is caught."""
 import pytest
-import torch
 
 from m3serve import LLM, SamplingParams
-from m3serve.engine.kernel_attention import TritonAttention
-from m3serve.model.attention import TorchAttention
+from m3serve.model.layers.attention import TorchAttention
+from m3serve.model.layers.triton_attention import TritonAttention
 from m3serve.model.tiny import make_tiny
-from shadow import ShadowAttention
+from support.shadow import ShadowAttention, shadow_of
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(90)]  # > top-k x block = 64 tokens: the indexer drops blocks
 
@@ -28,8 +27,9 @@ def _llm(tiny_dir, kv):
 def test_engine_kernels_shadow_nvfp4(tiny_dir):
     llm = _llm(tiny_dir, "nvfp4")
     runner = llm.engine.runner
-    ref = runner.model.reference_backend
-    shadow = ShadowAttention(TritonAttention(ref.block_size, ref.topk, ref.local_blocks, ref.scale), ref, tol=0.03)
+    cfg = runner.model.config
+    shadow = shadow_of(TritonAttention(runner.model.attention_spec, runner.cache, cfg.num_attention_heads,
+                                       cfg.index_n_heads), tol=0.03)
     runner.backend = shadow
     out = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
@@ -53,9 +53,10 @@ class _WrongOnOneToken(TorchAttention):
 def test_shadow_catches_a_wrong_backend(tiny_dir, layer, message):
     llm = _llm(tiny_dir, "bfloat16")
     runner = llm.engine.runner
-    ref = runner.model.reference_backend
-    wrong = _WrongOnOneToken(ref.block_size, ref.topk, ref.local_blocks, ref.scale)
+    ref = runner.backend  # the torch reference on the CPU
+    wrong = _WrongOnOneToken(ref.spec, ref.cache)
     wrong.wrong_layer = layer
+    wrong.plan = lambda step: None
     runner.backend = ShadowAttention(wrong, ref, tol=0.03)
     with pytest.raises(AssertionError, match=message):
         llm.generate([PROMPT[:20]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))

@@ -6,7 +6,7 @@ from m3serve.kernels.indexer import (indexer_block_scores, indexer_decode, index
                                      indexer_prefill_ref, indexer_topk_ref)
 from m3serve.kernels.kv_insert import gather_pages_ref
 from m3serve.model.kv_codec import KVCodec
-from paged_testing import KV_DTYPES, build, chunk_positions
+from support.paged import KV_DTYPES, build, chunk_positions
 
 B, H, DI, TOPK = 16, 4, 32, 4
 SEQ_LENS = [150, 7, 97, 33]  # 10, 1, 7, 3 blocks: top-4 drops blocks on the long ones

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from m3serve.config import ModelConfig
-from m3serve.engine.kernel_attention import TritonAttention
-from m3serve.engine.kv_cache import PagedKVCache
-from m3serve.model.attention import ForwardBatch, TorchAttention
-from paged_testing import rel_err
+from m3serve.engine.step import StepInput
+from m3serve.executor.kv_cache import PagedKVCache
+from m3serve.model.layers.attention import AttentionSpec, TorchAttention
+from m3serve.model.layers.triton_attention import TritonAttention
+from support.paged import rel_err
 
 
 # (sequence -> new tokens) per step: A is chunk-prefilled, B and C join, then everyone decodes
@@ -29,7 +30,8 @@ def run_scenario(kv_dtype, index_dtype, device="cpu", h_q=8, h_kv=2, d=64, di=32
     iscales = {1: 0.003} if index_dtype != "bfloat16" else None
     caches = [PagedKVCache(cfg, n_pages, kv_dtype, index_dtype, device=device, kv_scales=scales,
                            index_scales=iscales) for _ in range(2)]
-    backends = [TorchAttention(b, topk, 1, d ** -0.5), TritonAttention(b, topk, 1, d ** -0.5)]
+    spec = AttentionSpec(b, topk, 1, d ** -0.5)
+    backends = [TorchAttention(spec, caches[0]), TritonAttention(spec, caches[1], h_q, h_kv)]
     free = torch.randperm(n_pages, generator=g).tolist()
     pages = {s: [] for s in seqs_all}
     done = {s: 0 for s in seqs_all}
@@ -49,26 +51,25 @@ def run_scenario(kv_dtype, index_dtype, device="cpu", h_q=8, h_kv=2, d=64, di=32
         tables = torch.zeros(len(seqs), max(len(pages[s]) for s in seqs), dtype=torch.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(pages[s])] = torch.tensor(pages[s], dtype=torch.int32)
+        step_in = StepInput(torch.zeros(T, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
+                            torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), qsl, lens,
+                            all(step[s] == 1 for s in seqs), max(step.values()), max(lens), block_tables=tables,
+                            slot_mapping=torch.tensor(slots, dtype=torch.int64)).to(device)
+        backends[1].plan(step_in)
         for layer in range(2):
             rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, torch.bfloat16)  # noqa: E731
             q, k, v = rnd(T, h_q, d), rnd(T, h_kv, d), rnd(T, h_kv, d)
             iq = ik = None
             if cfg.is_sparse_attention(layer):
                 iq, ik = rnd(T, h_kv, di), rnd(T, di)
-            outs = []
-            for cache, backend in zip(caches, backends):
-                extra = {"block_tables": tables.to(device),
-                         "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device),
-                         "seq_lens_cpu": lens, "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=device),
-                         "query_start_loc_t": torch.tensor(qsl, dtype=torch.int32, device=device), "cache": cache}
-                batch = ForwardBatch(torch.tensor(pos, dtype=torch.int64, device=device), qsl, cache, backend, extra)
-                outs.append(backend.forward(layer, q, k, v, iq, ik, batch))
+            outs = [backend.forward(layer, q, k, v, iq, ik, step_in) for backend in backends]
             assert outs[1].shape == q.shape and outs[1].dtype == q.dtype
             err = rel_err(outs[1], outs[0])
             assert err < tol, (step, layer, err)
     assert max(done.values()) > topk * b  # the sparse layer's selection dropped blocks
-    for a, c in zip(caches[0].k_data + caches[0].idx_data[1:], caches[1].k_data + caches[1].idx_data[1:]):
-        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))  # same bytes written by both paths
+    for a, c in zip(caches[0].layers, caches[1].layers):
+        for x, y in zip(a.tensors(), c.tensors()):  # same bytes written by both paths
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kv_dtype,index_dtype", [("nvfp4", "fp8"), ("fp8", "bfloat16"), ("bfloat16", "nvfp4")])

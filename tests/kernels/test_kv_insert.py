@@ -8,7 +8,7 @@ from m3serve.kernels import fp8, nvfp4
 from m3serve.kernels.kv_insert import gather_pages_ref, kv_insert, kv_insert_ref
 from m3serve.kernels.triton_utils import e2m1_to_f16, e4m3_bits_to_f32, f32_to_e4m3_bits
 from m3serve.model.kv_codec import KVCodec
-from paged_testing import KV_DTYPES, alloc, page_tables, slots_of
+from support.paged import KV_DTYPES, alloc, page_tables, slots_of
 
 
 @triton.jit

@@ -6,7 +6,7 @@ from m3serve.kernels.indexer import indexer_decode_ref, indexer_prefill_ref
 from m3serve.kernels.kv_insert import gather_pages_ref
 from m3serve.kernels.msa_attention import msa_attention_ref, msa_decode, msa_decode_ref, msa_prefill, msa_prefill_ref
 from m3serve.model.kv_codec import KVCodec
-from paged_testing import KV_DTYPES, build, chunk_positions, rel_err
+from support.paged import KV_DTYPES, build, chunk_positions, rel_err
 
 B, H_KV, G, D, DI, TOPK = 16, 2, 4, 64, 32, 4
 SEQ_LENS = [150, 7, 97, 33]

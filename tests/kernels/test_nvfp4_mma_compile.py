@@ -15,7 +15,7 @@ import torch
 from m3serve.kernels import nvfp4_mma
 from m3serve.kernels.indexer import indexer_decode, indexer_decode_ref
 from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref
-from paged_testing import build, rel_err
+from support.paged import build, rel_err
 
 I32, F32 = "i32", "fp32"
 IDX_SIG = {"iq_ptr": "*bf16", "siq_s": I32, "siq_h": I32, "kd_ptr": "*u8", "ks_ptr": "*fp8e4nv", "idx_scale": F32,
@@ -28,27 +28,12 @@ ATT_SIG = {"q_ptr": "*bf16", "sq_s": I32, "sq_h": I32, "k_ptr": "*u8", "v_ptr": 
            "v_scale": F32, "blocks_per_split": I32, "nsplit": I32, "n_kv": I32}
 
 
-def _compile(kernel: str, signature: dict, constexprs: dict, cubin: str) -> None:
-    """Run in a child process without TRITON_INTERPRET (the interpreter patches the language functions)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = getattr(nvfp4_mma, kernel)
-    sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    names = list(sig)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
-    src = GluonASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                         attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nvfp4_mma.NUM_WARPS})
-    Path(cubin).write_bytes(compiled.asm["cubin"])
-
-
 def _sass(kernel, signature, constexprs, tmp_path):
     cubin = tmp_path / "k.cubin"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_nvfp4_mma_compile as t; "
-            f"t._compile({kernel!r}, {signature!r}, {constexprs!r}, {str(cubin)!r})")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    code = (f"from support.gluon import compile_for_sm90; "
+            f"compile_for_sm90({kernel!r}, {signature!r}, {constexprs!r}, {str(cubin)!r})")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
     import triton
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -13,10 +13,8 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig  # noqa: E402
 
 from m3serve import LLM, SamplingParams  # noqa: E402
-from m3serve.model.attention import ForwardBatch  # noqa: E402
-from m3serve.model.kv_codec import KVCodec  # noqa: E402
 from m3serve.model.loader import load_model  # noqa: E402
-from m3serve.model.simple_cache import ContiguousCache  # noqa: E402
+from support.reference import reference_logits  # noqa: E402
 
 BLOCK, TOPK = 4, 2
 PROMPT_LEN = 44  # 11 blocks >> top-2
@@ -54,9 +52,7 @@ def hf_model(cfg, seed: int) -> MiniMaxM3VLForCausalLM:
 
 
 def ours_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    cache = ContiguousCache(1, KVCodec("float32"))
-    batch = ForwardBatch(positions=torch.arange(ids.numel()), query_start_loc=[0, ids.numel()], cache=cache)
-    return model.compute_logits(model(ids, batch))
+    return reference_logits(model, ids.tolist())
 
 
 def original_layout_state(hf: MiniMaxM3VLForCausalLM, cfg) -> dict[str, torch.Tensor]:

@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from m3serve.config import EngineConfig
-from m3serve.model.attention import ForwardBatch
-from m3serve.model.kv_codec import KVCodec
-from m3serve.model.simple_cache import ContiguousCache
+from support.reference import ReferenceRunner
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -56,13 +54,10 @@ def reference_greedy(tiny_loaded):
     def run(prompt, n, kv_dtype="float32"):
         key = (tuple(prompt), n, kv_dtype)
         if key not in memo:
-            cache = ContiguousCache(1, KVCodec(kv_dtype), KVCodec(kv_dtype))
-            feed, done, out = list(prompt), 0, []
+            ref = ReferenceRunner(model, kv_dtype)
+            feed, out = list(prompt), []
             for _ in range(n):
-                batch = ForwardBatch(torch.arange(done, done + len(feed)), [0, len(feed)], cache)
-                hidden = model(torch.tensor(feed), batch)
-                done += len(feed)
-                out.append(int(model.compute_logits(hidden[-1:]).argmax()))
+                out.append(int(ref.logits(feed)[-1].argmax()))
                 feed = [out[-1]]
             memo[key] = out
         return memo[key]

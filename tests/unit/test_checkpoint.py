@@ -115,12 +115,8 @@ def test_nvfp4_packing_and_scale_conventions_on_disk(tiny, tiny_nvfp4):
 
 
 def _logits(model, ids):
-    from m3serve.model.attention import ForwardBatch
-    from m3serve.model.kv_codec import KVCodec
-    from m3serve.model.simple_cache import ContiguousCache
-    ids = torch.tensor(ids)
-    batch = ForwardBatch(torch.arange(len(ids)), [0, len(ids)], ContiguousCache(1, KVCodec("float32")))
-    return model.compute_logits(model(ids, batch))
+    from support.reference import reference_logits
+    return reference_logits(model, ids)
 
 
 def test_nvfp4_model_stays_close_to_bf16(tiny, tiny_nvfp4, tmp_path):

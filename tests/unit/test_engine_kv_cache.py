@@ -13,11 +13,11 @@ bands asserted below are loose; a broken codec (wrong scale, nibble order) gives
 import pytest
 import torch
 
-from m3serve.engine.kv_cache import PagedKVCache, page_bytes
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.model.attention import ForwardBatch
+from m3serve.engine.step import StepInput
+from m3serve.executor.kv_cache import PagedKVCache, page_bytes
 from m3serve.model.kv_codec import KVCodec
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}
@@ -30,22 +30,23 @@ def test_layout(tiny_loaded, kv, idx):
     P, H, B, D, Di = 5, cfg.num_key_value_heads, cfg.index_block_size, cfg.head_dim, cfg.index_head_dim
     c = PagedKVCache(cfg, P, kv, idx, "cpu", kv_scales={1: (0.5, 0.25)})
     assert (c.kv_dtype, c.index_dtype, c.block_size, c.num_pages) == (kv, idx, B, P)
-    for layer in range(cfg.num_hidden_layers):
-        for data, blocks in ((c.k_data, c.k_scale_blocks), (c.v_data, c.v_scale_blocks)):
-            assert data[layer].dtype == DT[kv]
-            assert data[layer].shape == (P, H, B, D // 2 if kv == "nvfp4" else D)
+    assert len(c.layers) == cfg.num_hidden_layers
+    for layer, lc in enumerate(c.layers):
+        for data, blocks in ((lc.k, lc.k_scale_blocks), (lc.v, lc.v_scale_blocks)):
+            assert data.dtype == DT[kv]
+            assert data.shape == (P, H, B, D // 2 if kv == "nvfp4" else D)
             if kv == "nvfp4":
-                assert blocks[layer].dtype == torch.float8_e4m3fn and blocks[layer].shape == (P, H, B, D // 16)
+                assert blocks.dtype == torch.float8_e4m3fn and blocks.shape == (P, H, B, D // 16)
             else:
-                assert blocks[layer] is None
-        assert (c.k_scale[layer], c.v_scale[layer]) == ((0.5, 0.25) if layer == 1 else (1.0, 1.0))
+                assert blocks is None
+        assert (lc.k_scale, lc.v_scale) == ((0.5, 0.25) if layer == 1 else (1.0, 1.0))
         if cfg.is_sparse_attention(layer):
-            assert c.idx_data[layer].dtype == DT[idx]
-            assert c.idx_data[layer].shape == (P, B, Di // 2 if idx == "nvfp4" else Di)
-            assert (c.idx_scale_blocks[layer] is None) == (idx != "nvfp4")
-            assert c.idx_scale[layer] == 1.0
+            assert lc.index_dtype == idx and lc.index.dtype == DT[idx]
+            assert lc.index.shape == (P, B, Di // 2 if idx == "nvfp4" else Di)
+            assert (lc.index_scale_blocks is None) == (idx != "nvfp4")
+            assert lc.index_scale == 1.0
         else:
-            assert c.idx_data[layer] is None and c.idx_scale_blocks[layer] is None and c.idx_scale[layer] is None
+            assert lc.index_dtype is None and lc.index is None and lc.index_scale_blocks is None
     assert c.nbytes == P * page_bytes(cfg, kv, idx)
 
 
@@ -70,14 +71,14 @@ def test_store_load_through_scattered_pages(tiny_loaded, kv):
             qsl.append(len(pos))
         tables = torch.tensor([pages[0], pages[1] + [0]], dtype=torch.int32)
         ends = [hi for _, hi in lo_hi]
-        fb = ForwardBatch(torch.tensor(pos), qsl, c, extra={
-            "slot_mapping": torch.tensor(slots), "block_tables": tables, "seq_lens_cpu": ends,
-            "seq_lens": torch.tensor(ends, dtype=torch.int32)})
+        step = StepInput(torch.zeros(len(pos), dtype=torch.int64), torch.tensor(pos), torch.tensor(qsl),
+                         torch.tensor(ends, dtype=torch.int32), qsl, ends, False, max(qsl[1] - qsl[0], qsl[2] - qsl[1]),
+                         max(ends), block_tables=tables, slot_mapping=torch.tensor(slots))
         for s, (lo, hi) in enumerate(lo_hi):
             k, v, ik = (t[lo:hi] for t in hist[s])
-            c.store(layer, s, fb, k, v, ik)
+            c.store(layer, s, step, k, v, ik)
         for s, (lo, hi) in enumerate(lo_hi):
-            K, V, IK = c.load(layer, s, fb)
+            K, V, IK = c.load(layer, s, step)
             k, v, ik = (t[:hi] for t in hist[s])
             assert K.shape == (hi, H, D) and IK.shape == (hi, Di)
             torch.testing.assert_close(K, KVCodec(kv, 0.7).roundtrip(k), rtol=0, atol=0)
@@ -93,8 +94,8 @@ def _teacher_forced(eng, tokens, prompt_len, chunk=32):
     out, pos = [], 0
     while pos < len(tokens) - 1:
         n = min(chunk, prompt_len - pos) if pos < prompt_len else 1
-        ids, fb, _, _ = eng.runner.prepare(ScheduledBatch([seq], [n]))
-        hidden = eng.model(ids, fb)
+        step, _ = eng.runner.prepare(ScheduledBatch([seq], [n]))
+        hidden = eng.model(step, eng.runner.backend)
         if pos + n >= prompt_len:
             out.append(eng.model.compute_logits(hidden[-1:]))
         seq.num_computed_tokens += n
@@ -111,8 +112,8 @@ def test_quantized_kv_error_against_bf16(make_engine, eu):
     engines = {name: make_engine(kv_cache_dtype=kv, attention_config={"indexer_kv_dtype": idx},
                                  enable_prefix_caching=False, max_num_batched_tokens=64)
                for name, (kv, idx) in caches.items()}
-    assert engines["nvfp4"].cache.k_data[0].dtype == torch.uint8
-    assert engines["fp8"].cache.idx_data[1].dtype == torch.float8_e4m3fn
+    assert engines["nvfp4"].cache.layers[0].k.dtype == torch.uint8
+    assert engines["fp8"].cache.layers[1].index.dtype == torch.float8_e4m3fn
     free_run = {}
     for name, eng in engines.items():  # end to end: batched greedy generation on each cache
         for i, p in enumerate(prompts):

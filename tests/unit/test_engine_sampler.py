@@ -5,12 +5,10 @@ import math
 import pytest
 import torch
 
-from m3serve.engine.sampler import Sampler, apply_penalties
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.sequence import Sequence
-from m3serve.model.attention import ForwardBatch
-from m3serve.model.kv_codec import KVCodec
-from m3serve.model.simple_cache import ContiguousCache
+from m3serve.executor.sampler import Sampler, apply_penalties
+from support.reference import reference_logits
 
 
 def seq_with(sp, prompt=(1, 2, 3), outputs=(), seed=0):
@@ -138,9 +136,7 @@ def test_seeded_sampling_reproducible_across_batch_mixes(make_engine, eu):
 def _teacher_forced_logits(model, prompt, outputs):
     """Logits predicting every output token, from one pass over prompt + outputs (reference cache)."""
     ids = list(prompt) + list(outputs)
-    cache = ContiguousCache(1, KVCodec("float32"))
-    hidden = model(torch.tensor(ids), ForwardBatch(torch.arange(len(ids)), [0, len(ids)], cache))
-    return model.compute_logits(hidden[len(prompt) - 1:len(ids) - 1])
+    return reference_logits(model, ids)[len(prompt) - 1:len(ids) - 1]
 
 
 def test_logprobs_are_raw_model_logprobs(make_engine, tiny_loaded, eu):

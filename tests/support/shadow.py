@@ -17,6 +17,7 @@ import torch
 
 from m3serve.kernels.indexer import indexer_decode, indexer_prefill, indexer_prefill_ref
 from m3serve.kernels.kv_insert import gather_pages_ref
+from m3serve.model.layers.attention import TorchAttention
 
 
 def _block_scores(iq_t, keys, pos, B):
@@ -29,6 +30,11 @@ def _block_scores(iq_t, keys, pos, B):
     return s.view(s.shape[0], nb, B).amax(-1)
 
 
+def shadow_of(kernel, tol: float, reference=None) -> "ShadowAttention":
+    """A shadow over `kernel`'s cache: the reference (default `TorchAttention` of the same spec and cache)."""
+    return ShadowAttention(kernel, reference or TorchAttention(kernel.spec, kernel.cache), tol)
+
+
 class ShadowAttention:
     def __init__(self, kernel, reference, tol: float, tie_rtol: float = 1e-2):
         self.kernel, self.reference, self.tol, self.tie_rtol = kernel, reference, tol, tie_rtol
@@ -39,21 +45,24 @@ class ShadowAttention:
     def packed_qkv(self) -> bool:
         return getattr(self.kernel, "packed_qkv", False)
 
-    def forward(self, layer, q, k, v, iq, ik, batch):
-        out_k = self.kernel.forward(layer, q, k, v, iq, ik, batch)  # inserts the new K/V/index keys
-        out_r = self.reference.forward(layer, q, k, v, iq, ik, batch)  # stores the same bytes, reads them back
-        return self._compare(layer, q, out_k, out_r, iq, batch)
+    def plan(self, step):
+        self.kernel.plan(step)
 
-    def forward_packed(self, layer, qkv, attn, cos, sin, batch):
+    def forward(self, layer, q, k, v, iq, ik, step):
+        out_k = self.kernel.forward(layer, q, k, v, iq, ik, step)  # inserts the new K/V/index keys
+        out_r = self.reference.forward(layer, q, k, v, iq, ik, step)  # stores the same bytes, reads them back
+        return self._compare(layer, q, out_k, out_r, iq, step)
+
+    def forward_packed(self, layer, qkv, attn, cos, sin, step):
         """The kernels from the fused projection output; the reference from the model's own unfused math on it
         (which rounds between norm and RoPE, so its stored bytes may differ on rare rounding ties)."""
         self.packed_calls += 1
-        out_k = self.kernel.forward_packed(layer, qkv, attn, cos, sin, batch)
+        out_k = self.kernel.forward_packed(layer, qkv, attn, cos, sin, step)
         q, k, v, iq, ik = attn.finish(torch.split(qkv, attn.qkv_sizes, dim=-1), cos, sin)
-        out_r = self.reference.forward(layer, q, k, v, iq, ik, batch)
-        return self._compare(layer, q, out_k, out_r, iq, batch)
+        out_r = self.reference.forward(layer, q, k, v, iq, ik, step)
+        return self._compare(layer, q, out_k, out_r, iq, step)
 
-    def _compare(self, layer, q, out_k, out_r, iq, batch):
+    def _compare(self, layer, q, out_k, out_r, iq, step):
         ref = out_r.float()
         err = (out_k.float() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax().clamp_min(1e-6)
         bad = (err > self.tol).nonzero().flatten().tolist()
@@ -63,25 +72,25 @@ class ShadowAttention:
         ok[bad] = 0
         self.max_err = max(self.max_err, float(ok.max()))
         if bad:
-            self._explain(layer, iq, batch, bad, err)
+            self._explain(layer, iq, step, bad, err)
         return out_r
 
-    def _explain(self, layer, iq, batch, bad, err):
-        cache = batch.extra["cache"]
-        assert iq is not None and cache.idx_data[layer] is not None, (
+    def _explain(self, layer, iq, step, bad, err):
+        cache = self.kernel.cache.layers[layer]
+        assert iq is not None and cache.has_index, (
             f"layer {layer} (dense) tokens {bad}: kernel vs reference error {err[bad].tolist()} > {self.tol}")
-        idx = (cache.idx_data[layer], cache.idx_scale_blocks[layer], cache.idx_scale[layer])
-        ex, qsl, pos = batch.extra, batch.query_start_loc, batch.positions
-        bt, topk, local, B = ex["block_tables"], self.kernel.topk, self.kernel.local_blocks, self.kernel.block_size
-        if all(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1)):  # what TritonAttention ran
-            sel_k = indexer_decode(iq.contiguous(), *idx, bt, ex["seq_lens"], topk, local)
+        idx = (cache.index, cache.index_scale_blocks, cache.index_scale)
+        qsl, pos, sp = step.query_start_loc_cpu, step.positions, self.kernel.spec
+        bt, topk, local, B = step.block_tables, sp.topk, sp.local_blocks, sp.block_size
+        if step.is_decode:  # what TritonAttention ran
+            sel_k = indexer_decode(iq.contiguous(), *idx, bt, step.seq_lens, topk, local)
         else:
             sel_k = indexer_prefill(iq.contiguous(), *idx, bt, qsl, pos, topk, local)
         sel_r = indexer_prefill_ref(iq, *idx, bt, qsl, pos, topk, local)
         for t in bad:
             s = max(i for i in range(len(qsl) - 1) if qsl[i] <= t)
             p = int(pos[t])
-            keys = gather_pages_ref(*idx, bt[s], int(ex["seq_lens_cpu"][s]))
+            keys = gather_pages_ref(*idx, bt[s], int(step.seq_lens_cpu[s]))
             scores = _block_scores(iq[t], keys, p, B)
             flipped = False
             for h in range(iq.shape[1]):

@@ -1,0 +1,136 @@
+"""The typed step input and output: what the engine hands a worker for one forward, and what comes back.
+
+Plain tensors, lists and scalars only, so a step can be pickled, broadcast to tensor-parallel ranks
+(`torch.distributed.broadcast_object_list`) or copied into a CUDA graph's persistent buffers field by field.
+The engine builds it on the host (`engine/step_builder.py`); the worker moves it to its device once
+(`StepInput.to`) and every layer reads the same fields.
+
+Token layout: the step's T tokens are the new tokens of S sequences, flattened in sequence order;
+sequence s owns tokens [query_start_loc[s], query_start_loc[s + 1]).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+def _move(obj, device: torch.device, non_blocking: bool):
+    """A copy of the dataclass `obj` whose tensor fields (and nested dataclasses) live on `device`."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = v.to(device, non_blocking=non_blocking)
+        elif dataclasses.is_dataclass(v):
+            changes[f.name] = _move(v, device, non_blocking)
+    return dataclasses.replace(obj, **changes)
+
+
+@dataclass
+class SamplingInput:
+    """Sampling options per sampled row (one row per entry of `StepInput.logits_indices`).
+
+    Random rows draw with a counter-based generator keyed by (seed, position): a request's draws depend on
+    its own seed and on the position of the token being sampled only, never on the rest of the batch.
+    The optional tensors are None when no row of the step needs them (the `needs_*` flags are host bools,
+    so the sampler never synchronises to find out).
+    """
+
+    temperature: torch.Tensor  # fp32 [N]; rows with temperature < GREEDY_EPS are greedy
+    top_k: torch.Tensor  # int32 [N]; 0 = off
+    top_p: torch.Tensor  # fp32 [N]; 1 = off
+    min_p: torch.Tensor  # fp32 [N]; 0 = off
+    seeds: torch.Tensor  # int64 [N]: the request's uint64 seed, two's complement
+    positions: torch.Tensor  # int64 [N]: position of the token being sampled (the generator's counter)
+    all_greedy: bool = False
+    needs_top_k: bool = False
+    needs_top_p: bool = False
+    needs_min_p: bool = False
+    # penalties (vLLM semantics): None when every row is neutral
+    repetition_penalty: torch.Tensor | None = None  # fp32 [N]
+    frequency_penalty: torch.Tensor | None = None  # fp32 [N]
+    presence_penalty: torch.Tensor | None = None  # fp32 [N]
+    prompt_token_ids: torch.Tensor | None = None  # int64 [N, Lp], -1 padded (repetition penalty)
+    output_token_ids: torch.Tensor | None = None  # int64 [N, Lo], -1 padded
+    # token ids masked to -inf (EOS and stop ids of rows still below min_tokens), -1 padded [N, k]
+    suppress_token_ids: torch.Tensor | None = None
+    max_num_logprobs: int = -1  # top-n raw logprobs to return per row (max over rows); -1 = none
+
+    GREEDY_EPS = 1e-5
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SamplingInput":
+        return _move(self, torch.device(device), non_blocking)
+
+
+@dataclass
+class StepInput:
+    """One forward of the model over a batch of sequences (prefill chunks and/or decodes)."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T] absolute position of every token
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    seq_lens: torch.Tensor  # int32 [S] tokens in the cache after this step
+    query_start_loc_cpu: list[int]  # the same offsets on the host (tile planning, reference paths)
+    seq_lens_cpu: list[int]
+    is_decode: bool  # every sequence has exactly one new token (the decode kernels; CUDA graphs)
+    max_query_len: int
+    max_seq_len: int
+    # the paged cache (None for a contiguous, per-sequence cache: the reference paths)
+    block_tables: torch.Tensor | None = None  # int32 [S, W] page ids (0 padded)
+    slot_mapping: torch.Tensor | None = None  # int64 [T] page * block_size + offset of every token
+    logits_indices: torch.Tensor | None = None  # int64 [N] tokens whose next token is sampled
+    sampling: SamplingInput | None = None  # one row per logits index
+    # prefill query tiles (sequence, first token, end token), made by the attention backend's `plan`
+    attn_tiles: torch.Tensor | None = None  # int32 [n, 3], block-sparse attention
+    index_tiles: torch.Tensor | None = None  # int32 [n, 3], the indexer
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "StepInput":
+        return _move(self, torch.device(device), non_blocking)
+
+    @classmethod
+    def contiguous(cls, chunks: list[list[int]], starts: list[int], device: torch.device | str = "cpu",
+                   sample_last: bool = True) -> "StepInput":
+        """A step for a contiguous (per-sequence) cache: sequence s feeds `chunks[s]` at positions starting at
+        `starts[s]`; with `sample_last` its last token's logits are taken."""
+        qsl, pos, lens = [0], [], []
+        for chunk, start in zip(chunks, starts):
+            qsl.append(qsl[-1] + len(chunk))
+            pos += range(start, start + len(chunk))
+            lens.append(start + len(chunk))
+        ids = [t for c in chunks for t in c]
+        dev = torch.device(device)
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=lens, is_decode=all(len(c) == 1 for c in chunks),
+            max_query_len=max(len(c) for c in chunks), max_seq_len=max(lens),
+            logits_indices=torch.tensor(qsl[1:], dtype=torch.int64, device=dev) - 1 if sample_last else None)
+
+
+@dataclass
+class SamplerOutput:
+    """What a step returns: one sampled token per sampling row (tensors on the host after the step)."""
+
+    token_ids: torch.Tensor  # int64 [N]
+    logprobs: torch.Tensor  # fp32 [N] raw logprob of the sampled token
+    top_token_ids: torch.Tensor | None = None  # int64 [N, n] the top-n raw logprobs' tokens
+    top_logprobs: torch.Tensor | None = None  # fp32 [N, n]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SamplerOutput":
+        return _move(self, torch.device(device), non_blocking)

@@ -1,0 +1,1 @@
+"""Test helpers shared by every test directory (a package on the pytest pythonpath)."""
