@@ -11,6 +11,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny model (random, seeded, every layer kind, with its tokenizer), made once per session at
+    `<tmp>/models/tiny-m3` (the name the shipped model.json files use, under $M3SERVE_MODEL_DIR)."""
+    from m3serve.model.tiny import make_tiny
+
+    d = tmp_path_factory.mktemp("models") / "tiny-m3"
+    make_tiny(str(d))
+    return str(d)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

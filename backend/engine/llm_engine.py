@@ -1,5 +1,7 @@
 """`LLMEngine`: requests in, `RequestOutput` deltas out, one `step()` at a time (single-threaded;
-`AsyncLLMEngine` drives it from its own thread).
+`AsyncLLMEngine` drives it from its own thread). It owns everything that is a Python object (scheduler,
+sequences, detokenizers); the model, the page pool and the sampler live behind the `Executor`, which gets one
+typed `StepInput` per step and returns the sampled token ids.
 
     engine = LLMEngine(EngineConfig(model=DIR, ...))
     engine.add_request("r1", prompt_token_ids=[...], sampling_params=SamplingParams(...))
@@ -16,31 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.config import ConfigError, EngineConfig, ModelConfig, normalize_kv_dtype
+from m3serve.config import ConfigError, EngineConfig, ModelConfig
 from m3serve.engine.block_manager import BlockManager
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
-from m3serve.executor.kv_cache import PagedKVCache, determine_num_pages
-from m3serve.executor.model_runner import ModelRunner
-from m3serve.executor.sampler import SampledToken, Sampler
+from m3serve.engine.step import SamplerOutput
+from m3serve.engine.step_builder import StepBuilder
+from m3serve.executor.executor import create_executor
 
 log = logging.getLogger(__name__)
 
 REASONING_PARSERS = ("minimax_m3",)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, model_dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        dtype = model_dtype if device.type == "cuda" else "float32"
-    return getattr(torch, dtype)
 
 
 @dataclass
@@ -69,34 +59,15 @@ class LLMEngine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                               f"({self.max_model_len}) when chunked prefill is disabled")
-        if model is None:
-            from m3serve.model.loader import load_model
-            self.device = resolve_device(config.device)
-            dtype = resolve_dtype(config.dtype, mcfg.dtype, self.device)
-            model, load_report = load_model(config.model, self.device, dtype, mcfg, progress=False)
-        else:
-            self.device = next(model.parameters()).device
-        self.model = model
-        model.fuse_qkv_projections()  # one GEMM for q/k/v (+ indexer q/k) per layer
-        dtype_name = str(model.dtype).replace("torch.", "")
-        self.kv_dtype = normalize_kv_dtype(config.kv_cache_dtype, dtype_name)
-        idx = config.indexer_kv_dtype
-        self.index_dtype = self.kv_dtype if idx == "auto" else normalize_kv_dtype(idx, dtype_name)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_ids()
-
-        num_pages = determine_num_pages(
-            mcfg, self.kv_dtype, self.index_dtype, self.device,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            num_gpu_blocks_override=config.num_gpu_blocks_override, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-        kv_scales = getattr(load_report, "kv_scales", None) or {}
-        self.cache = PagedKVCache(mcfg, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales)
+        self.executor = create_executor(config, mcfg, self.max_model_len, model=model, load_report=load_report)
+        num_pages = self.executor.num_pages
         self.block_manager = BlockManager(num_pages, mcfg.index_block_size, config.enable_prefix_caching,
                                           watermark_pages=num_pages // 100)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.cache, Sampler(self.eos_token_ids), self.device)
+        self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
@@ -167,10 +138,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"request {request_id!r} is already running")
         sp = req.sampling_params
-        gen = None
-        if not sp.greedy:
-            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_rng))
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+        seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_rng))
         text = None
         if self.tokenizer is not None:
             parser = None
@@ -178,7 +146,7 @@ class LLMEngine:
                 from m3serve.text.reasoning import MiniMaxM3ReasoningParser
                 parser = MiniMaxM3ReasoningParser(req.thinking_mode)
             text = SequenceText(self.tokenizer, req.prompt_token_ids, sp, parser)
-        seq = Sequence(request_id, next(self._arrivals), req.prompt_token_ids, sp, req.max_tokens, gen, text)
+        seq = Sequence(request_id, next(self._arrivals), req.prompt_token_ids, sp, req.max_tokens, seed, text)
         self.scheduler.add(seq)
         self.prompt_tokens_total += seq.num_prompt_tokens
         return seq
@@ -202,15 +170,35 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        results = self.runner.step(batch)
+        step, seqs = self.step_builder.build(batch)
+        sampled = self.executor.execute(step)
         self.scheduler.update(batch)
         self.num_steps += 1
-        return [self._append(seq, st) for seq, st in results]
+        return [self._append(seq, *row) for seq, row in zip(seqs, self._rows(sampled, seqs))]
 
-    def _append(self, seq: Sequence, st: SampledToken) -> RequestOutput:
-        tok, sp = st.token_id, seq.sampling_params
+    @staticmethod
+    def _rows(out: SamplerOutput | None, seqs: list[Sequence]):
+        """(token id, its logprob, {token: logprob} of it and the top-n or None) per sampled sequence."""
+        if out is None:
+            return []
+        toks, lps = out.token_ids.tolist(), out.logprobs.tolist()
+        top_ids = top_lps = None
+        if out.top_token_ids is not None:
+            top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
+        rows = []
+        for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
+            n, top = seq.sampling_params.logprobs, None
+            if n is not None:
+                top = {tok: lp}
+                if n > 0:
+                    top.update(zip(top_ids[i][:n], top_lps[i][:n]))
+            rows.append((tok, lp, top))
+        return rows
+
+    def _append(self, seq: Sequence, tok: int, logprob: float, top_logprobs: dict | None) -> RequestOutput:
+        sp = seq.sampling_params
         seq.token_ids.append(tok)
-        seq.cumulative_logprob += st.logprob
+        seq.cumulative_logprob += logprob
         self.generation_tokens_total += 1
         stop_token = tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids)
         reason = "stop" if stop_token else "length" if seq.num_output_tokens >= seq.max_tokens else None
@@ -222,7 +210,7 @@ class LLMEngine:
                 reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        return self._output(seq, [tok], text, reasoning, st.top_logprobs)
+        return self._output(seq, [tok], text, reasoning, top_logprobs)
 
     def _output(self, seq: Sequence, new_ids, text, reasoning, top) -> RequestOutput:
         first = not seq.first_output_sent

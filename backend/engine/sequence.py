@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from m3serve.engine.sampling_params import SamplingParams
 
 
@@ -54,7 +52,7 @@ class SequenceText:
 
 class Sequence:
     def __init__(self, request_id: str, arrival: int, prompt_token_ids: list[int], sp: SamplingParams,
-                 max_tokens: int, generator: torch.Generator | None = None, text: SequenceText | None = None):
+                 max_tokens: int, seed: int = 0, text: SequenceText | None = None):
         self.request_id = request_id
         self.arrival = arrival  # FCFS order (monotone per engine)
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,7 +60,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sp
         self.max_tokens = max_tokens
-        self.generator = generator
+        self.seed = seed  # in [0, 2^64): the request's, or drawn by the engine (keys the sampler's generator)
         self.text = text
         self.status = SequenceStatus.WAITING
         self.pages: list[int] = []  # page ids, the sequence's block table

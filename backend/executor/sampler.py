@@ -1,113 +1,125 @@
-"""Next-token sampling for a batch of sequences, each with its own `SamplingParams` (vLLM semantics).
+"""Next-token sampling on tensors: logits [N, V] and a `SamplingInput` in, a `SamplerOutput` out (vLLM semantics).
 
-Order: penalties (repetition on prompt + output tokens, then frequency / presence on output counts),
-min_tokens (EOS and stop ids masked until reached), then greedy argmax, or temperature -> min_p ->
-top_k -> top_p and a draw with the request's own `torch.Generator` (seeded requests give the same
-tokens whatever else is in the batch). Logprobs are those of the raw model distribution (vLLM V1
-"raw_logprobs"): the sampled token's plus the top-n.
+Order: penalties (repetition on prompt + output tokens, then frequency / presence on output counts), min_tokens
+(EOS and stop ids suppressed), then greedy argmax, or temperature -> min_p -> top_k -> top_p and a draw.
+Logprobs are those of the raw model distribution (vLLM V1 "raw_logprobs"): the sampled token's, plus the top-n.
+
+The draw is a Gumbel-max over a counter-based generator: the uniform of (row, token) is a hash of the request's
+seed, the position being sampled and the token id. So a request's tokens depend on its seed alone, whatever else
+is in the batch, a recomputed (preempted) sequence draws the same tokens again, and nothing here keeps state
+between steps or synchronises with the host (it can run inside a CUDA graph).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from m3serve.engine.sequence import Sequence
+from m3serve.engine.step import SamplerOutput, SamplingInput
+
+_M32 = 0xFFFFFFFF
 
 
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float  # raw logprob of the sampled token
-    top_logprobs: dict[int, float] | None = None  # sampled + top-n, when logprobs were asked for
+def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 tensors holding values < 2^32, with no int64 overflow on the way."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    for row, seq in enumerate(seqs):
-        sp = seq.sampling_params
-        if sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0:
-            continue
-        x = logits[row]
-        vocab = x.shape[0]
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=x.device)
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(x.dtype)
-        if sp.repetition_penalty != 1.0:
-            seen = counts > 0
-            seen[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=x.device)] = True
-            rp = sp.repetition_penalty
-            x[:] = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-        x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (xorshift-multiply, "lowbias32" constants) of int64 tensors holding values < 2^32."""
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mulmod32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [N] 32-bit keys of (64-bit seed, position): every bit of both reaches the key."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    return hash32(hash32(hash32(lo) ^ hi) ^ (positions & _M32))
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 [N, vocab] in (0, 1): the counter-based uniforms of each row's (seed, position) and token id."""
+    keys = row_keys(seeds, positions)[:, None]
+    h = hash32(keys ^ torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :])
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # 23 bits: the largest is < 1 in fp32
+
+
+def apply_penalties(logits: torch.Tensor, s: SamplingInput) -> torch.Tensor:
+    """In place: repetition (prompt + output tokens), then frequency and presence (output counts)."""
+    if s.output_token_ids is None:
+        return logits
+    n, v = logits.shape
+    out = s.output_token_ids
+    counts = torch.zeros(n, v + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, torch.where(out >= 0, out, v), torch.ones_like(out, dtype=logits.dtype))
+    counts = counts[:, :v]
+    if s.repetition_penalty is not None:
+        seen = counts > 0
+        if s.prompt_token_ids is not None:
+            p = s.prompt_token_ids
+            seen_p = torch.zeros(n, v + 1, dtype=torch.bool, device=logits.device)
+            seen_p.scatter_(1, torch.where(p >= 0, p, v), True)
+            seen = seen | seen_p[:, :v]
+        rp = s.repetition_penalty[:, None]
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits))
+    if s.frequency_penalty is not None:
+        logits -= s.frequency_penalty[:, None] * counts
+    if s.presence_penalty is not None:
+        logits -= s.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
     return logits
 
 
-def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> torch.Tensor:
-    for row, seq in enumerate(seqs):
-        sp = seq.sampling_params
-        if seq.num_output_tokens < sp.min_tokens:
-            ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_ids)
-            ids = [i for i in ids if i < logits.shape[1]]
-            if ids:
-                logits[row, ids] = float("-inf")
+def apply_suppression(logits: torch.Tensor, s: SamplingInput) -> torch.Tensor:
+    """In place: -inf at the ids a row may not produce yet (min_tokens)."""
+    if s.suppress_token_ids is not None:
+        ids = s.suppress_token_ids
+        v = logits.shape[1]
+        pad = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+        masked = torch.cat([logits, pad], 1)
+        masked.scatter_(1, torch.where((ids >= 0) & (ids < v), ids, v), float("-inf"))
+        logits.copy_(masked[:, :v])
     return logits
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
-    """Row-wise temperature, min_p, top_k (0 = off), top_p (1 = off) -> masked scaled logits."""
-    x = logits / temperature[:, None]
-    if bool((min_p > 0).any()):
+def filter_logits(x: torch.Tensor, s: SamplingInput) -> torch.Tensor:
+    """Row-wise temperature, min_p, top_k (0 = off), top_p (1 = off) -> masked scaled logits (greedy rows are
+    scaled by 1: their draw is replaced by the argmax anyway)."""
+    t = torch.where(s.temperature < SamplingInput.GREEDY_EPS, 1.0, s.temperature)
+    x = x / t[:, None]
+    if s.needs_min_p:
         probs = torch.softmax(x, -1)
-        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        x = x.masked_fill(probs < s.min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    if s.needs_top_k or s.needs_top_p:
         sorted_x, order = x.sort(-1, descending=True)
         rank = torch.arange(x.shape[1], device=x.device)[None, :]
-        k = torch.where(top_k > 0, top_k, x.shape[1])
+        k = torch.where(s.top_k > 0, s.top_k, x.shape[1])
         drop = rank >= k[:, None]
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         probs = torch.softmax(sorted_x, -1)
         # drop a token when the mass strictly before it already reaches top_p (the first is always kept)
         before = probs.cumsum(-1) - probs
-        drop = drop | (before >= top_p[:, None])
+        drop = drop | (before >= s.top_p[:, None])
         drop[:, 0] = False
         x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
     return x
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int]):
-        self.eos_ids = eos_token_ids  # shared with the engine (a set)
-
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """`logits` fp32 [N, V], one row per sequence of `seqs`."""
+    def __call__(self, logits: torch.Tensor, s: SamplingInput) -> SamplerOutput:
+        """`logits` fp32 [N, V], one row per sampling row of `s` (modified in place)."""
         raw_logprobs = torch.log_softmax(logits, -1)
-        logits = apply_min_tokens(apply_penalties(logits.clone(), seqs), seqs, self.eos_ids)
+        logits = apply_suppression(apply_penalties(logits, s), s)
         tokens = logits.argmax(-1)
-        sampled_rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
-        if sampled_rows:
-            dev = logits.device
-            sps = [seqs[i].sampling_params for i in sampled_rows]
-            x = filter_logits(
-                logits[sampled_rows],
-                torch.tensor([sp.temperature for sp in sps], device=dev, dtype=logits.dtype),
-                torch.tensor([max(sp.top_k, 0) for sp in sps], device=dev),
-                torch.tensor([sp.top_p for sp in sps], device=dev, dtype=logits.dtype),
-                torch.tensor([sp.min_p for sp in sps], device=dev, dtype=logits.dtype))
-            probs = torch.softmax(x, -1)
-            # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
-            noise = torch.stack([torch.empty(x.shape[1], device=dev).exponential_(generator=seqs[i].generator)
-                                 for i in sampled_rows])
-            tokens[sampled_rows] = (probs / noise).argmax(-1)
-        token_list = tokens.tolist()
-        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        out = []
-        for row, (seq, tok, lp) in enumerate(zip(seqs, token_list, chosen)):
-            n = seq.sampling_params.logprobs
-            top = None
-            if n is not None:
-                top = {tok: lp}
-                if n > 0:
-                    vals, ids = raw_logprobs[row].topk(n)
-                    top.update(zip(ids.tolist(), vals.tolist()))
-            out.append(SampledToken(tok, lp, top))
+        if not s.all_greedy:
+            x = filter_logits(logits, s)
+            gumbel = -torch.log(-torch.log(uniforms(s.seeds, s.positions, x.shape[1])))
+            drawn = (x + gumbel).argmax(-1)
+            tokens = torch.where(s.temperature < SamplingInput.GREEDY_EPS, tokens, drawn)
+        out = SamplerOutput(tokens, raw_logprobs.gather(1, tokens[:, None])[:, 0])
+        if s.max_num_logprobs > 0:
+            out.top_logprobs, out.top_token_ids = raw_logprobs.topk(s.max_num_logprobs, dim=-1)
         return out

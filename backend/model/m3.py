@@ -14,7 +14,8 @@ from torch import nn
 from m3serve.config import ModelConfig
 from m3serve.engine.step import StepInput
 from m3serve.model.layers.attention import AttentionSpec
-from m3serve.model.weights import Linear, QuantWeight
+from m3serve.model.layers.linear import Linear
+from m3serve.model.layers.moe import DenseMLP, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -56,14 +57,6 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gate|up (not interleaved): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
-
-
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -80,9 +73,6 @@ class Indexer(nn.Module):
         ik = self.k_norm(ik.view(t, 1, self.head_dim))
         cos, sin = cos[..., : self.head_dim], sin[..., : self.head_dim]
         return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, 0]
-
-    def forward(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.finish(self.q_proj(x), self.k_proj(x), cos, sin)
 
 
 class Attention(nn.Module):
@@ -156,64 +146,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, inter: int, dtype: torch.dtype, fmt: str = "dense"):
-        super().__init__()
-        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, fmt=fmt, dtype=dtype)  # gate rows first
-        self.down_proj = Linear(inter, cfg.hidden_size, fmt=fmt, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
-
-
-class Router(nn.Module):
-    """Sigmoid router with correction bias (bias chooses, does not weigh); fp32 throughout."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_local_experts), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        _, idx = torch.topk(probs + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False)
-        w = probs.gather(1, idx)
-        return w / w.sum(-1, keepdim=True), idx
-
-
-class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: str = "dense"):
-        super().__init__()
-        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
-        self.gate_up_proj = QuantWeight(2 * i, h, fmt, dtype, lead=(e,))
-        self.down_proj = QuantWeight(h, i, fmt, dtype, lead=(e,))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            h = F.linear(x[tok], self.gate_up_proj.dequantize(e, x.dtype))
-            h = F.linear(swiglu_oai(h, self.alpha, self.limit), self.down_proj.dequantize(e, x.dtype))
-            out.index_add_(0, tok, (h * weights[tok, slot, None].to(h.dtype)).float())
-        return out.to(x.dtype)
-
-
-class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_fmt: str = "dense", shared_fmt: str = "dense"):
-        super().__init__()
-        self.scaling = cfg.routed_scaling_factor
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg, dtype, expert_fmt)
-        self.shared_experts = DenseMLP(cfg, cfg.shared_intermediate_size, dtype, shared_fmt)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.gate(x)
-        return self.experts(x, weights, idx) * self.scaling + self.shared_experts(x)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, formats: dict[str, str]):
         super().__init__()
@@ -262,10 +194,15 @@ class M3ForCausalLM(nn.Module):
             x = layer(x, cos, sin, step, backend)
         return self.model.norm(x)
 
-    def fuse_qkv_projections(self) -> None:
-        """One QKV(+indexer) GEMM per layer (see `Attention.fuse_projections`); done once after loading."""
+    def prepare_for_inference(self) -> None:
+        """Once after loading: one QKV(+indexer) GEMM per layer (`Attention.fuse_projections`), and each linear and
+        MoE layer's method for the device its weights are on."""
+        device = self.model.embed_tokens.weight.device
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
+        for mod in self.modules():
+            if isinstance(mod, (Linear, SparseMoE)):
+                mod.prepare(device)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

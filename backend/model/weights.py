@@ -90,14 +90,3 @@ class QuantWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"lead={self.lead}, n={self.n}, k={self.k}, fmt={self.fmt}"
-
-
-class Linear(nn.Module):
-    """y = x W^T with W a `QuantWeight` (no bias: M3 has none)."""
-
-    def __init__(self, k: int, n: int, fmt: str = "dense", dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.w = QuantWeight(n, k, fmt, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.w.dequantize(dtype=x.dtype))

@@ -12,7 +12,6 @@ import pytest
 from m3serve import LLM, SamplingParams
 from m3serve.model.layers.attention import TorchAttention
 from m3serve.model.layers.triton_attention import TritonAttention
-from m3serve.model.tiny import make_tiny
 
 from support.shadow import shadow_of
 
@@ -22,17 +21,10 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [list(range(3, 23)), [(7 * i) % 500 + 3 for i in range(90)], [(13 * i) % 480 + 5 for i in range(150)]]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny_gpu"))
-    make_tiny(d)
-    return d
-
-
-def _run(tiny_dir, kv_cache_dtype, reference: bool, **kw):
-    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+def _run(tiny_model_dir, kv_cache_dtype, reference: bool, **kw):
+    llm = LLM(model=tiny_model_dir, device="cuda", dtype="float32", kv_cache_dtype=kv_cache_dtype,
               max_model_len=512, num_gpu_blocks_override=64, **kw)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     if reference:
         runner.backend = TorchAttention(runner.model.attention_spec, runner.cache)  # over the same PagedKVCache
     else:
@@ -43,9 +35,9 @@ def _run(tiny_dir, kv_cache_dtype, reference: bool, **kw):
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("budget", [8192, 40])  # whole prefills, and chunked prefill mixed with decodes
-def test_engine_kernels_match_reference(tiny_dir, kv, budget):
-    ref = _run(tiny_dir, kv, True, max_num_batched_tokens=budget)
-    got = _run(tiny_dir, kv, False, max_num_batched_tokens=budget)
+def test_engine_kernels_match_reference(tiny_model_dir, kv, budget):
+    ref = _run(tiny_model_dir, kv, True, max_num_batched_tokens=budget)
+    got = _run(tiny_model_dir, kv, False, max_num_batched_tokens=budget)
     for r, g in zip(ref, got):
         # identical cache bytes: greedy tokens agree until a near-tie meets bf16 rounding
         n = next((i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b), len(r.token_ids))
@@ -60,10 +52,10 @@ def test_engine_kernels_match_reference(tiny_dir, kv, budget):
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("budget", [8192, 40])
-def test_engine_kernels_shadow(tiny_dir, kv, budget):
-    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", kv_cache_dtype=kv, max_model_len=512,
+def test_engine_kernels_shadow(tiny_model_dir, kv, budget):
+    llm = LLM(model=tiny_model_dir, device="cuda", dtype="float32", kv_cache_dtype=kv, max_model_len=512,
               num_gpu_blocks_override=64, max_num_batched_tokens=budget)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     assert isinstance(runner.backend, TritonAttention)
     shadow = shadow_of(runner.backend, tol=0.05)
     runner.backend = shadow

@@ -118,7 +118,7 @@ def test_engine_uses_the_mma_kernels_and_matches_the_reference(tmp_path):
     write_checkpoint(str(tmp_path), cfg, random_state(cfg, 3), dtype=torch.bfloat16)
     llm = LLM(model=str(tmp_path), device="cuda", dtype="float32", kv_cache_dtype="nvfp4", max_model_len=4096,
               num_gpu_blocks_override=64)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     assert isinstance(runner.backend, TritonAttention)
     cache = runner.cache
     lc = cache.layers[1]

@@ -6,27 +6,19 @@ import pytest
 from m3serve import LLM, SamplingParams
 from m3serve.model.layers.attention import TorchAttention
 from m3serve.model.layers.triton_attention import TritonAttention
-from m3serve.model.tiny import make_tiny
 from support.shadow import ShadowAttention, shadow_of
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(90)]  # > top-k x block = 64 tokens: the indexer drops blocks
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny_shadow"))
-    make_tiny(d)
-    return d
-
-
-def _llm(tiny_dir, kv):
-    return LLM(model=tiny_dir, device="cpu", dtype="float32", kv_cache_dtype=kv, max_model_len=256,
+def _llm(tiny_model_dir, kv):
+    return LLM(model=tiny_model_dir, device="cpu", dtype="float32", kv_cache_dtype=kv, max_model_len=256,
                num_gpu_blocks_override=32, max_num_batched_tokens=40)
 
 
-def test_engine_kernels_shadow_nvfp4(tiny_dir):
-    llm = _llm(tiny_dir, "nvfp4")
-    runner = llm.engine.runner
+def test_engine_kernels_shadow_nvfp4(tiny_model_dir):
+    llm = _llm(tiny_model_dir, "nvfp4")
+    runner = llm.engine.executor.worker.runner
     cfg = runner.model.config
     shadow = shadow_of(TritonAttention(runner.model.attention_spec, runner.cache, cfg.num_attention_heads,
                                        cfg.index_n_heads), tol=0.03)
@@ -50,9 +42,9 @@ class _WrongOnOneToken(TorchAttention):
 
 
 @pytest.mark.parametrize("layer,message", [(0, "layer 0 \\(dense\\)"), (1, "with the same block selection")])
-def test_shadow_catches_a_wrong_backend(tiny_dir, layer, message):
-    llm = _llm(tiny_dir, "bfloat16")
-    runner = llm.engine.runner
+def test_shadow_catches_a_wrong_backend(tiny_model_dir, layer, message):
+    llm = _llm(tiny_model_dir, "bfloat16")
+    runner = llm.engine.executor.worker.runner
     ref = runner.backend  # the torch reference on the CPU
     wrong = _WrongOnOneToken(ref.spec, ref.cache)
     wrong.wrong_layer = layer

@@ -13,15 +13,6 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from m3serve.model.tiny import make_tiny
-
-    d = tmp_path_factory.mktemp("tiny_m3_engine")
-    make_tiny(str(d))
-    return str(d)
-
-
-@pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_dir):
     """(model fp32 on CPU, load report, tokenizer), shared by every engine of the session."""
     from m3serve.model.loader import load_model

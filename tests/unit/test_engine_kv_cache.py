@@ -94,10 +94,11 @@ def _teacher_forced(eng, tokens, prompt_len, chunk=32):
     out, pos = [], 0
     while pos < len(tokens) - 1:
         n = min(chunk, prompt_len - pos) if pos < prompt_len else 1
-        step, _ = eng.runner.prepare(ScheduledBatch([seq], [n]))
-        hidden = eng.model(step, eng.runner.backend)
+        step, _ = eng.step_builder.build(ScheduledBatch([seq], [n]))
+        runner = eng.executor.worker.runner
+        hidden = runner.forward(step)
         if pos + n >= prompt_len:
-            out.append(eng.model.compute_logits(hidden[-1:]))
+            out.append(runner.model.compute_logits(hidden[-1:]))
         seq.num_computed_tokens += n
         pos += n
     eng.block_manager.free(seq)
@@ -112,8 +113,8 @@ def test_quantized_kv_error_against_bf16(make_engine, eu):
     engines = {name: make_engine(kv_cache_dtype=kv, attention_config={"indexer_kv_dtype": idx},
                                  enable_prefix_caching=False, max_num_batched_tokens=64)
                for name, (kv, idx) in caches.items()}
-    assert engines["nvfp4"].cache.layers[0].k.dtype == torch.uint8
-    assert engines["fp8"].cache.layers[1].index.dtype == torch.float8_e4m3fn
+    assert engines["nvfp4"].executor.worker.cache.layers[0].k.dtype == torch.uint8
+    assert engines["fp8"].executor.worker.cache.layers[1].index.dtype == torch.float8_e4m3fn
     free_run = {}
     for name, eng in engines.items():  # end to end: batched greedy generation on each cache
         for i, p in enumerate(prompts):

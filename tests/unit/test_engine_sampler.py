@@ -1,5 +1,6 @@
 """Sampler: the sampled distribution matches the one computed from the logits (chi-square), seeded
-requests reproduce whatever the batch mix, penalties / min_tokens / logprobs follow vLLM semantics."""
+requests reproduce whatever the batch mix, penalties / min_tokens / logprobs follow vLLM semantics.
+The sampler runs on tensors: `StepBuilder.sampling` turns the sequences into its `SamplingInput`."""
 import math
 
 import pytest
@@ -7,14 +8,20 @@ import torch
 
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.sequence import Sequence
-from m3serve.executor.sampler import Sampler, apply_penalties
+from m3serve.engine.step_builder import StepBuilder
+from m3serve.executor.sampler import Sampler, apply_penalties, uniforms
 from support.reference import reference_logits
 
 
 def seq_with(sp, prompt=(1, 2, 3), outputs=(), seed=0):
-    s = Sequence("x", 0, list(prompt), sp, 100, torch.Generator().manual_seed(seed))
+    s = Sequence("x", 0, list(prompt), sp, 100, seed)
     s.token_ids += list(outputs)
     return s
+
+
+def sample(logits, seqs, eos=()):
+    """Token ids the sampler draws for `seqs` (one logits row each)."""
+    return Sampler()(logits, StepBuilder(16, set(eos)).sampling(seqs)).token_ids.tolist()
 
 
 def expected_probs(logits, t, top_k, top_p, min_p):
@@ -48,11 +55,10 @@ def test_sampling_distribution_chi_square(t, top_k, top_p, min_p):
     expect = expected_probs(logits, t, top_k, top_p, min_p)
     sp = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
     rows, calls = 2000, 10
-    seqs = [seq_with(sp, seed=1000 + i) for i in range(rows)]
-    sampler = Sampler(set())
     counts = torch.zeros(512, dtype=torch.float64)
-    for _ in range(calls):
-        toks = [s.token_id for s in sampler(logits.expand(rows, -1).clone(), seqs)]
+    for c in range(calls):
+        seqs = [seq_with(sp, seed=1000 + c * rows + i) for i in range(rows)]
+        toks = sample(logits.expand(rows, -1).clone(), seqs)
         counts += torch.bincount(torch.tensor(toks), minlength=512).double()
     n = rows * calls
     assert counts[expect == 0].sum() == 0, "sampled a token outside the top-k / top-p / min-p support"
@@ -73,8 +79,23 @@ def test_sampling_distribution_chi_square(t, top_k, top_p, min_p):
 def test_greedy_and_tiny_temperature_pick_argmax():
     logits = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
     seqs = [seq_with(SamplingParams(temperature=0.0)) for _ in range(4)]
-    out = Sampler(set())(logits.clone(), seqs)
-    assert [o.token_id for o in out] == logits.argmax(-1).tolist()
+    assert sample(logits.clone(), seqs) == logits.argmax(-1).tolist()
+    mixed = [seq_with(SamplingParams(temperature=t), seed=i) for i, t in enumerate((0.0, 1.0, 0.0, 1e-6))]
+    got = sample(logits.clone(), mixed)
+    assert [got[0], got[2], got[3]] == logits.argmax(-1)[[0, 2, 3]].tolist()
+
+
+def test_counter_uniforms_depend_on_seed_and_position_only():
+    seeds = torch.tensor([1, 1, 2, -5, (1 << 62) + 1, (1 << 62) + 2])
+    pos = torch.tensor([7, 8, 7, 7, 7, 7])
+    u = uniforms(seeds, pos, 4096)
+    assert u.dtype == torch.float32 and bool((u > 0).all()) and bool((u < 1).all())
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    for i in range(len(seeds)):  # every seed bit and the position matter
+        for j in range(i):
+            assert not torch.equal(u[i], u[j])
+    again = uniforms(seeds[[3, 0]], pos[[3, 0]], 4096)  # a row's draws do not depend on the other rows
+    assert torch.equal(again, u[[3, 0]])
 
 
 def test_penalties_vllm_semantics():
@@ -82,7 +103,7 @@ def test_penalties_vllm_semantics():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0, 0.0, 0.25]])
     sp = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     s = seq_with(sp, prompt=[0, 1], outputs=[3, 3, 4])
-    got = apply_penalties(logits.clone(), [s])[0]
+    got = apply_penalties(logits.clone(), StepBuilder(16, set()).sampling([s]))[0]
     exp = logits[0].clone()
     for i in (0, 1, 3, 4):  # prompt or output tokens: repetition penalty
         exp[i] = exp[i] / 2.0 if exp[i] > 0 else exp[i] * 2.0
@@ -96,12 +117,11 @@ def test_min_tokens_masks_eos_and_stop_ids():
     logits[0, 5] = logits[0, 7] = 10.0
     sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7])
     s = seq_with(sp, outputs=[1])
-    out = Sampler({5})(logits.clone(), [s])[0]
-    assert out.token_id not in (5, 7)
+    assert sample(logits.clone(), [s], {5})[0] not in (5, 7)
     s.token_ids.append(2)  # min_tokens reached
-    assert Sampler({5})(logits.clone(), [s])[0].token_id in (5, 7)
+    assert sample(logits.clone(), [s], {5})[0] in (5, 7)
     sp_ie = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
-    assert Sampler({5})(logits.clone(), [seq_with(sp_ie)])[0].token_id == 5  # eos not masked with ignore_eos
+    assert sample(logits.clone(), [seq_with(sp_ie)], {5})[0] == 5  # eos not masked with ignore_eos
 
 
 def test_seeded_sampling_reproducible_across_batch_mixes(make_engine, eu):

@@ -1,0 +1,96 @@
+"""Scheduled batch (Python `Sequence` objects) -> `StepInput` (host tensors): the one place the engine turns its
+request state into what a worker can receive."""
+from __future__ import annotations
+
+import torch
+
+from m3serve.engine.scheduler import ScheduledBatch
+from m3serve.engine.sequence import Sequence
+from m3serve.engine.step import SamplingInput, StepInput
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """int64 [len(rows), max(1, longest)], -1 padded."""
+    out = torch.full((len(rows), max([1] + [len(r) for r in rows])), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out
+
+
+def as_int64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same bits."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class StepBuilder:
+    def __init__(self, block_size: int, eos_token_ids: set[int]):
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids  # shared with the engine (a set)
+
+    def build(self, batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
+        """The step's input, and the sequences whose next token it samples (one per logits index, in order)."""
+        bs = self.block_size
+        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+        sample_rows, sample_seqs = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            pages = seq.pages
+            slots += [pages[p // bs] * bs + p % bs for p in range(start, end)]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                sample_seqs.append(seq)
+        tables = _padded([s.pages for s in batch.seqs]).clamp_(min=0).to(torch.int32)
+        step = StepInput(
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, is_decode=all(n == 1 for n in batch.num_new_tokens),
+            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens), block_tables=tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
+            sampling=self.sampling(sample_seqs) if sample_seqs else None)
+        return step, sample_seqs
+
+    def sampling(self, seqs: list[Sequence]) -> SamplingInput:
+        sps = [s.sampling_params for s in seqs]
+        greedy = [sp.greedy for sp in sps]
+        f32 = torch.float32
+        s = SamplingInput(
+            temperature=torch.tensor([0.0 if g else sp.temperature for sp, g in zip(sps, greedy)], dtype=f32),
+            top_k=torch.tensor([max(sp.top_k, 0) for sp in sps], dtype=torch.int32),
+            top_p=torch.tensor([sp.top_p for sp in sps], dtype=f32),
+            min_p=torch.tensor([sp.min_p for sp in sps], dtype=f32),
+            seeds=torch.tensor([as_int64(s.seed) for s in seqs], dtype=torch.int64),
+            positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64),
+            all_greedy=all(greedy),
+            needs_top_k=any(sp.top_k > 0 and not g for sp, g in zip(sps, greedy)),
+            needs_top_p=any(sp.top_p < 1.0 and not g for sp, g in zip(sps, greedy)),
+            needs_min_p=any(sp.min_p > 0.0 and not g for sp, g in zip(sps, greedy)),
+            max_num_logprobs=max(-1 if sp.logprobs is None else sp.logprobs for sp in sps))
+        rep = [sp.repetition_penalty for sp in sps]
+        freq = [sp.frequency_penalty for sp in sps]
+        pres = [sp.presence_penalty for sp in sps]
+        if any(r != 1.0 for r in rep):
+            s.repetition_penalty = torch.tensor(rep, dtype=f32)
+            s.prompt_token_ids = _padded([s.prompt_token_ids for s in seqs])
+        if any(f != 0.0 for f in freq):
+            s.frequency_penalty = torch.tensor(freq, dtype=f32)
+        if any(p != 0.0 for p in pres):
+            s.presence_penalty = torch.tensor(pres, dtype=f32)
+        if s.repetition_penalty is not None or s.frequency_penalty is not None or s.presence_penalty is not None:
+            s.output_token_ids = _padded([s.output_token_ids for s in seqs])
+        suppress = [self._suppressed(s) for s in seqs]
+        if any(suppress):
+            s.suppress_token_ids = _padded(suppress)
+        return s
+
+    def _suppressed(self, seq: Sequence) -> list[int]:
+        """Token ids the sequence may not produce yet: its stop ids and EOS until min_tokens outputs."""
+        sp = seq.sampling_params
+        if seq.num_output_tokens >= sp.min_tokens:
+            return []
+        return sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids))

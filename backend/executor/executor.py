@@ -1,0 +1,44 @@
+"""The engine's view of its workers: set up the model and the page pool on every device, run each step on all
+of them, hand back rank 0's sampled tokens. Today one worker in this process (`UniprocExecutor`); tensor
+parallelism puts worker processes behind the same interface."""
+from __future__ import annotations
+
+from m3serve.config import EngineConfig, ModelConfig
+from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.executor.worker import Worker
+
+
+class Executor:
+    """kv_dtype, index_dtype, model_dtype and num_pages are known once the constructor returns."""
+
+    kv_dtype: str
+    index_dtype: str
+    model_dtype: str
+    num_pages: int
+
+    def execute(self, step: StepInput) -> SamplerOutput | None:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone (the engine then reports itself dead)."""
+
+    def shutdown(self) -> None:
+        """Release the workers (idempotent)."""
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, *, model=None,
+                 load_report=None):
+        self.worker = Worker(config, model_config, model=model, load_report=load_report)
+        w = self.worker
+        self.kv_dtype, self.index_dtype = w.kv_dtype, w.index_dtype
+        self.model_dtype = str(w.model.dtype).replace("torch.", "")
+        self.num_pages = w.determine_num_pages(max_model_len)
+        w.init_cache(self.num_pages)
+
+    def execute(self, step: StepInput) -> SamplerOutput | None:
+        return self.worker.execute(step)
+
+
+def create_executor(config: EngineConfig, model_config: ModelConfig, max_model_len: int, **kwargs) -> Executor:
+    return UniprocExecutor(config, model_config, max_model_len, **kwargs)
