@@ -31,12 +31,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--num-gpu-blocks-override", type=int)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ["device", "dtype", "kv_cache_dtype", "attention_config", "block_size", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "enable_prefix_caching",
-            "tensor_parallel_size", "num_gpu_blocks_override", "seed"]
+            "tensor_parallel_size", "num_gpu_blocks_override", "seed", "enforce_eager"]
     return {k: getattr(a, k) for k in keys}
 
 

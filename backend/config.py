@@ -288,6 +288,7 @@ class EngineConfig:
     attention_config: dict[str, Any] = field(default_factory=dict)  # {"indexer_kv_dtype": ...}
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs (decode steps launch their kernels one by one)
     num_gpu_blocks_override: int | None = None  # fixes the page-pool size (tests, CPU)
     reasoning_parser: str | None = None
     disable_hybrid_kv_cache_manager: bool = False  # accepted for launch-line compatibility (one pool anyway)

@@ -67,7 +67,7 @@ class LLMEngine:
                                           watermark_pages=num_pages // 100)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids)
+        self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids, self.executor.pin_memory)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0

@@ -16,16 +16,20 @@ from dataclasses import dataclass
 import torch
 
 
-def _move(obj, device: torch.device, non_blocking: bool):
-    """A copy of the dataclass `obj` whose tensor fields (and nested dataclasses) live on `device`."""
+def _map_tensors(obj, fn):
+    """A copy of the dataclass `obj` with `fn` applied to its tensor fields (and its nested dataclasses')."""
     changes = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, torch.Tensor):
-            changes[f.name] = v.to(device, non_blocking=non_blocking)
+            changes[f.name] = fn(v)
         elif dataclasses.is_dataclass(v):
-            changes[f.name] = _move(v, device, non_blocking)
+            changes[f.name] = _map_tensors(v, fn)
     return dataclasses.replace(obj, **changes)
+
+
+def _move(obj, device: torch.device, non_blocking: bool):
+    return _map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 @dataclass
@@ -100,6 +104,10 @@ class StepInput:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "StepInput":
         return _move(self, torch.device(device), non_blocking)
+
+    def pin_memory(self) -> "StepInput":
+        """A copy in page-locked host memory (its copy to a CUDA device does not block the host)."""
+        return _map_tensors(self, torch.Tensor.pin_memory)
 
     @classmethod
     def contiguous(cls, chunks: list[list[int]], starts: list[int], device: torch.device | str = "cpu",

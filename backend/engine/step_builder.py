@@ -24,9 +24,10 @@ def as_int64(seed: int) -> int:
 
 
 class StepBuilder:
-    def __init__(self, block_size: int, eos_token_ids: set[int]):
+    def __init__(self, block_size: int, eos_token_ids: set[int], pin_memory: bool = False):
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # shared with the engine (a set)
+        self.pin_memory = pin_memory  # page-locked tensors: the copy to the GPU does not block the host
 
     def build(self, batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
         """The step's input, and the sequences whose next token it samples (one per logits index, in order)."""
@@ -53,7 +54,7 @@ class StepBuilder:
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=self.sampling(sample_seqs) if sample_seqs else None)
-        return step, sample_seqs
+        return (step.pin_memory() if self.pin_memory else step), sample_seqs
 
     def sampling(self, seqs: list[Sequence]) -> SamplingInput:
         sps = [s.sampling_params for s in seqs]

@@ -15,6 +15,7 @@ class Executor:
     index_dtype: str
     model_dtype: str
     num_pages: int
+    pin_memory: bool  # step inputs are built in pinned host memory (copied to a CUDA device without a sync)
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         raise NotImplementedError
@@ -34,7 +35,8 @@ class UniprocExecutor(Executor):
         self.kv_dtype, self.index_dtype = w.kv_dtype, w.index_dtype
         self.model_dtype = str(w.model.dtype).replace("torch.", "")
         self.num_pages = w.determine_num_pages(max_model_len)
-        w.init_cache(self.num_pages)
+        w.init_cache(self.num_pages, max_model_len)
+        self.pin_memory = w.device.type == "cuda"
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         return self.worker.execute(step)

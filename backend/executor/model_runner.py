@@ -33,6 +33,14 @@ class ModelRunner:
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.backend = backend if backend is not None else select_attention_backend(model, cache, self.device)
         self.sampler = Sampler()
+        self.graphs = None  # a CudaGraphRunner once `capture_graphs` ran
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode graphs (CUDA only); decode steps replay them from then on."""
+        from m3serve.executor.cuda_graph import CudaGraphRunner
+        graphs = CudaGraphRunner(self, max_num_seqs, -(-max_model_len // self.cache.block_size))
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
@@ -45,6 +53,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput | None:
         """Run one step; the sampled tokens (on the device), or None when the step samples nothing."""
+        if self.graphs is not None and self.graphs.supports(step):
+            return self.graphs.execute(step)
         step = step.to(self.device, non_blocking=True)
         hidden = self.forward(step)
         if step.sampling is None:

@@ -8,6 +8,7 @@ import torch
 
 from m3serve.config import EngineConfig, ModelConfig, normalize_kv_dtype
 from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.executor.cuda_graph import graph_reserve_bytes
 from m3serve.executor.kv_cache import PagedKVCache, determine_num_pages
 from m3serve.executor.model_runner import ModelRunner
 
@@ -47,17 +48,26 @@ class Worker:
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
 
-    def determine_num_pages(self, max_model_len: int) -> int:
-        c = self.config
-        return determine_num_pages(
-            self.model_config, self.kv_dtype, self.index_dtype, self.device,
-            gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks_override=c.num_gpu_blocks_override,
-            max_model_len=max_model_len, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
 
-    def init_cache(self, num_pages: int) -> None:
+    def determine_num_pages(self, max_model_len: int) -> int:
+        c, m = self.config, self.model_config
+        reserve = graph_reserve_bytes(c.max_num_seqs, m.hidden_size, m.vocab_size) if self.use_cuda_graphs else 0
+        return determine_num_pages(
+            m, self.kv_dtype, self.index_dtype, self.device,
+            gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks_override=c.num_gpu_blocks_override,
+            max_model_len=max_model_len, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            reserved_bytes=reserve)
+
+    def init_cache(self, num_pages: int, max_model_len: int) -> None:
+        """The page pool, the model runner and (CUDA, unless enforce_eager) its decode graphs."""
         kv_scales = getattr(self.load_report, "kv_scales", None) or {}
         self.cache = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales)
         self.runner = ModelRunner(self.model, self.cache, self.device)
+        if self.use_cuda_graphs:
+            self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         out = self.runner.execute(step)

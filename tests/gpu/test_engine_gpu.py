@@ -23,7 +23,7 @@ PROMPTS = [list(range(3, 23)), [(7 * i) % 500 + 3 for i in range(90)], [(13 * i)
 
 def _run(tiny_model_dir, kv_cache_dtype, reference: bool, **kw):
     llm = LLM(model=tiny_model_dir, device="cuda", dtype="float32", kv_cache_dtype=kv_cache_dtype,
-              max_model_len=512, num_gpu_blocks_override=64, **kw)
+              max_model_len=512, num_gpu_blocks_override=64, enforce_eager=True, **kw)  # backends swapped below
     runner = llm.engine.executor.worker.runner
     if reference:
         runner.backend = TorchAttention(runner.model.attention_spec, runner.cache)  # over the same PagedKVCache
@@ -54,7 +54,7 @@ def test_engine_kernels_match_reference(tiny_model_dir, kv, budget):
 @pytest.mark.parametrize("budget", [8192, 40])
 def test_engine_kernels_shadow(tiny_model_dir, kv, budget):
     llm = LLM(model=tiny_model_dir, device="cuda", dtype="float32", kv_cache_dtype=kv, max_model_len=512,
-              num_gpu_blocks_override=64, max_num_batched_tokens=budget)
+              num_gpu_blocks_override=64, max_num_batched_tokens=budget, enforce_eager=True)
     runner = llm.engine.executor.worker.runner
     assert isinstance(runner.backend, TritonAttention)
     shadow = shadow_of(runner.backend, tol=0.05)
