@@ -81,7 +81,7 @@ def cmd_capacity(a) -> int:
 def cmd_make_tiny(a) -> int:
     from m3serve.model.tiny import make_tiny
 
-    cfg = make_tiny(a.out, seed=a.seed, layout=a.layout)
+    cfg = make_tiny(a.out, seed=a.seed, layout=a.layout, dspark=a.dspark)
     print(json.dumps({"out": a.out, "layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size,
                       "layer_types": cfg.layer_types, "mlp_layer_types": cfg.mlp_layer_types}))
     return 0
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--layout", choices=["original", "transformers"], default="original")
+    t.add_argument("--dspark", action="store_true", help="also write its tiny DSpark draft to OUT/dspark")
     t.set_defaults(fn=cmd_make_tiny)
     return p
 

@@ -71,6 +71,19 @@ class SamplingInput:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SamplingInput":
         return _move(self, torch.device(device), non_blocking)
 
+    def repeat_rows(self, k: int) -> "SamplingInput":
+        """Each row k times over, rows [N] -> [N * k] (row-major): the options of [N, k, V] logits."""
+        return _map_tensors(self, lambda t: t.repeat_interleave(k, dim=0))
+
+    @classmethod
+    def full(cls, n: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             seed: int = 0, device: torch.device | str = "cpu") -> "SamplingInput":
+        """The same options for n rows (tests, a single request)."""
+        f = lambda v, dt=torch.float32: torch.full((n,), v, dtype=dt, device=device)  # noqa: E731
+        return cls(f(float(temperature)), f(int(top_k), torch.int32), f(float(top_p)), f(float(min_p)),
+                   f(int(seed), torch.int64), f(0, torch.int64), all_greedy=temperature < cls.GREEDY_EPS,
+                   needs_top_k=top_k > 0, needs_top_p=top_p < 1.0, needs_min_p=min_p > 0.0)
+
 
 @dataclass
 class StepInput:

@@ -69,7 +69,9 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
-def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str = "bfloat16") -> ModelConfig:
+def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str = "bfloat16",
+              dspark: bool = False) -> ModelConfig:
+    """The tiny model in `out_dir`; with `dspark`, also its tiny DSpark draft in `out_dir/dspark`."""
     from m3serve.text.tiny_tokenizer import build_tiny_tokenizer
 
     os.makedirs(out_dir, exist_ok=True)
@@ -81,4 +83,8 @@ def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str 
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id[0],
                    "temperature": 1.0, "top_p": 0.95}, f, indent=2)
+    if dspark:
+        from m3serve.model.dspark_tiny import make_tiny_dspark
+
+        make_tiny_dspark(out_dir, seed=seed, dtype=dtype)
     return cfg

@@ -99,3 +99,15 @@ def eu():
 
     return SimpleNamespace(random_prompts=random_prompts, run_to_completion=run_to_completion,
                            check_invariants=check_invariants)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_model_dir, tiny_loaded, tmp_path_factory):
+    """(the tiny DSpark draft, loaded in fp32 for the session's tiny target, its load report, its directory)."""
+    from m3serve.model.dspark_loader import load_dspark
+    from m3serve.model.dspark_tiny import make_tiny_dspark
+
+    d = str(tmp_path_factory.mktemp("tiny_dspark"))
+    make_tiny_dspark(tiny_model_dir, d)
+    draft, report = load_dspark(d, tiny_loaded[0], "cpu", torch.float32)
+    return draft, report, d

@@ -1,0 +1,106 @@
+"""The DSpark draft's paged KV cache: per draft layer, K (k_norm + RoPE applied) and V of the projected
+context features C, for committed positions only (design/dspark.md section 2).
+
+It is indexed exactly like the target's page pool (engine/kv_cache.py): the same page size B, the same page
+ids, so the engine passes the target's block tables and slot mapping unchanged. A row of position p of a
+sequence lives at slot `page_table[p // B] * B + p % B`. Layout per layer (what a paged kernel reads):
+  k[l], v[l]   fp8 e4m3 (per-layer fp32 scale) | bf16 | fp16 | fp32   [P + 1, H_kv, B, D]
+Page P (one past the pool) is a scratch page: rows written with slot -1 (padding, rejected verify rows)
+land there, so a write never needs the host to filter its rows; no block table points at it.
+
+Block rows (the drafted block) are transient and never written; rejected verify rows are never written
+either (slot -1), so the cache needs no rollback: after a partial rejection it holds exactly the rows of
+the accepted tokens.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from m3serve.config import ConfigError, normalize_kv_dtype
+from m3serve.model.dspark_config import DSparkConfig
+from m3serve.model.kv_codec import KVCodec
+
+DRAFT_KV_DTYPES = ("fp8", "bfloat16", "float16", "float32")
+_STORAGE = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float32": torch.float32}
+
+
+class DraftKVCache:
+    def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 kv_dtype: str = "fp8", dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 scales: dict[int, tuple[float, float]] | None = None):
+        if kv_dtype not in DRAFT_KV_DTYPES:
+            raise ConfigError(f"draft kv_cache_dtype {kv_dtype!r} is not one of {list(DRAFT_KV_DTYPES)}")
+        self.num_layers, self.num_pages, self.block_size = num_layers, num_pages, block_size
+        self.kv_dtype, self.dtype, self.device = kv_dtype, dtype, torch.device(device)
+        scales = scales or {}
+        shape = (num_pages + 1, num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=_STORAGE[kv_dtype], device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=_STORAGE[kv_dtype], device=self.device) for _ in range(num_layers)]
+        self.k_scale = [float(scales.get(i, (1.0, 1.0))[0]) for i in range(num_layers)]
+        self.v_scale = [float(scales.get(i, (1.0, 1.0))[1]) for i in range(num_layers)]
+        self._k_codec = [KVCodec(kv_dtype, s) for s in self.k_scale]
+        self._v_codec = [KVCodec(kv_dtype, s) for s in self.v_scale]
+
+    @classmethod
+    def for_draft(cls, cfg: DSparkConfig, num_pages: int, block_size: int, kv_cache_dtype: str = "fp8",
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  scales: dict[int, tuple[float, float]] | None = None) -> "DraftKVCache":
+        """A cache for draft `cfg` over the target's pool geometry (`num_pages` pages of `block_size`).
+        `kv_cache_dtype`: one of DRAFT_KV_DTYPES or the speculative config's names ("auto" = the model
+        dtype, "fp8_e4m3")."""
+        kv = kv_cache_dtype
+        if kv not in DRAFT_KV_DTYPES:
+            kv = normalize_kv_dtype(kv, {torch.float32: "float32", torch.float16: "float16"}.get(dtype, "bfloat16"))
+        return cls(cfg.num_hidden_layers, num_pages, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                   kv, dtype, device, scales)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # ---- writes ------------------------------------------------------------------------------------
+    def _page_offset(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = slots.long()
+        scratch = slots < 0
+        page = torch.where(scratch, self.num_pages, slots // self.block_size)
+        return page, torch.where(scratch, 0, slots % self.block_size)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize and write K, V [N, H_kv, D] of N context rows at `slots` (int [N]; -1 = drop)."""
+        page, off = self._page_offset(slots)
+        self.k[layer][page, :, off] = self._k_codec[layer].encode(k)[0]
+        self.v[layer][page, :, off] = self._v_codec[layer].encode(v)[0]
+
+    def write_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
+        """Every layer's (k, v) of the same N rows (what `DSparkDraft.context_kv` returns)."""
+        for layer, (k, v) in enumerate(rows):
+            self.write(layer, slots, k, v)
+
+    # ---- reads -------------------------------------------------------------------------------------
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of S sequences through their block tables (int [S, max_pages]): K, V
+        [S, max_pages * B, H_kv, D] dequantized to `dtype`, row j = position j. Rows past a sequence's
+        context hold whatever its pages hold: the caller masks them (`block_mask`)."""
+        tables = block_tables.long().clamp(min=0)
+        s, p = tables.shape
+
+        def rows(data: list[torch.Tensor], codec: list[KVCodec]) -> torch.Tensor:
+            x = data[layer][tables].transpose(2, 3).reshape(s, p * self.block_size, *data[layer].shape[1::2])
+            return codec[layer].decode((x,), self.dtype)
+
+        return rows(self.k, self._k_codec), rows(self.v, self._v_codec)
+
+    def context_fn(self, block_tables: torch.Tensor) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """`layer -> (k, v)` for `DSparkDraft.block_hidden`."""
+        return lambda layer: self.gather(layer, block_tables)
+
+
+def commit_slots(slots: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """Slots of the verify rows [S, K+1] (positions t..t+K) with the rows past the anchor + n accepted
+    tokens set to -1: inserting the verify rows' features through these slots commits exactly the
+    accepted ones (no host sync, no compaction)."""
+    row = torch.arange(slots.shape[1], device=slots.device)[None, :]
+    return torch.where(row <= num_accepted[:, None], slots.long(), -1)

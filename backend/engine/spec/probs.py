@@ -1,0 +1,46 @@
+"""Distributions and draws on tensors for speculative decoding, with no host synchronisation.
+
+`sampling_probs` is the request's sampling transform as a probability vector: the engine sampler's
+`filter_logits` (temperature -> min_p -> top_k -> top_p, vLLM's) with every filter on, so a batch of mixed
+requests (and a CUDA graph) runs one path; rows with temperature ~ 0 become the one-hot argmax (greedy). Both
+the draft's Q and the target's T of a verification go through it, so a greedy target gives one-hot rows, which
+the verification rules then handle exactly.
+
+`draw` takes one token per row from a (possibly unnormalised) probability vector by inverse CDF with a
+caller-supplied uniform in [0, 1): the engine feeds its counter-based per-request RNG, so results do not
+depend on what else is in the batch. A token of probability 0 is never drawn.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from m3serve.engine.step import SamplingInput
+from m3serve.executor.sampler import filter_logits
+
+
+
+def sampling_probs(logits: torch.Tensor, st: SamplingInput | None) -> torch.Tensor:
+    """logits [S, V] -> fp32 probabilities [S, V] after the row's transform (None = plain softmax)."""
+    x = logits.float()
+    if st is None:
+        return torch.softmax(x, -1)
+    every = dataclasses.replace(st, needs_top_k=True, needs_top_p=True, needs_min_p=True)
+    probs = torch.softmax(filter_logits(x, every), -1)
+    onehot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+    return torch.where((st.temperature < SamplingInput.GREEDY_EPS)[:, None], onehot, probs)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [S, V] (>= 0, any positive total) with uniforms u [S] in [0, 1)."""
+    cdf = probs.float().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.float() * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u * total can round up to the total: fall back to the last token of positive probability
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(idx, last)
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """tokens [...] -> fp32 [..., V] (a greedy draft's Q)."""
+    return torch.zeros(*tokens.shape, vocab, device=tokens.device).scatter_(-1, tokens[..., None].long(), 1.0)

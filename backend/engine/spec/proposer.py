@@ -1,0 +1,96 @@
+"""The DSpark proposer step, batched over S sequences as tensor functions (design/dspark.md section 2):
+
+1. `insert_context`: the pending context rows (tapped target features of newly committed positions) become
+   K/V rows in the draft cache, written at the target's slots (-1 = skip the row).
+2. one backbone pass over [anchor, mask x (gamma-1)] per sequence, reading the cache through the target's
+   block tables -> block hidden h [S, gamma, H] -> base logits U_k = lm_head(h_k) for the first K slots;
+3. `sample_block`: K cheap sequential steps: z_k = U_k + B_k(x_{k-1}), Q_k = the request's transform of z_k
+   (`probabilistic`) or one-hot argmax (`greedy`), x_k drawn from exactly Q_k, confidence c_k from
+   [h_k ; W1[x_{k-1}]].
+Randomness comes in from the caller (uniforms [S, K], or a callable), nothing syncs with the host.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from m3serve.engine.spec.draft_cache import DraftKVCache
+from m3serve.engine.spec.probs import draw, sampling_probs
+from m3serve.engine.step import SamplingInput
+from m3serve.model.dspark import DSparkDraft
+from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
+
+DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")  # vLLM's draft_sample_method names
+# uniforms [S, K] in [0, 1), or (k, Q_k [S, V]) -> tokens [S]: the engine's per-request RNG
+Draws = torch.Tensor | Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # int64 [S, K]: x_1..x_K
+    probs: torch.Tensor | None  # fp32 [S, K, V]: Q_k each x_k was drawn from; None for greedy (one-hot)
+    confidence: torch.Tensor  # fp32 [S, K]: c_k in (0, 1); ones without a confidence head
+    logits: torch.Tensor  # fp32 [S, K, V]: z_k = U_k + B_k(x_{k-1}) before the sampling transform
+
+
+@torch.inference_mode()
+def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead | None, h: torch.Tensor,
+                 base_logits: torch.Tensor, anchor_ids: torch.Tensor, method: str = "probabilistic",
+                 sampling: SamplingInput | None = None, draws: Draws | None = None) -> Proposal:
+    """The sequential Markov loop over K slots: h [S, K, H], base_logits U fp32 [S, K, V], anchors [S]."""
+    if method not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_sample_method {method!r} is not one of {list(DRAFT_SAMPLE_METHODS)}")
+    if method == "probabilistic" and draws is None:
+        raise ValueError("probabilistic draft sampling needs draws (uniforms [S, K] or a callable)")
+    s, k, _ = base_logits.shape
+    prev = anchor_ids.long()
+    state = markov_head.init_state(h[:, 0]) if markov_head is not None else None
+    tokens, probs, conf, logits = [], [], [], []
+    for i in range(k):
+        z, e = base_logits[:, i], None
+        if markov_head is not None:
+            bias, e, state = markov_head.step(h[:, i], prev, state)
+            z = z + bias
+        if confidence_head is not None:
+            conf.append(confidence_head(h[:, i], e))
+        if method == "greedy":
+            x = z.argmax(-1)
+        else:
+            q = sampling_probs(z, sampling)
+            x = draws(i, q) if callable(draws) else draw(q, draws[:, i])
+            probs.append(q)
+        tokens.append(x), logits.append(z)
+        prev = x
+    confidence = torch.stack(conf, 1) if conf else torch.ones(s, k, device=base_logits.device)
+    return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, confidence,
+                    torch.stack(logits, 1))
+
+
+@torch.inference_mode()
+def insert_context(draft: DSparkDraft, cache: DraftKVCache, features: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """Write the K/V rows of N committed positions: features [N, m*H] (the draft's tapped layers,
+    concatenated in order), positions [N], slots [N] (the target's slot mapping; -1 = skip)."""
+    cache.write_rows(draft.context_kv(features, positions), slots)
+
+
+@torch.inference_mode()
+def propose(draft: DSparkDraft, cache: DraftKVCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
+            block_tables: torch.Tensor, num_tokens: int, method: str = "probabilistic",
+            sampling: SamplingInput | None = None, draws: Draws | None = None,
+            pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Proposal:
+    """One proposer step for S sequences.
+
+    anchor_ids [S]: x0, the last token the target produced; anchor_positions [S]: its position t (every
+    position < t must be in the cache once `pending` is inserted); block_tables int [S, max_pages]: the
+    target's; num_tokens K <= gamma; pending: (features, positions, slots) rows to insert first."""
+    if not 1 <= num_tokens <= draft.block_size:
+        raise ValueError(f"num_speculative_tokens {num_tokens} must be in 1..{draft.block_size} (the draft's "
+                         "block_size)")
+    if pending is not None:
+        insert_context(draft, cache, *pending)
+    h = draft.block_hidden(anchor_ids, anchor_positions, cache.context_fn(block_tables))[:, :num_tokens]
+    return sample_block(draft.markov_head, draft.confidence_head, h, draft.base_logits(h), anchor_ids, method,
+                        sampling, draws)

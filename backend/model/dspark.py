@@ -1,0 +1,197 @@
+"""The DSpark draft model (design/dspark.md section 1): a block-parallel backbone conditioned on tapped
+target features, plus the Markov and confidence heads (dspark_heads.py). The target's token embedding
+and lm_head are shared: the draft holds references to the target's modules, never copies.
+
+One backbone pass drafts a block for S sequences at once:
+- context: the target's tapped hidden states F [N, m*H] of committed positions become C = hidden_norm(fc(F));
+  every draft layer turns C into K/V rows (`context_kv`: k_norm + RoPE at the rows' own positions). These
+  rows are what the draft cache holds.
+- block: slot k of [x0, mask x (gamma-1)] at position t+k predicts the token at t+k+1 ("sample from
+  anchor"). Block queries attend to the context rows at positions < t and to all gamma block rows
+  (bidirectional); the block's own K/V rows are transient and never cached.
+`block_hidden` takes the context through a callable `context(layer) -> (k, v)`, rows indexed by position
+(row j = position j, [S, L, H_kv, D]); the draft cache's `gather` is one such callable, a contiguous
+recompute from all committed features is another (the tests compare them).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from m3serve.model.dspark_config import DSparkConfig
+from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
+from m3serve.model.layers.moe import swiglu_oai
+from m3serve.model.m3 import RMSNorm, Rotary, apply_rope
+
+ContextFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DraftRMSNorm(RMSNorm):
+    """Qwen3's `w * norm(x)` (weights stored as scales, default), or the target's Gemma-style (1 + w)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool):
+        super().__init__(dim, eps)
+        self.unit_offset = unit_offset
+        if not unit_offset:
+            self.weight.data.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return super().forward(x)
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * y).to(x.dtype)
+
+
+def _linear(k: int, n: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(k, n, bias=False, dtype=dtype).requires_grad_(False)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DSparkConfig, dtype: torch.dtype):
+        super().__init__()
+        h, self.n_heads, self.n_kv, self.head_dim = (cfg.hidden_size, cfg.num_attention_heads,
+                                                     cfg.num_key_value_heads, cfg.head_dim)
+        self.q_proj = _linear(h, self.n_heads * self.head_dim, dtype)
+        self.k_proj = _linear(h, self.n_kv * self.head_dim, dtype)
+        self.v_proj = _linear(h, self.n_kv * self.head_dim, dtype)
+        self.o_proj = _linear(self.n_heads * self.head_dim, h, dtype)
+        self.q_norm = DraftRMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+        self.k_norm = DraftRMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> k [N, H_kv, D] (k_norm + RoPE), v [N, H_kv, D]. The same projections serve the
+        context features and the block rows."""
+        n = x.shape[0]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim)), cos, sin)
+        return k, self.v_proj(x).view(n, self.n_kv, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos, sin, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """x [S, G, H] block rows; ctx_k/v [S, L, H_kv, D]; mask bool [S, G, L + G] -> [S, G, H]."""
+        s, g, _ = x.shape
+        flat = x.reshape(s * g, -1)
+        q = apply_rope(self.q_norm(self.q_proj(flat).view(s * g, self.n_heads, self.head_dim)), cos, sin)
+        k, v = self.kv(flat, cos, sin)
+        k = torch.cat([ctx_k.to(x.dtype), k.view(s, g, self.n_kv, -1)], 1)
+        v = torch.cat([ctx_v.to(x.dtype), v.view(s, g, self.n_kv, -1)], 1)
+        out = F.scaled_dot_product_attention(q.view(s, g, self.n_heads, -1).transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(s, g, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DSparkConfig, dtype: torch.dtype):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.act, self.alpha, self.limit = cfg.hidden_act, cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_proj, self.up_proj, self.down_proj = _linear(h, i, dtype), _linear(h, i, dtype), _linear(i, h, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if self.act == "swiglu_oai":
+            return self.down_proj(swiglu_oai(torch.cat([g, u], -1), self.alpha, self.limit))
+        return self.down_proj(F.silu(g) * u)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, dtype)
+        self.mlp = DraftMLP(cfg, dtype)
+        self.input_layernorm = DraftRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+        self.post_attention_layernorm = DraftRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class SharedTargetParts:
+    """The target's frozen embedding and lm_head, held by reference (not registered as submodules, so
+    they are neither copied, nor saved, nor counted twice)."""
+
+    embed_tokens: nn.Module  # ids [...] -> [..., H]
+    lm_head: nn.Module  # [..., H] -> [..., V]
+
+
+def block_mask(ctx_len: torch.Tensor, num_ctx_rows: int, gamma: int, window: int | None, causal: bool
+               ) -> torch.Tensor:
+    """bool [S, gamma, L + gamma]: block queries see context rows j < t (and j >= t - W with a window)
+    and the block's rows (all of them, or rows <= their own with a causal block)."""
+    j = torch.arange(num_ctx_rows, device=ctx_len.device)[None, :]
+    ctx = j < ctx_len[:, None]
+    if window is not None:
+        ctx = ctx & (j >= ctx_len[:, None] - window)
+    blk = torch.ones(gamma, gamma, dtype=torch.bool, device=ctx_len.device)
+    if causal:
+        blk = blk.tril()
+    s = ctx_len.shape[0]
+    return torch.cat([ctx[:, None, :].expand(s, gamma, -1), blk[None].expand(s, -1, -1)], -1)
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DSparkConfig, shared: SharedTargetParts, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config, self.dtype, self.shared = cfg, dtype, shared
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = DraftRMSNorm(h, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+        self.fc = _linear(cfg.num_taps * h, h, dtype)
+        self.hidden_norm = DraftRMSNorm(h, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+        r = cfg.markov_rank
+        self.markov_head = MarkovHead(cfg.markov_head_type, cfg.vocab_size, r, h, dtype) if r else None
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(h, r if cfg.confidence_head_with_markov else 0)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+
+    # ---- geometry the engine needs ---------------------------------------------------------------
+    @property
+    def tap_layers(self) -> list[int]:
+        """Target layers whose outputs (HF convention; -1 = embedding) form a context row, in order."""
+        return list(self.config.target_layer_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # ---- context rows ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Tapped features [N, m*H] at `positions` [N] -> per draft layer (k, v) [N, H_kv, D]."""
+        c = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = self.rotary(positions, self.dtype)
+        return [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
+
+    # ---- one backbone pass -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def block_hidden(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: ContextFn
+                     ) -> torch.Tensor:
+        """anchor_ids, anchor_positions [S] (the anchor x0 at t; context rows < t are in `context`) ->
+        the block's final hidden states h [S, gamma, H]."""
+        cfg, g = self.config, self.config.block_size
+        s = anchor_ids.shape[0]
+        ids = torch.full((s, g), cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        ids[:, 0] = anchor_ids
+        x = self.shared.embed_tokens(ids).to(self.dtype)
+        positions = anchor_positions[:, None].long() + torch.arange(g, device=anchor_ids.device)[None]
+        cos, sin = self.rotary(positions.flatten(), self.dtype)
+        masks: dict[tuple, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = context(i)
+            key = cfg.attention_window(i) + (ctx_k.shape[1],)
+            if key not in masks:
+                masks[key] = block_mask(anchor_positions, ctx_k.shape[1], g, *cfg.attention_window(i))
+            x = layer(x, cos, sin, ctx_k, ctx_v, masks[key])
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """U = lm_head(h) with the target's lm_head, fp32 [..., V]."""
+        return self.shared.lm_head(h).float()
