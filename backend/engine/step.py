@@ -68,6 +68,13 @@ class SamplingInput:
     def num_rows(self) -> int:
         return int(self.temperature.shape[0])
 
+    @property
+    def is_simple(self) -> bool:
+        """Greedy or temperature-only rows, no top-n logprobs: one pass over the logits samples them."""
+        return (self.max_num_logprobs <= 0 and not (self.needs_top_k or self.needs_top_p or self.needs_min_p)
+                and self.repetition_penalty is None and self.frequency_penalty is None
+                and self.presence_penalty is None and self.suppress_token_ids is None)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SamplingInput":
         return _move(self, torch.device(device), non_blocking)
 

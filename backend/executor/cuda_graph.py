@@ -4,7 +4,7 @@ Persistent device buffers (`DecodeBuffers`) hold a decode step's input at the la
 `StepInput` into their leading rows, pads the rest of its bucket with harmless rows (slot -1: nothing is written;
 one token of page 0 is read; their outputs are dropped) and replays:
   forward graph [batch, width]   the model over the paged cache, logits of every row into one logits buffer
-  sampler graph [batch, mode]    greedy, or temperature sampling (counter-based generator), from that buffer
+  sampler graph [batch]          greedy / temperature sampling from that buffer (`SamplingInput.is_simple`)
 Steps whose sampling needs more (penalties, min_tokens, top-k/top-p/min-p, top-n logprobs) replay the forward
 graph and sample eagerly from the logits buffer. Prefill and mixed steps run eagerly (`ModelRunner`).
 
@@ -52,17 +52,6 @@ def _bucket(sizes: list[int], n: int) -> int:
     return next(s for s in sizes if s >= n)
 
 
-def graph_sampling_mode(s: SamplingInput | None) -> str | None:
-    """"greedy" / "random": what a sampler graph can run; None: sample eagerly."""
-    if s is None or s.max_num_logprobs > 0 or s.needs_top_k or s.needs_top_p or s.needs_min_p:
-        return None
-    if s.repetition_penalty is not None or s.frequency_penalty is not None or s.presence_penalty is not None:
-        return None
-    if s.suppress_token_ids is not None:
-        return None
-    return "greedy" if s.all_greedy else "random"
-
-
 class DecodeBuffers:
     """The persistent inputs of the decode graphs, at `max_seqs` rows and `max_pages` block-table columns."""
 
@@ -92,11 +81,11 @@ class DecodeBuffers:
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[1] * batch, is_decode=True,
             max_query_len=1, max_seq_len=width * self.block_size, block_tables=self.block_tables[:batch, :width],
             slot_mapping=self.slot_mapping[:batch], logits_indices=self.logits_indices[:batch],
-            sampling=self.sampling(batch, greedy=False))
+            sampling=self.sampling(batch))
 
-    def sampling(self, batch: int, greedy: bool) -> SamplingInput:
+    def sampling(self, batch: int) -> SamplingInput:
         return SamplingInput(self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.min_p[:batch],
-                             self.seeds[:batch], self.sample_positions[:batch], all_greedy=greedy)
+                             self.seeds[:batch], self.sample_positions[:batch])
 
     def fill(self, step: StepInput, batch: int) -> None:
         """Copy a decode step of S <= batch sequences in; rows S..batch become padding."""
@@ -130,7 +119,7 @@ class CudaGraphRunner:
         self.buffers = DecodeBuffers(self.batches[-1], max_pages, runner.cache.block_size, runner.device)
         self.pool = None
         self.forward_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.sampler_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
+        self.sampler_graphs: dict[int, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self.logits: torch.Tensor | None = None  # [max batch, V] fp32, written by every forward graph
         self.pool_bytes = 0
         self.num_replays = 0
@@ -170,10 +159,9 @@ class CudaGraphRunner:
                     self.logits = out
                 self.forward_graphs[(batch, width)] = g
         for batch in reversed(self.batches):
-            for mode in ("greedy", "random"):
-                s = self.buffers.sampling(batch, greedy=mode == "greedy")
-                r.sampler(self.logits[:batch].clone(), s)  # warm up
-                self.sampler_graphs[(batch, mode)] = self._graph(lambda b=batch, s=s: r.sampler(self.logits[:b], s))
+            s = self.buffers.sampling(batch)
+            r.sampler(self.logits[:batch].clone(), s)  # warm up
+            self.sampler_graphs[batch] = self._graph(lambda b=batch, s=s: r.sampler(self.logits[:b], s))
         torch.cuda.synchronize(r.device)
         self.pool_bytes = torch.cuda.memory_allocated(r.device) - before
         log.info("captured %d decode graphs (batch %s, table width %s pages) in %.1f s, %.2f GiB (%.2f GiB reserved)",
@@ -192,13 +180,12 @@ class CudaGraphRunner:
         self.buffers.fill(step, batch)
         self.forward_graphs[(batch, width)].replay()
         self.num_replays += 1
-        mode = graph_sampling_mode(step.sampling)
-        if mode is None:
+        if step.sampling.is_simple:
+            g, out = self.sampler_graphs[batch]
+            g.replay()
+        else:
             s = step.sampling.to(self.runner.device, non_blocking=True)
             out = self.runner.sampler(self.logits[:n], s)
-        else:
-            g, out = self.sampler_graphs[(batch, mode)]
-            g.replay()
         return SamplerOutput(out.token_ids[:n], out.logprobs[:n],
                              None if out.top_token_ids is None else out.top_token_ids[:n],
                              None if out.top_logprobs is None else out.top_logprobs[:n])

@@ -4,47 +4,18 @@ Order: penalties (repetition on prompt + output tokens, then frequency / presenc
 (EOS and stop ids suppressed), then greedy argmax, or temperature -> min_p -> top_k -> top_p and a draw.
 Logprobs are those of the raw model distribution (vLLM V1 "raw_logprobs"): the sampled token's, plus the top-n.
 
-The draw is a Gumbel-max over a counter-based generator: the uniform of (row, token) is a hash of the request's
-seed, the position being sampled and the token id. So a request's tokens depend on its seed alone, whatever else
-is in the batch, a recomputed (preempted) sequence draws the same tokens again, and nothing here keeps state
-between steps or synchronises with the host (it can run inside a CUDA graph).
+The draw is a Gumbel-max over a counter-based generator (kernels/sampling.py): the uniform of (row, token) is a hash
+of the request's seed, the position being sampled and the token id. So a request's tokens depend on its seed alone,
+whatever else is in the batch, a recomputed (preempted) sequence draws the same tokens again, and nothing here keeps
+state between steps or synchronises with the host (it can run inside a CUDA graph). On CUDA, steps whose rows are
+all greedy or temperature-only sample in one kernel pass over the logits (`sample_simple`, the same tokens).
 """
 from __future__ import annotations
 
 import torch
 
 from m3serve.engine.step import SamplerOutput, SamplingInput
-
-_M32 = 0xFFFFFFFF
-
-
-def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 tensors holding values < 2^32, with no int64 overflow on the way."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash (xorshift-multiply, "lowbias32" constants) of int64 tensors holding values < 2^32."""
-    x = x ^ (x >> 16)
-    x = _mulmod32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mulmod32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """int64 [N] 32-bit keys of (64-bit seed, position): every bit of both reaches the key."""
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    return hash32(hash32(hash32(lo) ^ hi) ^ (positions & _M32))
-
-
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """fp32 [N, vocab] in (0, 1): the counter-based uniforms of each row's (seed, position) and token id."""
-    keys = row_keys(seeds, positions)[:, None]
-    h = hash32(keys ^ torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :])
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # 23 bits: the largest is < 1 in fp32
+from m3serve.kernels.sampling import inverse_temperature, sample_simple, uniforms
 
 
 def apply_penalties(logits: torch.Tensor, s: SamplingInput) -> torch.Tensor:
@@ -87,8 +58,7 @@ def apply_suppression(logits: torch.Tensor, s: SamplingInput) -> torch.Tensor:
 def filter_logits(x: torch.Tensor, s: SamplingInput) -> torch.Tensor:
     """Row-wise temperature, min_p, top_k (0 = off), top_p (1 = off) -> masked scaled logits (greedy rows are
     scaled by 1: their draw is replaced by the argmax anyway)."""
-    t = torch.where(s.temperature < SamplingInput.GREEDY_EPS, 1.0, s.temperature)
-    x = x / t[:, None]
+    x = x * inverse_temperature(s.temperature)[:, None]
     if s.needs_min_p:
         probs = torch.softmax(x, -1)
         x = x.masked_fill(probs < s.min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
@@ -111,6 +81,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, s: SamplingInput) -> SamplerOutput:
         """`logits` fp32 [N, V], one row per sampling row of `s` (modified in place)."""
+        if logits.is_cuda and s.is_simple:
+            return SamplerOutput(*sample_simple(logits, s.temperature, s.seeds, s.positions))
         raw_logprobs = torch.log_softmax(logits, -1)
         logits = apply_suppression(apply_penalties(logits, s), s)
         tokens = logits.argmax(-1)

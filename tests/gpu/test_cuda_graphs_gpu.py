@@ -39,3 +39,9 @@ def test_graphs_match_eager(tiny_model_dir, kv):
         if e.logprobs:
             for a, b in zip(e.logprobs, g.logprobs):
                 assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-3
+
+
+@pytest.mark.parametrize("n,v", [(64, 200064), (5, 1000)])
+def test_sampling_kernel_compiled(n, v):
+    from support.sampling import check_sampling_kernel
+    check_sampling_kernel(n, v, device="cuda")

@@ -6,7 +6,7 @@ import torch
 from m3serve.config import EngineConfig
 from m3serve.engine.llm_engine import LLMEngine
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.executor.cuda_graph import DecodeBuffers, batch_buckets, graph_sampling_mode, width_buckets
+from m3serve.executor.cuda_graph import DecodeBuffers, batch_buckets, width_buckets
 from m3serve.executor.model_runner import ModelRunner
 from m3serve.model.layers.triton_attention import TritonAttention
 
@@ -18,18 +18,18 @@ def test_buckets():
     assert width_buckets(20) == [20] and width_buckets(2048) == [32, 128, 512, 2048]
 
 
-def test_sampling_modes(tiny_model_dir):
+def test_simple_sampling():
     from m3serve.engine.sequence import Sequence
     from m3serve.engine.step_builder import StepBuilder
 
-    def mode(*sps):
-        return graph_sampling_mode(StepBuilder(16, {1}).sampling([Sequence("x", 0, [3], sp, 9, 1) for sp in sps]))
+    def simple(*sps):
+        return StepBuilder(16, {1}).sampling([Sequence("x", 0, [3], sp, 9, 1) for sp in sps]).is_simple
 
-    assert mode(SamplingParams(temperature=0)) == "greedy"
-    assert mode(SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3)) == "random"
+    assert simple(SamplingParams(temperature=0))
+    assert simple(SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3), SamplingParams(logprobs=0))
     for sp in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1), SamplingParams(logprobs=2),
                SamplingParams(repetition_penalty=1.1), SamplingParams(min_tokens=2, max_tokens=4)):
-        assert mode(SamplingParams(temperature=0), sp) is None
+        assert not simple(SamplingParams(temperature=0), sp)
 
 
 def test_padded_buffers_match_the_eager_step(tiny_model_dir):

@@ -9,7 +9,8 @@ import torch
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.sequence import Sequence
 from m3serve.engine.step_builder import StepBuilder
-from m3serve.executor.sampler import Sampler, apply_penalties, uniforms
+from m3serve.executor.sampler import Sampler, apply_penalties
+from m3serve.kernels.sampling import uniforms
 from support.reference import reference_logits
 
 

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""End-to-end decode and prefill of the engine on the M3.1-Flash geometry cut to a few layers (one H200 cannot hold
+all 60), random weights in the real formats (NVFP4 routed experts, MXFP8 shared expert, bf16 attention / lm_head),
+NVFP4 KV and index keys, through `LLMEngine.step()` (CUDA graphs for decode unless --enforce-eager).
+
+  python benchmarks/bench_engine.py --out OUT_DIR                  # the H200 (docs/performance.md)
+  python benchmarks/bench_engine.py --smoke --out /tmp/e           # CPU, toy sizes (CI runs this)
+
+Measured, in one run:
+  copy       device-to-device copy bandwidth (read + write), the ceiling every roofline uses
+  ttft       time to the first token of one prompt of 1K / 8K / 32K tokens (chunked prefill)
+  decode     step time and tokens/s per user at batch 1, 4, 16, 64 x context 1K, 32K, 128K: the sequences' cache is
+             filled with random bytes up front (the decode reads real-sized pages; prefilling 64 x 128K tokens
+             for real would take minutes), the byte roofline of the step from the geometry (weights read once,
+             the routed experts actually touched, the cache the step must read) over the copy bandwidth, and the
+             ratio measured / roofline
+  scaling    the same decode step on 2 and 3 layers, to split a step into head, dense layer and MoE layer, and
+             the figure scaled to 60 layers (3 dense + 57 MoE, as M3)
+  profile    the largest GPU kernels of a few decode steps (torch.profiler)
+Writes OUT_DIR/bench_engine.json and OUT_DIR/bench_engine.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from geometry import flash_geometry, make_engine, random_model, step_bytes, weight_bytes  # noqa: E402
+
+from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from m3serve.engine.sequence import SequenceStatus  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, nbytes=2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, read + write counted (median of 20)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(23):
+        sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / sorted(times[3:])[len(times[3:]) // 2]
+
+
+def randomize_cache(engine, seed=0) -> None:
+    """Random bytes in every page (NVFP4 codes, positive block scales): what a synthetic context reads."""
+    g = torch.Generator(device=engine.executor.worker.device).manual_seed(seed)
+    for layer in engine.executor.worker.cache.layers:
+        for t in layer.tensors():
+            if t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device, generator=g))
+            else:
+                t.copy_((torch.rand(t.shape, device=t.device, generator=g) + 0.25).to(t.dtype))
+
+
+def start_synthetic(engine, batch: int, context: int, max_tokens: int, g: torch.Generator) -> list[str]:
+    """`batch` sequences whose first `context - 1` tokens count as already in the cache (pages allocated, their
+    bytes whatever the pool holds): the next steps are decodes at `context` tokens."""
+    vocab = engine.model_config.vocab_size
+    rids = []
+    sch = engine.scheduler
+    for i in range(batch):
+        rid = f"syn-{context}-{batch}-{i}"
+        seq = engine.add_request(rid, prompt_token_ids=torch.randint(0, vocab, (context,), generator=g).tolist(),
+                                 sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                ignore_eos=True))
+        engine.block_manager.allocate(seq)
+        sch.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = context - 1
+        sch.running.append(seq)
+        rids.append(rid)
+    return rids
+
+
+def time_decode(engine, device, batch, context, steps, warmup=3) -> float:
+    """Median seconds per engine step (host + device, as served) over `steps` decode steps."""
+    g = torch.Generator().manual_seed(context + batch)
+    rids = start_synthetic(engine, batch, context, steps + warmup + 2, g)
+    times = []
+    try:
+        for i in range(steps + warmup):
+            sync(device)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            assert len(outs) == batch, (len(outs), batch)
+    finally:
+        for rid in rids:
+            engine.abort_request(rid)
+    return sorted(times)[len(times) // 2]
+
+
+def experts_touched(engine, batch, context) -> list[float]:
+    """Distinct routed experts per MoE layer in one decode step (router outputs recorded by hooks, eager)."""
+    seen: dict[int, set] = {}
+    model = engine.executor.worker.model
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda mod, inp, out, i=i: seen.setdefault(i, set()).update(out[1].flatten().tolist())))
+    runner = engine.executor.worker.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        time_decode(engine, engine.executor.worker.device, batch, context, steps=1, warmup=0)
+    finally:
+        runner.graphs = graphs
+        for h in hooks:
+            h.remove()
+    return [float(len(seen[i])) for i in sorted(seen)]
+
+
+def time_ttft(engine, device, prompt_len, g) -> float:
+    vocab = engine.model_config.vocab_size
+    sync(device)
+    t0 = time.perf_counter()
+    engine.add_request(f"ttft-{prompt_len}", prompt_token_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                       sampling_params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while True:
+        outs = engine.step()
+        if any(o.new_token_ids for o in outs):
+            break
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def profile_decode(engine, device, batch, context, top=12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(1)
+    rids = start_synthetic(engine, batch, context, 16, g)
+    try:
+        for _ in range(3):
+            engine.step()
+        sync(device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(5):
+                engine.step()
+            sync(device)
+    finally:
+        for rid in rids:
+            engine.abort_request(rid)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in rows) or 1.0
+    rows.sort(key=lambda e: -getattr(e, key))
+    return [{"name": e.key[:90], "us_per_step": getattr(e, key) / 5, "share": getattr(e, key) / total}
+            for e in rows[:top]]
+
+
+def build(num_layers, dense_layers, device, args, max_context):
+    cfg = flash_geometry(num_layers, dense_layers, **args.geometry_over)
+    model = random_model(cfg, device)
+    max_batch = max(args.batches)
+    pages = max_batch * (-(-(max_context + 64) // cfg.index_block_size)) + 16
+    engine = make_engine(model, device=str(device), dtype="bfloat16", max_model_len=max_context + 64,
+                         max_num_seqs=max_batch, num_gpu_blocks_override=pages, enforce_eager=args.enforce_eager,
+                         max_num_batched_tokens=args.chunk)
+    randomize_cache(engine)
+    return cfg, model, engine
+
+
+def release() -> None:
+    """Give the device memory of dropped engines back (their graphs' pools, caches, weights)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--contexts", default="1024,32768,131072")
+    p.add_argument("--ttft", default="1024,8192,32768")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
+    p.add_argument("--scaling-context", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="CPU, toy geometry (hidden 256, 8 experts, vocab 4K)")
+    a = p.parse_args(argv)
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.contexts = [int(x) for x in a.contexts.split(",")]
+    a.ttft = [int(x) for x in a.ttft.split(",")]
+    a.geometry_over = {}
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    if a.smoke:
+        a.geometry_over = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                               num_local_experts=8, intermediate_size=128, shared_intermediate_size=128,
+                               dense_intermediate_size=256, vocab_size=4096, index_n_heads=2, index_head_dim=64,
+                               index_block_size=16, index_topk_blocks=2)
+        a.batches, a.contexts, a.ttft, a.steps, a.chunk, a.scaling_context = [1, 2], [40], [48], 2, 64, 40
+    os.makedirs(a.out, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "layers": a.layers, "cuda_graphs": device.type == "cuda" and not a.enforce_eager}
+    bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
+    res["copy_bytes_per_s"] = bw
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    max_context = max(a.contexts + a.ttft + [a.scaling_context])
+
+    cfg, model, engine = build(a.layers, 1, device, a, max_context)
+    wb = weight_bytes(model)
+    g = torch.Generator().manual_seed(0)
+    res["ttft"] = []
+    for n in a.ttft:
+        time_ttft(engine, device, min(n, 256), g)  # warm-up: compiles the prefill kernels
+        t = time_ttft(engine, device, n, g)
+        res["ttft"].append({"prompt_tokens": n, "ttft_s": t})
+        print(f"TTFT {n:6d} tokens: {t * 1e3:8.1f} ms", flush=True)
+    res["decode"] = []
+    for ctx in a.contexts:
+        for batch in a.batches:
+            touched = experts_touched(engine, batch, ctx)
+            t = time_decode(engine, device, batch, ctx, a.steps)
+            floor = step_bytes(wb, cfg, batch, ctx, touched)
+            row = {"batch": batch, "context": ctx, "step_s": t, "tokens_per_s_per_user": 1 / t,
+                   "experts_touched": touched, "roofline_bytes": floor, "roofline_s": floor / bw,
+                   "share_of_roofline": floor / bw / t}
+            res["decode"].append(row)
+            print(f"decode b={batch:3d} ctx={ctx:7d}: {t * 1e3:8.3f} ms  {1 / t:7.1f} tok/s/user  experts "
+                  f"{sum(touched) / len(touched):5.1f}/layer  roofline {floor / bw * 1e3:7.3f} ms  "
+                  f"{100 * floor / bw / t:5.1f}%", flush=True)
+    prof_ctx = max(a.contexts)
+    res["profile"] = {f"b{b}_ctx{c}": profile_decode(engine, device, b, c)
+                      for b, c in ((1, a.scaling_context), (max(a.batches), a.scaling_context),
+                                   (max(a.batches), prof_ctx))}
+    del engine, model
+    release()
+
+    # scaling: the same step on [dense, moe] and [dense, dense, moe] splits head / dense layer / MoE layer
+    scale = {}
+    for name, (n, dense) in {"D+M": (2, 1), "D+D+M": (3, 2)}.items():
+        eng_s = build(n, dense, device, a, a.scaling_context)[2]
+        scale[name] = {b: time_decode(eng_s, device, b, a.scaling_context, a.steps) for b in (1, max(a.batches))}
+        del eng_s
+        release()
+    eng4 = build(a.layers, 1, device, a, a.scaling_context)[2]  # the full model at the scaling context
+    scale[f"D+{a.layers - 1}M"] = {b: time_decode(eng4, device, b, a.scaling_context, a.steps)
+                                   for b in (1, max(a.batches))}
+    del eng4
+    release()
+    res["scaling"] = []
+    for b in (1, max(a.batches)):
+        moe = (scale[f"D+{a.layers - 1}M"][b] - scale["D+M"][b]) / (a.layers - 2)
+        dense = scale["D+D+M"][b] - scale["D+M"][b]
+        head = scale["D+M"][b] - moe - dense
+        est60 = head + 3 * dense + 57 * moe
+        res["scaling"].append({"batch": b, "context": a.scaling_context, "moe_layer_s": moe, "dense_layer_s": dense,
+                               "head_s": head, "estimated_60_layer_step_s": est60,
+                               "estimated_60_layer_tokens_per_s_per_user": 1 / est60})
+        print(f"scaling b={b}: MoE layer {moe * 1e3:.3f} ms, dense layer {dense * 1e3:.3f} ms, head {head * 1e3:.3f} "
+              f"ms -> 60 layers {est60 * 1e3:.2f} ms/step, {1 / est60:.1f} tok/s/user", flush=True)
+    with open(os.path.join(a.out, "bench_engine.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(a.out, "bench_engine.md"), "w") as f:
+        f.write(table(res))
+    print(table(res))
+    return 0
+
+
+def table(res) -> str:
+    lines = [f"copy {res['copy_bytes_per_s'] / 1e12:.3f} TB/s, {res['layers']} layers, CUDA graphs {res['cuda_graphs']}",
+             "", "| prompt | TTFT ms |", "|---|---|"]
+    lines += [f"| {r['prompt_tokens']} | {r['ttft_s'] * 1e3:.1f} |" for r in res["ttft"]]
+    lines += ["", "| batch | context | step ms | tok/s/user | experts/layer | roofline ms | share |",
+              "|---|---|---|---|---|---|---|"]
+    for r in res["decode"]:
+        e = sum(r["experts_touched"]) / max(1, len(r["experts_touched"]))
+        lines.append(f"| {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.3f} | {r['tokens_per_s_per_user']:.1f} | "
+                     f"{e:.1f} | {r['roofline_s'] * 1e3:.3f} | {100 * r['share_of_roofline']:.1f}% |")
+    lines += ["", "| batch | MoE layer ms | dense layer ms | head ms | 60 layers ms/step | tok/s/user |",
+              "|---|---|---|---|---|---|"]
+    for r in res.get("scaling", []):
+        lines.append(f"| {r['batch']} | {r['moe_layer_s'] * 1e3:.3f} | {r['dense_layer_s'] * 1e3:.3f} | "
+                     f"{r['head_s'] * 1e3:.3f} | {r['estimated_60_layer_step_s'] * 1e3:.2f} | "
+                     f"{r['estimated_60_layer_tokens_per_s_per_user']:.1f} |")
+    for name, rows in res.get("profile", {}).items():
+        lines += ["", f"profile {name}:"] + [f"  {100 * r['share']:5.1f}%  {r['us_per_step']:9.1f} us/step  {r['name']}"
+                                            for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

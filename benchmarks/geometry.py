@@ -1,0 +1,129 @@
+"""The MiniMax-M3.1-Flash geometry with fewer layers, random weights in the real formats, built on the device in
+seconds (no checkpoint): NVFP4 routed experts, MXFP8 shared expert, bf16 attention / dense MLP / embeddings /
+lm_head; and the byte accounting of a decode step (the byte roofline). Shared by the benchmarks.
+
+  cfg = flash_geometry(num_layers=4, dense_layers=1)       # layer 0: full attention + dense MLP; then MSA + MoE
+  model = random_model(cfg, "cuda")
+  engine = make_engine(model, max_model_len=..., ...)      # an LLMEngine over it (token ids only, no tokenizer)
+"""
+from __future__ import annotations
+
+import torch
+
+from m3serve.config import FULL, KV_BYTES_PER_ELEMENT, SPARSE, EngineConfig, ModelConfig, preset
+from m3serve.model.m3 import M3ForCausalLM, Rotary
+from m3serve.model.weights import QuantWeight
+
+
+def flash_geometry(num_layers: int, dense_layers: int = 1, **over) -> ModelConfig:
+    """M3.1-Flash's shapes with `num_layers` layers, the first `dense_layers` full-attention + dense MLP (as M3's
+    first three are), the rest MSA + MoE."""
+    base = preset("minimax-m3.1-flash")
+    d = {k: getattr(base, k) for k in base.__dataclass_fields__}
+    d.update(num_hidden_layers=num_layers, layer_types=[FULL] * dense_layers + [SPARSE] * (num_layers - dense_layers),
+             mlp_layer_types=["dense"] * dense_layers + ["sparse"] * (num_layers - dense_layers))
+    d.update(over)
+    return ModelConfig(**d)
+
+
+def _fill_quant(w: QuantWeight, g: torch.Generator) -> None:
+    """Random codes and scales with weights of magnitude ~0.02 (realistic dynamic range, never NaN)."""
+    if w.fmt == "nvfp4":
+        w.packed.copy_(torch.randint(0, 256, w.packed.shape, dtype=torch.uint8, device=w.packed.device, generator=g))
+        w.block_scale.copy_((torch.rand(w.block_scale.shape, device=w.block_scale.device, generator=g) + 0.5)
+                            .to(torch.float8_e4m3fn))
+        w.scale_2.fill_(0.004)
+    elif w.fmt == "mxfp8":
+        w.qweight.copy_((torch.randn(w.qweight.shape, device=w.qweight.device, generator=g) * 2)
+                        .to(torch.float8_e4m3fn))
+        w.scale_e8m0.fill_(127 - 7)
+    else:
+        w.weight.normal_(0, 0.02, generator=g)
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, device: str | torch.device = "cuda", seed: int = 0,
+                 expert_fmt: str = "nvfp4", shared_fmt: str = "mxfp8") -> M3ForCausalLM:
+    formats = {i: {"experts": expert_fmt, "shared_experts": shared_fmt} for i in range(cfg.num_hidden_layers)
+               if cfg.is_moe(i)}
+    with torch.device("meta"):
+        model = M3ForCausalLM(cfg, torch.bfloat16, formats)
+    model.to_empty(device=device)
+    model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for mod in model.modules():
+        if isinstance(mod, QuantWeight):
+            _fill_quant(mod, g)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.zero_()  # Gemma-style offsets: scale 1
+        elif "e_score_correction_bias" in name:
+            p.zero_()
+        else:
+            p.normal_(0, 0.02, generator=g)
+    return model.eval()
+
+
+def make_engine(model: M3ForCausalLM, **options):
+    """An `LLMEngine` over `model` (no tokenizer: token-id prompts), NVFP4 KV and index keys by default."""
+    from m3serve.engine.llm_engine import LLMEngine
+
+    opts = dict(model="random-m3.1-flash-geometry", kv_cache_dtype="nvfp4",
+                attention_config={"indexer_kv_dtype": "nvfp4"}, enable_prefix_caching=False, max_num_seqs=64)
+    opts.update(options)
+    return LLMEngine(EngineConfig(**opts), model=model)
+
+
+# ---- byte accounting --------------------------------------------------------------------------------------
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def weight_bytes(model: M3ForCausalLM) -> dict:
+    """Bytes of each part a decode step reads: per layer (attention, dense MLP or router + shared expert, one routed
+    expert), and the final norm + lm_head."""
+    layers = []
+    for layer in model.model.layers:
+        attn = _storage_bytes(list(layer.self_attn.parameters()) + list(layer.self_attn.buffers())
+                              + list(layer.input_layernorm.parameters()) + list(layer.post_attention_layernorm.parameters()))
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            e = mlp.experts
+            expert = _storage_bytes(list(e.buffers())) // e.num_experts
+            rest = _storage_bytes(list(mlp.gate.parameters()) + list(mlp.shared_experts.buffers()))
+            layers.append({"attention": attn, "mlp": rest, "expert": expert, "moe": True})
+        else:
+            layers.append({"attention": attn, "mlp": _storage_bytes(list(mlp.buffers())), "expert": 0, "moe": False})
+    head = _storage_bytes(list(model.lm_head.buffers()) + list(model.model.norm.parameters()))
+    return {"layers": layers, "head": head}
+
+
+def kv_read_bytes(cfg: ModelConfig, kv_dtype: str, index_dtype: str, context: int) -> int:
+    """Cache bytes one sequence's decode reads over all layers: the whole context on full-attention layers; the
+    index keys of the whole context plus the top-k selected blocks of K and V on MSA layers."""
+    e, ei = KV_BYTES_PER_ELEMENT[kv_dtype], KV_BYTES_PER_ELEMENT[index_dtype]
+    kv_token = 2 * cfg.num_key_value_heads * cfg.head_dim * e
+    selected = min(context, cfg.index_topk_blocks * cfg.index_block_size)
+    total = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.is_sparse_attention(layer):
+            total += context * cfg.index_head_dim * ei + selected * kv_token
+        else:
+            total += context * kv_token
+    return int(total)
+
+
+def step_bytes(wb: dict, cfg: ModelConfig, batch: int, context: int, experts_touched: list[float],
+               kv_dtype: str = "nvfp4", index_dtype: str = "nvfp4") -> int:
+    """The byte floor of one decode step of `batch` sequences at `context` tokens: every weight it must read once
+    (the routed experts actually touched, per MoE layer) plus the cache it must read."""
+    total, moe = wb["head"] + batch * cfg.hidden_size * 2, iter(experts_touched)
+    for part in wb["layers"]:
+        total += part["attention"] + part["mlp"] + (next(moe) * part["expert"] if part["moe"] else 0)
+    return int(total + batch * kv_read_bytes(cfg, kv_dtype, index_dtype, context))
