@@ -1,0 +1,250 @@
+"""The MoE layer of MiniMax-M3 on the device: router, routed experts (NVFP4 or MXFP8), shared expert, combine.
+
+``fused_moe(x, router_weight, correction_bias, weights, top_k, routed_scaling, alpha, limit)`` equals
+`m3serve.model.m3.SparseMoE.forward` (within bf16 rounding): ``experts(x) * routed_scaling + shared(x)``, the
+routed weights renormalised to sum to 1. Launches (no host synchronisation, fixed grids: capturable in a CUDA graph):
+
+1. router logits (`moe_router`), 2. top-k + grouping by expert (`moe_router`),
+3. gate_up + SwiGLU-OAI for every (token, expert) assignment and the shared expert, one launch; the routing weight
+   times ``routed_scaling`` is applied here (the down projection is linear),
+4. down projection, routed and shared, one launch, one fp32 row per assignment / token,
+5. combine: the top_k rows of each token plus its shared row -> ``[T, H]`` in x's dtype.
+
+Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
+decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
+steps); `MOE_TUNING` picks the path and tile shapes by token count. Weights are laid out once by `moe_prepare`
+(`weight_layout`): gate and up rows each padded to ``inter_pad`` (a multiple of 128, common to the routed and
+the shared expert), the down projections' K likewise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
+from .moe_router import Routing, route, route_ref
+from .triton_utils import cast_to
+from .weight_layout import CHUNK_K, FMT_DENSE, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
+
+# Token-count thresholds -> path and tile shapes (measured on the H200: docs/performance.md, NOTES-moe.md).
+# mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
+# tl: bm x bn output tiles of the portable kernels.
+MOE_TUNING = (
+    (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
+    (128, "mma", dict(p=1, nt=16, unroll=2), dict(p=1, nt=16, unroll=2)),
+    (1024, "mma", dict(p=2, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
+    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+)
+PORTABLE = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
+
+
+@dataclass
+class MoEWeights:
+    """Experts laid out for the kernels (see `moe_prepare`)."""
+    gate_up: PackedWeight  # [E] x [2 inter_pad, H]: gate rows [0, inter_pad), up rows [inter_pad, 2 inter_pad)
+    down: PackedWeight  # [E] x [H, inter_pad]
+    shared_gate_up: PackedWeight | None  # [1] x [2 inter_pad, H]
+    shared_down: PackedWeight | None  # [1] x [H, inter_pad]
+    inter_pad: int
+    hidden: int
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_up.groups
+
+    def expert_bytes(self) -> int:
+        return self.gate_up.bytes_per_group() + self.down.bytes_per_group()
+
+    def shared_bytes(self) -> int:
+        return sum(w.nbytes() for w in (self.shared_gate_up, self.shared_down) if w is not None)
+
+
+def _gate_up(qw, inter: int, inter_pad: int, dtype) -> PackedWeight:
+    halves = [pack_quant_weight(qw, slice(0, inter), dtype), pack_quant_weight(qw, slice(inter, 2 * inter), dtype)]
+    return concat_rows(halves, inter_pad)
+
+
+def _down(qw, inter_pad: int, dtype) -> PackedWeight:
+    w = pack_quant_weight(qw, None, dtype)
+    if w.k_pad == inter_pad:
+        return w
+    raise ValueError(f"down projection K {w.k} pads to {w.k_pad}, not to the common intermediate {inter_pad}")
+
+
+def moe_prepare(gate_up, down, shared_gate_up=None, shared_down=None, dtype: torch.dtype = torch.bfloat16
+                ) -> MoEWeights:
+    """`QuantWeight`s of the routed experts (``gate_up`` [E, 2 I, H] gate rows first, ``down`` [E, H, I]) and of the
+    shared expert (``[2 I_s, H]``, ``[H, I_s]``; optional) -> `MoEWeights`. Formats: nvfp4 / mxfp8 / fp8 / dense
+    (dense kept in ``dtype``). Done once at load time; the checkpoint tensors are not kept."""
+    inter = gate_up.n // 2
+    inter_s = shared_gate_up.n // 2 if shared_gate_up is not None else inter
+    inter_pad = round_up(max(inter, inter_s), CHUNK_K)
+    if down.k != inter or (shared_down is not None and shared_down.k != inter_s):
+        raise ValueError("down projections must take the gate_up's intermediate size")
+    gu = _gate_up(gate_up, inter, inter_pad, dtype)
+    dn = _down(_padded_k(down, inter_pad), inter_pad, dtype)
+    sgu = sdn = None
+    if shared_gate_up is not None:
+        sgu = _gate_up(shared_gate_up, inter_s, inter_pad, dtype)
+        sdn = _down(_padded_k(shared_down, inter_pad), inter_pad, dtype)
+    return MoEWeights(gu, dn, sgu, sdn, inter_pad, gate_up.k)
+
+
+class _KPadded:
+    """A `QuantWeight` view whose K is zero-padded to ``k`` (the down projections' K = the common intermediate)."""
+
+    def __init__(self, qw, k: int):
+        self.fmt, self.n, self.k = qw.fmt, qw.n, k
+        pad = k - qw.k
+        z = lambda t, per: torch.nn.functional.pad(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                                                   (0, pad // per))
+        if qw.fmt == "nvfp4":
+            self.packed, self.scale_2 = z(qw.packed, 2), qw.scale_2
+            self.block_scale = z(qw.block_scale, 16).view(torch.float8_e4m3fn)
+        elif qw.fmt in ("mxfp8", "fp8"):
+            self.qweight = z(qw.qweight, 1).view(torch.float8_e4m3fn)
+            if qw.fmt == "mxfp8":
+                self.scale_e8m0 = torch.nn.functional.pad(qw.scale_e8m0, (0, pad // 32), value=127)
+            else:
+                self.scale = qw.scale
+        else:
+            self.weight = torch.nn.functional.pad(qw.weight, (0, pad))
+
+
+def _padded_k(qw, k: int):
+    return qw if qw.k == k else _KPadded(qw, k)
+
+
+def moe_prepare_module(moe, dtype: torch.dtype | None = None) -> MoEWeights:
+    """`MoEWeights` of a `SparseMoE` module (its experts, and its shared expert)."""
+    ex, sh = moe.experts, moe.shared_experts
+    return moe_prepare(ex.gate_up_proj, ex.down_proj, sh.gate_up_proj.w, sh.down_proj.w,
+                       dtype or ex.gate_up_proj.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------- combine
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, so, T, H, A, TOPK: tl.constexpr, SHARED: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = h < H
+    acc = tl.zeros((BH,), tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * H + h, mask=m, other=0.0)
+    if SHARED:
+        acc += tl.load(y_ptr + (A + t).to(tl.int64) * H + h, mask=m, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * so + h, cast_to(acc, out_ptr.dtype.element_ty), mask=m)
+
+
+def combine(y: torch.Tensor, T: int, top_k: int, shared: bool, out: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j y[t * top_k + j] + (y[T * top_k + t] if shared), in out's dtype."""
+    if T:
+        H = y.shape[1]
+        bh = min(1024, triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, bh))](y, out, out.stride(0), T, H, T * top_k, TOPK=top_k, SHARED=shared,
+                                                BH=bh, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- layer
+def moe_config(T: int, w: MoEWeights, device: torch.device) -> tuple[str, dict, dict]:
+    """(path, gate_up config, down config) for T tokens on this device (`MOE_TUNING`)."""
+    mma = mma_kernels()
+    fast = mma is not None and mma.available(device) and all(
+        mma.supported(p) for p in (w.gate_up, w.down) + ((w.shared_gate_up, w.shared_down) if w.shared_gate_up
+                                                          else ()))
+    for limit, path, gu, dn in MOE_TUNING:
+        if limit is not None and T > limit:
+            continue
+        if path == "mma" and not (fast and _mma_shapes_ok(w, gu) and _mma_shapes_ok(w, dn)):
+            continue
+        if path == "tl" and device.type != "cuda":
+            return "tl", PORTABLE, PORTABLE
+        return path, gu, dn
+    return "tl", PORTABLE, PORTABLE
+
+
+def _mma_shapes_ok(w: MoEWeights, cfg: dict) -> bool:
+    r, per = 16 * cfg["p"], mma_kernels().NUM_WARPS * cfg["unroll"]
+    return (w.inter_pad % r == 0 and w.hidden % r == 0 and (w.gate_up.k_pad // CHUNK_K) % per == 0
+            and (w.down.k_pad // CHUNK_K) % per == 0)
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
+              top_k: int, routed_scaling: float, alpha: float, limit: float, config: tuple | None = None,
+              routing_out: list | None = None) -> torch.Tensor:
+    """The whole MoE layer: x [T, H] -> [T, H] (x's dtype). ``router_weight`` [E, H] fp32 and
+    ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg) overrides
+    `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests)."""
+    if x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+    T = x.shape[0]
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    path, gu_cfg, dn_cfg = config or moe_config(T, weights, x.device)
+    shared = weights.shared_gate_up is not None
+    A = T * top_k
+    rows = A + (T if shared else 0)
+    x16 = None
+    if path == "mma":
+        x16 = torch.empty(T, weights.gate_up.k_pad, dtype=torch.float16, device=x.device)
+    routing = route(x, router_weight, correction_bias, top_k, x16=x16, h_pad=weights.gate_up.k_pad)
+    if routing_out is not None:
+        routing_out.append(routing)
+    common = dict(routed=weights.gate_up, plain=weights.shared_gate_up, routing=routing, T=T)
+    y = torch.empty(rows, weights.hidden, dtype=torch.float32, device=x.device)
+    if path == "mma":
+        mma = mma_kernels()
+        inter = torch.empty(rows, weights.inter_pad, dtype=torch.float16, device=x.device)
+        mma.grouped_gemm_mma(x16, inter, MODE_GATE_UP, x_div=top_k, out_off=A, ng=weights.inter_pad,
+                             scaling=routed_scaling, alpha=alpha, limit=limit, **common, **gu_cfg)
+        common.update(routed=weights.down, plain=weights.shared_down)
+        mma.grouped_gemm_mma(inter, y, MODE_DOWN, x_off=A, out_off=A, **common, **dn_cfg)
+    else:
+        wd = work_dtype(x)
+        inter = torch.empty(rows, weights.inter_pad, dtype=_torch_dtype(wd), device=x.device)
+        grouped_gemm(x, inter, MODE_GATE_UP, x_div=top_k, out_off=A, ng=weights.inter_pad, scaling=routed_scaling,
+                     alpha=alpha, limit=limit, **common, **gu_cfg)
+        common.update(routed=weights.down, plain=weights.shared_down)
+        grouped_gemm(inter, y, MODE_DOWN, x_off=A, out_off=A, **common, **dn_cfg)
+    return combine(y, T, top_k, shared, out)
+
+
+def _torch_dtype(t):
+    return {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}[t]
+
+
+def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
+                  top_k: int, routed_scaling: float, alpha: float, limit: float,
+                  routing: Routing | None = None) -> torch.Tensor:
+    """Torch reference in fp32 on the packed weights (same math as `SparseMoE.forward`). With ``routing`` the
+    kernel's expert choice is used (so near-tie flips of the top-k do not count as errors)."""
+    if routing is not None:
+        w, idx = routing.weights.float(), routing.ids.long()
+    else:
+        w, idx, _ = route_ref(x, router_weight, correction_bias, top_k)
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    gu, dn = unpack(weights.gate_up), unpack(weights.down)
+    ip, h = weights.inter_pad, weights.hidden
+
+    def ffn(xs, g_u, d):
+        z = xs @ g_u[:, :h].T
+        g, u = z[:, :ip].clamp(max=limit), z[:, ip:].clamp(-limit, limit)
+        return ((u + 1.0) * (g * torch.sigmoid(alpha * g))) @ d.T
+
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.where(idx == e)
+        out.index_add_(0, tok, ffn(xf[tok], gu[e], dn[e])[:, :h] * w[tok, slot, None])
+    out = out * routed_scaling
+    if weights.shared_gate_up is not None:
+        out = out + ffn(xf, unpack(weights.shared_gate_up)[0], unpack(weights.shared_down)[0])[:, :h]
+    return out.to(x.dtype)
+
+
+__all__ = ["MoEWeights", "moe_prepare", "moe_prepare_module", "fused_moe", "fused_moe_ref", "combine",
+           "moe_config", "MOE_TUNING", "FMT_DENSE"]
