@@ -196,12 +196,11 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
         return out
     pr = plain if plain is not None else ref
     rr = routed if routed is not None else ref
-    dummy_i = torch.zeros(1, dtype=torch.int32, device=x.device)
     _grouped_gemm_kernel[grid](
         x, x.stride(0),
         rr.data, _dummy(rr.scale, rr.data), _dummy(rr.rowscale, x),
         pr.data, _dummy(pr.scale, pr.data), _dummy(pr.rowscale, x),
-        routing.counts if routing is not None else dummy_i, routing.bucket if routing is not None else dummy_i,
+        routing.counts if routing is not None else out, routing.bucket if routing is not None else out,
         routing.cap if routing is not None else 0, routing.weights if routing is not None else x,
         out, out.stride(0),
         T, k, n_out, ng, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),
@@ -218,7 +217,7 @@ def grouped_gemm_ref(x: torch.Tensor, w: PackedWeight, rows: torch.Tensor, group
                      limit: float = 7.0) -> torch.Tensor:
     """Torch reference, fp32: output row i = f(x[rows[i]] @ W[groups[i]]^T) for the given mode (GATE_UP: SwiGLU of
     the gate / up halves times ``row_weight[i]``; else the product itself, logical columns only)."""
-    wd = unpack(w)[:, :, : x.shape[1]] if w.k_pad != x.shape[1] else unpack(w)
+    wd = unpack(w)[:, :, : x.shape[1]]
     y = torch.einsum("rk,rnk->rn", x[rows].float(), wd[groups])
     if mode != MODE_GATE_UP:
         return y[:, : w.n]

@@ -349,14 +349,13 @@ def grouped_gemm_mma(x16: torch.Tensor, out: torch.Tensor, mode: int, *, routed:
     rr = routed if routed is not None else ref
     if pr.n_pad != rr.n_pad or pr.k_pad != rr.k_pad or ref.n_pad % r:
         raise ValueError("routed and plain weights must share their padded shape, a multiple of the program rows")
-    dummy_i = torch.zeros(1, dtype=torch.int32, device=x16.device)
     lay = layouts(p, nt)
     lw, ls = _fmt_layouts(lay, rr.fmt), _fmt_layouts(lay, pr.fmt)
     _grouped_gemm_mma_kernel[grid](
         x16, x16.stride(0),
         rr.data, _scale_arg(rr), rr.rowscale,
         pr.data, _scale_arg(pr), pr.rowscale,
-        routing.counts if routing is not None else dummy_i, routing.bucket if routing is not None else dummy_i,
+        routing.counts if routing is not None else out, routing.bucket if routing is not None else out,
         routing.cap if routing is not None else 0, routing.weights if routing is not None else rr.rowscale,
         out, out.stride(0),
         T, ng, ref.n, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),

@@ -175,14 +175,14 @@ def _mma_shapes_ok(w: MoEWeights, cfg: dict) -> bool:
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
               top_k: int, routed_scaling: float, alpha: float, limit: float, config: tuple | None = None,
-              routing_out: list | None = None) -> torch.Tensor:
-    """The whole MoE layer: x [T, H] -> [T, H] (x's dtype). ``router_weight`` [E, H] fp32 and
-    ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg) overrides
-    `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests)."""
+              out: torch.Tensor | None = None, routing_out: list | None = None) -> torch.Tensor:
+    """The whole MoE layer: x [T, H] -> [T, H] (x's dtype, or written into ``out``). ``router_weight`` [E, H]
+    fp32 and ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg)
+    overrides `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests)."""
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
     T = x.shape[0]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     if T == 0:
         return out
     path, gu_cfg, dn_cfg = config or moe_config(T, weights, x.device)
@@ -229,7 +229,6 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
         w, idx, _ = route_ref(x, router_weight, correction_bias, top_k)
     xf = x.float()
     out = torch.zeros_like(xf)
-    gu, dn = unpack(weights.gate_up), unpack(weights.down)
     ip, h = weights.inter_pad, weights.hidden
 
     def ffn(xs, g_u, d):
@@ -239,10 +238,11 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
 
     for e in torch.unique(idx).tolist():
         tok, slot = torch.where(idx == e)
-        out.index_add_(0, tok, ffn(xf[tok], gu[e], dn[e])[:, :h] * w[tok, slot, None])
+        y = ffn(xf[tok], unpack(weights.gate_up, e), unpack(weights.down, e))
+        out.index_add_(0, tok, y[:, :h] * w[tok, slot, None])
     out = out * routed_scaling
     if weights.shared_gate_up is not None:
-        out = out + ffn(xf, unpack(weights.shared_gate_up)[0], unpack(weights.shared_down)[0])[:, :h]
+        out = out + ffn(xf, unpack(weights.shared_gate_up, 0), unpack(weights.shared_down, 0))[:, :h]
     return out.to(x.dtype)
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-F16_MAX = 65504.0
+F16_MAX = tl.constexpr(65504.0)
 
 
 @dataclass
@@ -126,7 +126,7 @@ def router_config(T: int, E: int) -> dict:
         return dict(BT=triton.next_power_of_2(max(T, 1)), BE=8, BK=128 if T <= 2 else 64, USE_DOT=False, BT2=16)
     if T <= 64:
         return dict(BT=16, BE=16, BK=64, USE_DOT=True, BT2=16)
-    return dict(BT=64, BE=min(triton.next_power_of_2(E), 128), BK=32, USE_DOT=True, BT2=32)
+    return dict(BT=32, BE=min(triton.next_power_of_2(E), 128), BK=32, USE_DOT=True, BT2=32)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int, *,

@@ -83,7 +83,7 @@ def quant_linear_ref(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     """fp32 torch reference."""
     if w.dense is not None:
         return F.linear(x.float(), w.dense.float())
-    wd = unpack(w.packed)[0, : w.n, : w.k]
+    wd = unpack(w.packed, 0)[: w.n, : w.k]
     return F.linear(x.float(), wd)
 
 

@@ -204,19 +204,22 @@ def concat_rows(parts: list[PackedWeight], n_each: int) -> PackedWeight:
     return PackedWeight(parts[0].fmt, g, n_each * len(parts), parts[0].k, data, sc, rs)
 
 
-def unpack(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The torch reference: PackedWeight -> dense ``[G, N_pad, K_pad]`` (padding included, zeros)."""
+def unpack(pw: PackedWeight, group: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The torch reference: PackedWeight -> dense ``[G, N_pad, K_pad]`` (padding included, zeros), or ``[N_pad,
+    K_pad]`` of one ``group``."""
+    if group is None:
+        return torch.stack([unpack(pw, g, dtype) for g in range(pw.groups)])
+    sel = lambda t: t[group: group + 1]
     if pw.fmt == FMT_DENSE:
-        return pw.data.to(dtype)
-    data = _untile(pw.data)
+        return pw.data[group].to(dtype)
+    data = _untile(sel(pw.data))
     if pw.fmt == FMT_NVFP4:
         vals = _nvfp4.E2M1_VALUES.to(data.device)[_nvfp4.unpack_fp4(data).long()]
-        sc = _untile(pw.scale).view(torch.float8_e4m3fn).float()
+        sc = _untile(sel(pw.scale)).view(torch.float8_e4m3fn).float()
         w = (vals.reshape(*sc.shape, 16) * sc.unsqueeze(-1)).flatten(-2)
     else:
         w = _mx_shuffle(data, inverse=True).view(torch.float8_e4m3fn).float()
         if pw.fmt == FMT_MXFP8:
-            sc = _untile(pw.scale).float()
+            sc = _untile(sel(pw.scale)).float()
             w = (w.reshape(*sc.shape, 32) * sc.unsqueeze(-1)).flatten(-2)
-    return (w * pw.rowscale.unsqueeze(-1)).to(dtype)
-
+    return (w * sel(pw.rowscale).unsqueeze(-1))[0].to(dtype)

@@ -33,6 +33,11 @@ def fill_random(qw, gen: torch.Generator, std: float = 0.02) -> None:
             qw.scale.copy_(_uniform(qw.scale.shape, 0.5, 1.5, gen, dev) * std / 100.0)
 
 
+def m3_moe_config() -> ModelConfig:
+    """M3's MoE shapes: hidden 6144, expert FFN 3072, 128 experts top-4, shared FFN 3072."""
+    return tiny_moe_config(6144, 3072, 128, 4, 3072)
+
+
 def tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2, shared_inter=None) -> ModelConfig:
     return ModelConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
                        num_experts_per_tok=top_k, shared_intermediate_size=shared_inter or inter,
@@ -43,7 +48,8 @@ def tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2, shared_inter=None)
 def random_moe(cfg: ModelConfig, expert_fmt: str, shared_fmt: str, gen: torch.Generator, device="cpu",
                dtype=torch.float32, bias_std: float = 0.05) -> SparseMoE:
     """A `SparseMoE` with random weights (router fp32 as the model keeps it)."""
-    moe = SparseMoE(cfg, dtype, expert_fmt, shared_fmt).to(device)
+    with torch.device(device):  # built in place (an M3-sized layer is GBs)
+        moe = SparseMoE(cfg, dtype, expert_fmt, shared_fmt)
     with torch.no_grad():
         moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen, device=device) * 0.3
                               / cfg.hidden_size ** 0.5 * 8)
