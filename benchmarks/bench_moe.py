@@ -34,8 +34,7 @@ import triton.testing  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "kernels"))
 
-from m3serve.kernels.moe import fused_moe, moe_config, moe_prepare_module  # noqa: E402
-from m3serve.kernels.moe_router import route  # noqa: E402
+from m3serve.kernels.moe import MoEStep, fused_moe, moe_config, moe_prepare_module  # noqa: E402
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare  # noqa: E402
 from m3serve.model.weights import QuantWeight  # noqa: E402
 from moe_testing import fill_random, m3_moe_config, random_moe, rel_err, tiny_moe_config  # noqa: E402
@@ -130,24 +129,33 @@ class TorchLayer:
 
 
 def variants(T: int) -> list[tuple]:
-    """Configs timed besides the default (the sweep that sets `MOE_TUNING`)."""
-    m = lambda p, nt, ug, ud: ("mma", dict(p=p, nt=nt, unroll=ug), dict(p=p, nt=nt, unroll=ud))
-    t = lambda bm, bn, nw, bm2, bn2, nw2: ("tl", dict(bm=bm, bn=bn, num_warps=nw, num_stages=3),
-                                           dict(bm=bm2, bn=bn2, num_warps=nw2, num_stages=3))
+    """Configs timed besides the default (the sweep that sets `MOE_TUNING`): (p, nt, unroll) of gate_up and down."""
+    m = lambda g, d: ("mma", dict(p=g[0], nt=g[1], unroll=g[2]), dict(p=d[0], nt=d[1], unroll=d[2]))
+    t = lambda g, d: ("tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3),
+                      dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3))
     if T <= 4:
-        return [m(1, 8, 1, 1), m(1, 8, 4, 3), m(2, 8, 2, 2)]
+        return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 8, 3), (2, 8, 3)), m((2, 8, 2), (2, 8, 2))]
     if T <= 64:
-        return [m(1, 8, 2, 2), m(1, 16, 2, 2), m(1, 16, 4, 3), m(2, 16, 2, 2)]
+        return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 16, 2), (2, 16, 2))]
     if T <= 512:
-        return [m(2, 16, 2, 2), m(1, 16, 2, 2), t(64, 64, 4, 64, 128, 8)]
-    return [t(64, 64, 4, 64, 128, 8), t(128, 64, 8, 128, 128, 8), t(64, 128, 8, 128, 64, 8)]
+        return [m((1, 16, 2), (2, 16, 2)), m((1, 32, 2), (2, 32, 2)), t((64, 64, 4), (64, 128, 8)),
+                t((32, 64, 4), (32, 128, 4))]
+    return [t((128, 64, 8), (128, 128, 8)), t((64, 64, 4), (64, 128, 8)), t((128, 128, 8), (64, 128, 8))]
+
+
+def linear_variants(M: int) -> list[dict]:
+    if M <= 16:
+        return [dict(p=1, nt=16, unroll=2)]
+    if M <= 64:
+        return [dict(p=1, nt=64, unroll=2), dict(p=1, nt=32, unroll=2)]
+    return [dict(bm=128, bn=128, num_warps=8, num_stages=3), dict(p=1, nt=64, unroll=2)]
 
 
 def bench_layer(args, dev, bw, res):
     cfg = m3_moe_config() if not args.smoke else tiny_moe_config(256, 128, 16, 4, 128)
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    moe = random_moe(cfg, "nvfp4", "mxfp8", g, device=dev, dtype=dtype)
+    moe = random_moe(cfg, "nvfp4", "mxfp8", g, device=dev, dtype=dtype, bias_std=0.01, router_std=1.0)
     w = moe_prepare_module(moe)
     ref = TorchLayer(moe, cfg) if dev == "cuda" else None
     kw = dict(top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha,
@@ -165,8 +173,10 @@ def bench_layer(args, dev, bw, res):
         row = dict(tokens=T, experts_touched=touched, bytes=nbytes, flops=flops, default=repr(default))
         layer = lambda c=None: fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, config=c, **kw)
         row["ms"] = timed(layer, True, args.rep)
-        row["route_ms"] = timed(lambda: route(x, moe.gate.weight, moe.gate.e_score_correction_bias,
-                                              cfg.num_experts_per_tok), True, args.rep)
+        step = MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, **kw)
+        step.run()
+        for name in ("route", "gate_up", "down", "combine"):  # each launch alone, on the step's own buffers
+            row[name + "_ms"] = timed(getattr(step, name), True, args.rep)
         row["variants"] = []
         if args.variants and dev == "cuda":
             for v in variants(T):
@@ -212,6 +222,9 @@ def bench_linear(args, dev, res):
             row = dict(fmt=fmt, M=M, N=n, K=k, ms=timed(lambda: quant_linear(x, ql), True, args.rep),
                        bf16_ms=timed(lambda: F.linear(x, wd), True, args.rep), weight_bytes=ql.packed.nbytes())
             row["speedup_vs_bf16"] = row["bf16_ms"] / row["ms"]
+            row["variants"] = []
+            for v in (linear_variants(M) if args.variants and dev == "cuda" else []):
+                row["variants"].append(dict(config=repr(v), ms=timed(lambda: quant_linear(x, ql, v), True, args.rep)))
             rows.append(row)
             print(json.dumps(row), flush=True)
     res["linear"] = rows
@@ -245,9 +258,11 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"\nMoE layer, {res['device']}, copy {res['copy_tb_s']:.2f} TB/s (graph ms, L2 flushed)")
-    print("| tokens | experts | ms | route ms | MB read | % copy | torch bf16 best ms | speedup | TFLOP/s | err |")
+    print("| tokens | experts | ms | route / gate_up / down / combine ms | MB read | % copy | torch bf16 best ms | "
+          "speedup | TFLOP/s | err |")
     for r in res["layer"]:
-        print(f"| {r['tokens']} | {r['experts_touched']} | {r['ms']:.4f} | {r['route_ms']:.4f} | "
+        parts = " / ".join(f"{r[n + '_ms']:.4f}" for n in ("route", "gate_up", "down", "combine"))
+        print(f"| {r['tokens']} | {r['experts_touched']} | {r['ms']:.4f} | {parts} | "
               f"{r['bytes'] / 1e6:.0f} | {r.get('pct_copy', 0):.0f}% | {r.get('torch_best_ms', 0):.4f} | "
               f"{r.get('speedup_vs_torch', 0):.2f}x | {r.get('tflops', 0):.0f} | {r.get('err_vs_torch_bf16', 0):.1e} |")
         for v in r["variants"]:
@@ -257,7 +272,7 @@ def main():
                   f"layer / dense = {r['vs_dense']:.2f} |")
     for r in res.get("linear", []):
         print(f"| linear {r['fmt']} M={r['M']} {r['N']}x{r['K']} | {r['ms']:.4f} ms | bf16 {r['bf16_ms']:.4f} ms | "
-              f"{r['speedup_vs_bf16']:.2f}x |")
+              f"{r['speedup_vs_bf16']:.2f}x | " + " ".join(f"{v['config']}: {v['ms']:.4f}" for v in r["variants"]))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,10 @@ def routed_tile(counts_ptr, tile, E, E_PAD: tl.constexpr, BM: tl.constexpr):
 @triton.jit
 def load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr, BN: tl.constexpr,
                      WDT: tl.constexpr):
-    """Rows ``rows`` [BN] of group ``g``, K chunk ``c`` (128 elements) -> [BN, 128] in WDT, element order."""
+    """Rows ``rows`` [BN] of group ``g``, K chunk ``c`` (128 elements) -> [BN, 128] in WDT, element order. For a
+    16-bit WDT (the GPU path) the codes are decoded exactly with fp16 ops and the hardware e4m3 convert, then
+    converted; mxfp8 values then carry a factor 2^-8 (the caller's ``UNS`` restores it)."""
+    DEC: tl.constexpr = tl.float32 if WDT == tl.float32 else tl.float16
     if FMT == 3:  # dense, row-major [G, N_PAD, K_PAD]
         k = c * 128 + tl.arange(0, 128)
         w = tl.load(data + (g * N_PAD + rows.to(tl.int64))[:, None] * K_PAD + k[None, :])
@@ -71,32 +74,47 @@ def load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.co
         rc = ((g * NT16 + rows // 16).to(tl.int64) * KC + c) * 16 + rows % 16  # tile row index [BN]
         if FMT == 0:  # nvfp4: 64 bytes + 8 e4m3 scales per tile row
             b = tl.load(data + rc[:, None] * 64 + tl.arange(0, 64)[None, :])
-            s = e4m3_bits_to_f32(tl.load(scale + rc[:, None] * 8 + tl.arange(0, 8)[None, :]))
+            sb = tl.load(scale + rc[:, None] * 8 + tl.arange(0, 8)[None, :])
+            if DEC == tl.float16:
+                s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                s = e4m3_bits_to_f32(sb)
             s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 8, 8)), (BN, 64))
-            lo = e2m1_to_f16(b & 0xF).to(tl.float32) * s
-            hi = e2m1_to_f16(b >> 4).to(tl.float32) * s
+            lo = e2m1_to_f16(b & 0xF).to(DEC) * s
+            hi = e2m1_to_f16(b >> 4).to(DEC) * s
             return tl.reshape(tl.join(lo, hi), (BN, 128)).to(WDT)
         else:  # mxfp8 / fp8: 128 e4m3 bytes per tile row, groups of 8 stored as 0 1 4 5 2 3 6 7
             b = tl.load(data + rc[:, None] * 128 + tl.arange(0, 128)[None, :])
-            v = e4m3_bits_to_f32(b)
+            if DEC == tl.float16:
+                v = b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                v = e4m3_bits_to_f32(b)
             v = tl.reshape(tl.permute(tl.reshape(v, (BN, 16, 2, 2, 2)), (0, 1, 3, 2, 4)), (BN, 128))
             if FMT == 1:
-                s = tl.load(scale + rc[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.float32)
-                v = v * tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 4, 32)), (BN, 128))
+                s = tl.load(scale + rc[:, None] * 4 + tl.arange(0, 4)[None, :])
+                if DEC == tl.float16:
+                    s = s * 0.00390625  # 2^-8: e4m3 (<= 448) times the multiplier (<= 2^15) stays in fp16
+                v = v * tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 4, 32)), (BN, 128)).to(DEC)
             return v.to(WDT)
 
 
 @triton.jit
-def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, NT16, KC, N_PAD, K_PAD,
-               FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr):
+def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
+               TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr):
+    """acc [BM, BN] over all K chunks, and a second one for rows ``wrows2`` when TWO (gate / up share x's tile)."""
     acc = tl.zeros((BM, BN), tl.float32)
+    acc2 = tl.zeros((BM, BN), tl.float32)
     kk = tl.arange(0, 128)
     for c in range(0, KC):
         k = c * 128 + kk
         xt = tl.load(x_ptr + xrow[:, None] * sx + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
-        wt = load_weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
-        acc = tl.dot(xt.to(WDT), tl.trans(wt), acc)
-    return acc
+        xt = xt.to(WDT)
+        acc = tl.dot(xt, tl.trans(load_weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)),
+                     acc)
+        if TWO:
+            acc2 = tl.dot(xt, tl.trans(load_weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN,
+                                                        WDT)), acc2)
+    return acc, acc2
 
 
 @triton.jit
@@ -105,14 +123,14 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
                BN: tl.constexpr, WDT: tl.constexpr):
     """One output tile: the GEMM over all K chunks, the mode's epilogue, the store."""
     cols = n0 + tl.arange(0, BN)
-    y = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, cols, NT16, KC, N_PAD, K_PAD, FMT, BM, BN, WDT)
+    UNS: tl.constexpr = 256.0 if (FMT == 1) and (WDT != tl.float32) else 1.0
+    y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, cols, cols + NG, NT16, KC, N_PAD, K_PAD, FMT,
+                       MODE == 0, BM, BN, WDT)
     if FMT != 3:
-        y = y * tl.load(rsc + g * N_PAD + cols)[None, :]
+        y = y * (tl.load(rsc + g * N_PAD + cols) * UNS)[None, :]
     if MODE == 0:
-        up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, cols + NG, NT16, KC, N_PAD, K_PAD, FMT, BM, BN,
-                        WDT)
         if FMT != 3:
-            up = up * tl.load(rsc + g * N_PAD + cols + NG)[None, :]
+            up = up * (tl.load(rsc + g * N_PAD + cols + NG) * UNS)[None, :]
         y = swiglu_oai_f32(y, up, alpha, limit) * wt[:, None]
         omask = rmask[:, None] & (cols < NG)[None, :]
     else:
@@ -164,7 +182,7 @@ def mma_kernels():
 
 
 def work_dtype(x: torch.Tensor):
-    """Dot operand dtype: fp32 under the interpreter (its bf16 dot is wrong) or for fp32 inputs, else bf16/fp16."""
+    """Dot operand dtype: fp32 under the interpreter (its bf16 dot is wrong) or for fp32 inputs, else x's own."""
     if interpreting() or x.dtype == torch.float32:
         return tl.float32
     return tl.float16 if x.dtype == torch.float16 else tl.bfloat16

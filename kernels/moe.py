@@ -34,8 +34,8 @@ from .weight_layout import CHUNK_K, FMT_DENSE, PackedWeight, concat_rows, pack_q
 # tl: bm x bn output tiles of the portable kernels.
 MOE_TUNING = (
     (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
-    (128, "mma", dict(p=1, nt=16, unroll=2), dict(p=1, nt=16, unroll=2)),
-    (1024, "mma", dict(p=2, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
+    (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
+    (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
     (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
 )
 PORTABLE = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
@@ -173,45 +173,78 @@ def _mma_shapes_ok(w: MoEWeights, cfg: dict) -> bool:
             and (w.down.k_pad // CHUNK_K) % per == 0)
 
 
+class MoEStep:
+    """One layer call split into its launches (`route`, `gate_up`, `down`, `combine`, in this order; `run` = all),
+    buffers allocated up front: `fused_moe` runs them, benchmarks time them one by one."""
+
+    def __init__(self, x, router_weight, correction_bias, weights: MoEWeights, *, top_k: int, routed_scaling: float,
+                 alpha: float, limit: float, config: tuple | None = None, out: torch.Tensor | None = None):
+        if x.dim() != 2 or x.shape[1] != weights.hidden:
+            raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+        self.x, self.rw, self.bias, self.w = x, router_weight, correction_bias, weights
+        self.top_k, self.scaling, self.alpha, self.limit = top_k, routed_scaling, alpha, limit
+        T = self.T = x.shape[0]
+        self.out = torch.empty_like(x) if out is None else out
+        self.path, self.gu_cfg, self.dn_cfg = config or moe_config(T, weights, x.device)
+        self.shared = weights.shared_gate_up is not None
+        self.A = T * top_k
+        rows = self.A + (T if self.shared else 0)
+        dev = x.device
+        self.x16 = None
+        if self.path == "mma":
+            self.x16 = torch.empty(T, weights.gate_up.k_pad, dtype=torch.float16, device=dev)
+            idt = torch.float16
+        else:
+            idt = _torch_dtype(work_dtype(x))
+        self.inter = torch.empty(rows, weights.inter_pad, dtype=idt, device=dev)
+        self.y = torch.empty(rows, weights.hidden, dtype=torch.float32, device=dev)
+        self.routing: Routing | None = None
+
+    def route(self):
+        self.routing = route(self.x, self.rw, self.bias, self.top_k, x16=self.x16, h_pad=self.w.gate_up.k_pad)
+
+    def _gemm(self, mode: int, **kw):
+        if self.path == "mma":
+            mma_kernels().grouped_gemm_mma(self.x16 if mode == MODE_GATE_UP else self.inter,
+                                           self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.routing,
+                                           T=self.T, **kw)
+        else:
+            grouped_gemm(self.x if mode == MODE_GATE_UP else self.inter,
+                         self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.routing, T=self.T, **kw)
+
+    def gate_up(self):
+        self._gemm(MODE_GATE_UP, routed=self.w.gate_up, plain=self.w.shared_gate_up, x_div=self.top_k,
+                   out_off=self.A, ng=self.w.inter_pad, scaling=self.scaling, alpha=self.alpha, limit=self.limit,
+                   **self.gu_cfg)
+
+    def down(self):
+        self._gemm(MODE_DOWN, routed=self.w.down, plain=self.w.shared_down, x_off=self.A, out_off=self.A,
+                   **self.dn_cfg)
+
+    def combine(self) -> torch.Tensor:
+        return combine(self.y, self.T, self.top_k, self.shared, self.out)
+
+    def run(self) -> torch.Tensor:
+        if self.T == 0:
+            return self.out
+        self.route()
+        self.gate_up()
+        self.down()
+        return self.combine()
+
+
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
               top_k: int, routed_scaling: float, alpha: float, limit: float, config: tuple | None = None,
               out: torch.Tensor | None = None, routing_out: list | None = None) -> torch.Tensor:
     """The whole MoE layer: x [T, H] -> [T, H] (x's dtype, or written into ``out``). ``router_weight`` [E, H]
     fp32 and ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg)
     overrides `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests)."""
-    if x.dim() != 2 or x.shape[1] != weights.hidden:
-        raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
-    T = x.shape[0]
-    out = torch.empty_like(x) if out is None else out
-    if T == 0:
-        return out
-    path, gu_cfg, dn_cfg = config or moe_config(T, weights, x.device)
-    shared = weights.shared_gate_up is not None
-    A = T * top_k
-    rows = A + (T if shared else 0)
-    x16 = None
-    if path == "mma":
-        x16 = torch.empty(T, weights.gate_up.k_pad, dtype=torch.float16, device=x.device)
-    routing = route(x, router_weight, correction_bias, top_k, x16=x16, h_pad=weights.gate_up.k_pad)
-    if routing_out is not None:
-        routing_out.append(routing)
-    common = dict(routed=weights.gate_up, plain=weights.shared_gate_up, routing=routing, T=T)
-    y = torch.empty(rows, weights.hidden, dtype=torch.float32, device=x.device)
-    if path == "mma":
-        mma = mma_kernels()
-        inter = torch.empty(rows, weights.inter_pad, dtype=torch.float16, device=x.device)
-        mma.grouped_gemm_mma(x16, inter, MODE_GATE_UP, x_div=top_k, out_off=A, ng=weights.inter_pad,
-                             scaling=routed_scaling, alpha=alpha, limit=limit, **common, **gu_cfg)
-        common.update(routed=weights.down, plain=weights.shared_down)
-        mma.grouped_gemm_mma(inter, y, MODE_DOWN, x_off=A, out_off=A, **common, **dn_cfg)
-    else:
-        wd = work_dtype(x)
-        inter = torch.empty(rows, weights.inter_pad, dtype=_torch_dtype(wd), device=x.device)
-        grouped_gemm(x, inter, MODE_GATE_UP, x_div=top_k, out_off=A, ng=weights.inter_pad, scaling=routed_scaling,
-                     alpha=alpha, limit=limit, **common, **gu_cfg)
-        common.update(routed=weights.down, plain=weights.shared_down)
-        grouped_gemm(inter, y, MODE_DOWN, x_off=A, out_off=A, **common, **dn_cfg)
-    return combine(y, T, top_k, shared, out)
+    step = MoEStep(x, router_weight, correction_bias, weights, top_k=top_k, routed_scaling=routed_scaling,
+                   alpha=alpha, limit=limit, config=config, out=out)
+    y = step.run()
+    if routing_out is not None and step.routing is not None:
+        routing_out.append(step.routing)
+    return y
 
 
 def _torch_dtype(t):
@@ -246,5 +279,5 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
     return out.to(x.dtype)
 
 
-__all__ = ["MoEWeights", "moe_prepare", "moe_prepare_module", "fused_moe", "fused_moe_ref", "combine",
+__all__ = ["MoEWeights", "MoEStep", "moe_prepare", "moe_prepare_module", "fused_moe", "fused_moe_ref", "combine",
            "moe_config", "MOE_TUNING", "FMT_DENSE"]

@@ -1,10 +1,11 @@
 """The MoE router on the device: sigmoid scores + correction bias, top-k, renormalised weights, and the grouping of
 assignments by expert, in two launches and without a host synchronisation (CUDA-graph capturable).
 
-* ``_router_logits_kernel``: fp32 logits ``x @ W^T`` (grid: token blocks x expert blocks, so a decode step's router
-  weight, 3 MB at M3's 128 x 6144, is read by many programs at once); it also zeroes the per-expert counters and,
-  for the mma expert kernels, writes the fp16 activation copy they read (``x16``, see `grouped_gemm_mma.py`).
-* ``_router_topk_kernel``: ``p = sigmoid(logits)``; the top-k of ``p + bias`` choose (the bias chooses, it does not
+* ``_router_logits_kernel``: fp32 partial logits ``x @ W^T`` per K slice (grid: token blocks x K slices, so a
+  decode step's router weight, 3 MB at M3's 128 x 6144, is streamed by 48 programs at once, each with all its loads
+  in flight); it also zeroes the per-expert counters and, for the mma expert kernels, writes the fp16 activation
+  copy they read (``x16``, see `grouped_gemm_mma.py`).
+* ``_router_topk_kernel``: the slices summed in a fixed order (deterministic), ``p = sigmoid(logits)``; the top-k of ``p + bias`` choose (the bias chooses, it does not
   weigh); the weights are ``p`` at those experts over their sum. Each assignment ``a = token * top_k + slot`` takes
   the next free slot of its expert's bucket with an atomic add: ``bucket[e, :counts[e]]`` lists the assignments of
   expert e (in no particular order: every row of the expert GEMMs is computed independently, so the order never
@@ -50,37 +51,42 @@ def x16_position(k):
 
 @triton.jit
 def _router_logits_kernel(
-    x_ptr, sx, w_ptr, logits_ptr, counts_ptr, x16_ptr, sx16,
-    T, H, H_PAD, E,
-    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, USE_DOT: tl.constexpr,
+    x_ptr, sx, w_ptr, part_ptr, counts_ptr, x16_ptr, sx16,
+    T, H, H_PAD, E, KSL,
+    BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, USE_DOT: tl.constexpr,
     WRITE_X16: tl.constexpr,
 ):
+    """Partial logits ``part[s, t, :]`` of K slice s (``KSL`` elements) for a block of tokens and every expert:
+    many programs stream the router weight at once; the top-k kernel adds the slices in a fixed order."""
     pt = tl.program_id(0)
-    pe = tl.program_id(1)
+    ps = tl.program_id(1)
     t = pt * BT + tl.arange(0, BT)
-    e = pe * BE + tl.arange(0, BE)
+    e = tl.arange(0, E_PAD)
     tm = t < T
     em = e < E
-    if (pt == 0) & (pe == 0):
-        ee = tl.arange(0, E_PAD)
-        tl.store(counts_ptr + ee, tl.zeros((E_PAD,), tl.int32), mask=ee < E)
-    acc = tl.zeros((BT, BE), tl.float32)
-    for k0 in range(0, H_PAD, BK):
-        k = k0 + tl.arange(0, BK)
-        km = k < H
-        xt = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        xf = xt.to(tl.float32)
-        wt = tl.load(w_ptr + e.to(tl.int64)[:, None] * H + k[None, :], mask=em[:, None] & km[None, :], other=0.0)
-        if USE_DOT:
-            acc = tl.dot(xf, tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc += tl.sum(xf[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
-        if WRITE_X16:
-            if pe == 0:  # padding columns (H <= k < H_PAD) are written as zeros
-                x16 = tl.minimum(tl.maximum(xf, -F16_MAX), F16_MAX).to(tl.float16)
-                tl.store(x16_ptr + t.to(tl.int64)[:, None] * sx16 + x16_position(k)[None, :], x16,
-                         mask=tm[:, None] & (k < H_PAD)[None, :])
-    tl.store(logits_ptr + t.to(tl.int64)[:, None] * E + e[None, :], acc, mask=tm[:, None] & em[None, :])
+    if (pt == 0) & (ps == 0):
+        tl.store(counts_ptr + e, tl.zeros((E_PAD,), tl.int32), mask=em)
+    acc = tl.zeros((BT, E_PAD), tl.float32)
+    for k0 in range(ps * KSL, ps * KSL + KSL, BK):
+        if WRITE_X16:  # this slice of the fp16 activation copy (columns H <= k < H_PAD written as zeros)
+            k = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & (k < H)[None, :],
+                         other=0.0).to(tl.float32)
+            x16 = tl.minimum(tl.maximum(xt, -F16_MAX), F16_MAX).to(tl.float16)
+            tl.store(x16_ptr + t.to(tl.int64)[:, None] * sx16 + x16_position(k)[None, :], x16,
+                     mask=tm[:, None] & (k < H_PAD)[None, :])
+        for s0 in tl.static_range(0, BK, SUB):
+            k = k0 + s0 + tl.arange(0, SUB)
+            km = k < H
+            xf = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :],
+                         other=0.0).to(tl.float32)
+            wt = tl.load(w_ptr + e.to(tl.int64)[:, None] * H + k[None, :], mask=em[:, None] & km[None, :],
+                         other=0.0).to(tl.float32)
+            if USE_DOT:
+                acc = tl.dot(xf, tl.trans(wt), acc, input_precision="ieee")
+            else:
+                acc += tl.sum(xf[:, None, :] * wt[None, :, :], axis=2)
+    tl.store(part_ptr + (ps * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tm[:, None] & em[None, :])
 
 
 @triton.jit
@@ -94,14 +100,17 @@ def _select(sel, cols, j: tl.constexpr):
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, bias_ptr, ids_ptr, w_ptr, counts_ptr, bucket_ptr, cap, T, E,
-    TOPK: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
+    part_ptr, KS, bias_ptr, ids_ptr, w_ptr, counts_ptr, bucket_ptr, cap, T, E,
+    TOPK: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr, KS_PAD: tl.constexpr,
 ):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, E_PAD)
     tm = t < T
     cm = cols < E
-    lg = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + cols[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
+    ks = tl.arange(0, KS_PAD)
+    m3 = (ks < KS)[:, None, None] & (tm[:, None] & cm[None, :])[None, :, :]
+    off = (ks[:, None, None] * T + t.to(tl.int64)[None, :, None]) * E + cols[None, None, :]
+    lg = tl.sum(tl.load(part_ptr + off, mask=m3, other=0.0), axis=0)
     p = tl.sigmoid(lg)
     bias = tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     sel = tl.where(cm[None, :], p + bias[None, :], float("-inf"))
@@ -115,24 +124,27 @@ def _router_topk_kernel(
         a = t * TOPK + j
         tl.store(ids_ptr + a, idx.to(tl.int32), mask=tm)
         tl.store(w_ptr + a, wj, mask=tm)
-        rank = tl.atomic_add(counts_ptr + idx, 1, mask=tm)
+        rank = tl.atomic_add(counts_ptr + idx, 1, mask=tm, sem="relaxed")
         tl.store(bucket_ptr + idx.to(tl.int64) * cap + rank, a.to(tl.int32), mask=tm)
 
 
-# Launch shapes, chosen by the number of tokens (one place): logits block (tokens, experts), broadcast-sum below 16
-# tokens (no padded dot rows), top-k block.
-def router_config(T: int, E: int) -> dict:
+# Launch shapes by token count (one place): tokens per logits program and K slices (every 128-element chunk its
+# own program for decode steps), a broadcast-sum below 16 tokens (no padded dot rows), top-k block size.
+def router_config(T: int, n_chunks: int) -> dict:
     if T <= 8:
-        return dict(BT=triton.next_power_of_2(max(T, 1)), BE=8, BK=128 if T <= 2 else 64, USE_DOT=False, BT2=16)
+        bt = triton.next_power_of_2(max(T, 1))
+        return dict(BT=bt, KS=n_chunks, SUB=64 // bt, USE_DOT=False, warps=4)
     if T <= 64:
-        return dict(BT=16, BE=16, BK=64, USE_DOT=True, BT2=16)
-    return dict(BT=32, BE=min(triton.next_power_of_2(E), 128), BK=32, USE_DOT=True, BT2=32)
+        return dict(BT=16, KS=n_chunks, SUB=32, USE_DOT=True, warps=4)
+    ks = max(d for d in range(1, 9) if n_chunks % d == 0)
+    return dict(BT=32, KS=ks, SUB=32, USE_DOT=True, warps=4)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int, *,
           x16: torch.Tensor | None = None, h_pad: int | None = None, config: dict | None = None) -> Routing:
     """x [T, H] -> `Routing`. ``router_weight`` [E, H] (fp32, as the model keeps it), ``correction_bias`` [E].
-    With ``x16`` ([T, h_pad] fp16) the activations are also written there in the mma kernels' layout."""
+    With ``x16`` ([T, h_pad] fp16, h_pad a multiple of 128) the activations are also written there in the mma
+    kernels' layout."""
     T, H = x.shape
     E = router_weight.shape[0]
     if router_weight.shape[1] != H:
@@ -140,8 +152,10 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.T
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} outside [1, {E}]")
     dev = x.device
-    cfg = dict(router_config(T, E), **(config or {}))
-    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    hp = max(h_pad or 0, -(-H // 128) * 128)
+    cfg = dict(router_config(T, hp // 128), **(config or {}))
+    ks = cfg["KS"]
+    part = torch.empty(ks, T, E, dtype=torch.float32, device=dev)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
@@ -150,16 +164,16 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.T
         counts.zero_()
         return Routing(ids, w, counts, bucket, top_k)
     e_pad = triton.next_power_of_2(E)
-    hp = h_pad if h_pad is not None else H
-    grid = (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"]))
-    _router_logits_kernel[grid](
-        x, x.stride(0), router_weight, logits, counts, x16 if x16 is not None else logits,
-        x16.stride(0) if x16 is not None else 0, T, H, max(hp, H), E,
-        BT=cfg["BT"], BE=cfg["BE"], BK=cfg["BK"], E_PAD=e_pad, USE_DOT=cfg["USE_DOT"], WRITE_X16=x16 is not None,
-        num_warps=4)
-    _router_topk_kernel[(triton.cdiv(T, cfg["BT2"]),)](
-        logits, correction_bias, ids, w, counts, bucket, bucket.shape[1], T, E,
-        TOPK=top_k, BT=cfg["BT2"], E_PAD=e_pad, num_warps=4)
+    _router_logits_kernel[(triton.cdiv(T, cfg["BT"]), ks)](
+        x, x.stride(0), router_weight, part, counts, x16 if x16 is not None else part,
+        x16.stride(0) if x16 is not None else 0, T, H, hp, E, hp // ks,
+        BT=cfg["BT"], BK=128, SUB=cfg["SUB"], E_PAD=e_pad, USE_DOT=cfg["USE_DOT"], WRITE_X16=x16 is not None,
+        num_warps=cfg["warps"])
+    ks_pad = triton.next_power_of_2(ks)
+    bt2 = max(1, min(16, 16384 // (ks_pad * e_pad)))
+    _router_topk_kernel[(triton.cdiv(T, bt2),)](
+        part, ks, correction_bias, ids, w, counts, bucket, bucket.shape[1], T, E,
+        TOPK=top_k, BT=bt2, E_PAD=e_pad, KS_PAD=ks_pad, num_warps=8)
     return Routing(ids, w, counts, bucket, top_k)
 
 

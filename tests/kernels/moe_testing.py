@@ -46,13 +46,15 @@ def tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2, shared_inter=None)
 
 
 def random_moe(cfg: ModelConfig, expert_fmt: str, shared_fmt: str, gen: torch.Generator, device="cpu",
-               dtype=torch.float32, bias_std: float = 0.05) -> SparseMoE:
-    """A `SparseMoE` with random weights (router fp32 as the model keeps it)."""
+               dtype=torch.float32, bias_std: float = 0.05, router_std: float = 2.4) -> SparseMoE:
+    """A `SparseMoE` with random weights (router fp32 as the model keeps it; logits of std ``router_std`` for
+    unit activations: large values saturate the sigmoid and let the bias concentrate tokens on a few experts,
+    ~1 with a small bias routes nearly uniformly)."""
     with torch.device(device):  # built in place (an M3-sized layer is GBs)
         moe = SparseMoE(cfg, dtype, expert_fmt, shared_fmt)
     with torch.no_grad():
-        moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen, device=device) * 0.3
-                              / cfg.hidden_size ** 0.5 * 8)
+        moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen, device=device) * router_std
+                              / cfg.hidden_size ** 0.5)
         moe.gate.e_score_correction_bias.copy_(torch.randn(cfg.num_local_experts, generator=gen, device=device)
                                                * bias_std)
     for qw in (moe.experts.gate_up_proj, moe.experts.down_proj, moe.shared_experts.gate_up_proj.w,
