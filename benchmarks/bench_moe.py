@@ -143,6 +143,9 @@ def variants(T: int) -> list[tuple]:
     return [t((128, 64, 8), (128, 128, 8)), t((64, 64, 4), (64, 128, 8)), t((128, 128, 8), (64, 128, 8))]
 
 
+STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
+
+
 def linear_variants(M: int) -> list[dict]:
     if M <= 16:
         return [dict(p=1, nt=16, unroll=2)]
@@ -171,13 +174,17 @@ def bench_layer(args, dev, bw, res):
         flops = 2 * 3 * cfg.hidden_size * cfg.intermediate_size * T * (cfg.num_experts_per_tok + 1)
         default = moe_config(T, w, x.device)
         row = dict(tokens=T, experts_touched=touched, bytes=nbytes, flops=flops, default=repr(default))
-        layer = lambda c=None: fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, config=c, **kw)
+        layer = lambda c=None, ov=None: fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, config=c,
+                                                  overlap=ov, **kw)
         row["ms"] = timed(layer, True, args.rep)
         step = MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, **kw)
         step.run()
-        for name in ("route", "gate_up", "down", "combine"):  # each launch alone, on the step's own buffers
+        for name in STAGES:  # each launch (the shared expert: its two) alone, on the step's own buffers
             row[name + "_ms"] = timed(getattr(step, name), True, args.rep)
         row["variants"] = []
+        if dev == "cuda":
+            row["variants"].append(dict(config="shared expert in the routed launches (no side stream)",
+                                        ms=timed(lambda: layer(None, False), True, args.rep)))
         if args.variants and dev == "cuda":
             for v in variants(T):
                 try:
@@ -236,7 +243,7 @@ def main():
     ap.add_argument("--tokens", default="1,4,16,64,512,4096")
     ap.add_argument("--linear-rows", default="1,16,64,512")
     ap.add_argument("--rep", type=int, default=60)
-    ap.add_argument("--no-variants", dest="variants", action="store_false")
+    ap.add_argument("--variants", action="store_true", help="also time the config sweep of `variants`")
     ap.add_argument("--no-linear", dest="linear", action="store_false")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -247,8 +254,9 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = dict(device=torch.cuda.get_device_name() if dev == "cuda" else platform.processor(),
                torch=torch.__version__, triton=triton.__version__,
-               commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     cwd=Path(__file__).parent).stdout.strip() or os.environ.get("COMMIT", ""))
+               commit=os.environ.get("COMMIT") or subprocess.run(
+                   ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                   cwd=Path(__file__).parent).stdout.strip())
     bw = copy_bandwidth(dev) if dev == "cuda" else 1.0
     res["copy_tb_s"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -258,10 +266,10 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"\nMoE layer, {res['device']}, copy {res['copy_tb_s']:.2f} TB/s (graph ms, L2 flushed)")
-    print("| tokens | experts | ms | route / gate_up / down / combine ms | MB read | % copy | torch bf16 best ms | "
-          "speedup | TFLOP/s | err |")
+    print("| tokens | experts | ms | route / gate_up / down / shared / combine ms alone | MB read | % copy | "
+          "torch bf16 best ms | speedup | TFLOP/s | err |")
     for r in res["layer"]:
-        parts = " / ".join(f"{r[n + '_ms']:.4f}" for n in ("route", "gate_up", "down", "combine"))
+        parts = " / ".join(f"{r[n + '_ms']:.4f}" for n in STAGES)
         print(f"| {r['tokens']} | {r['experts_touched']} | {r['ms']:.4f} | {parts} | "
               f"{r['bytes'] / 1e6:.0f} | {r.get('pct_copy', 0):.0f}% | {r.get('torch_best_ms', 0):.4f} | "
               f"{r.get('speedup_vs_torch', 0):.2f}x | {r.get('tflops', 0):.0f} | {r.get('err_vs_torch_bf16', 0):.1e} |")

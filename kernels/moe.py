@@ -5,10 +5,13 @@
 routed weights renormalised to sum to 1. Launches (no host synchronisation, fixed grids: capturable in a CUDA graph):
 
 1. router logits (`moe_router`), 2. top-k + grouping by expert (`moe_router`),
-3. gate_up + SwiGLU-OAI for every (token, expert) assignment and the shared expert, one launch; the routing weight
-   times ``routed_scaling`` is applied here (the down projection is linear),
-4. down projection, routed and shared, one launch, one fp32 row per assignment / token,
+3. gate_up + SwiGLU-OAI for every (token, expert) assignment; the routing weight times ``routed_scaling`` is
+   applied here (the down projection is linear),
+4. down projection, one fp32 row per assignment,
 5. combine: the top_k rows of each token plus its shared row -> ``[T, H]`` in x's dtype.
+
+The shared expert (gate_up, down; one fp32 row per token) needs no routing: on CUDA it runs on a side stream,
+overlapped with 1-4 (fork / join, capturable in a CUDA graph); elsewhere its tiles ride in the launches 3-4.
 
 Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
 decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
@@ -36,7 +39,7 @@ MOE_TUNING = (
     (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
-    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (None, "tl", dict(bm=128, bn=128, num_warps=8, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
 )
 PORTABLE = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
 
@@ -173,12 +176,25 @@ def _mma_shapes_ok(w: MoEWeights, cfg: dict) -> bool:
             and (w.down.k_pad // CHUNK_K) % per == 0)
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
+
 class MoEStep:
-    """One layer call split into its launches (`route`, `gate_up`, `down`, `combine`, in this order; `run` = all),
-    buffers allocated up front: `fused_moe` runs them, benchmarks time them one by one."""
+    """One layer call split into its launches, buffers allocated up front: `fused_moe` runs them (`run`), benchmarks
+    time them one by one. On CUDA the shared expert (`shared`: its gate_up and down, which need no routing) runs on
+    a side stream, overlapped with the router and the routed experts (`route`, `gate_up`, `down`); `combine` joins
+    them. Elsewhere (or with ``overlap=False``) the shared expert's tiles ride in the routed launches."""
 
     def __init__(self, x, router_weight, correction_bias, weights: MoEWeights, *, top_k: int, routed_scaling: float,
-                 alpha: float, limit: float, config: tuple | None = None, out: torch.Tensor | None = None):
+                 alpha: float, limit: float, config: tuple | None = None, out: torch.Tensor | None = None,
+                 overlap: bool | None = None):
         if x.dim() != 2 or x.shape[1] != weights.hidden:
             raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
         self.x, self.rw, self.bias, self.w = x, router_weight, correction_bias, weights
@@ -187,6 +203,7 @@ class MoEStep:
         self.out = torch.empty_like(x) if out is None else out
         self.path, self.gu_cfg, self.dn_cfg = config or moe_config(T, weights, x.device)
         self.shared = weights.shared_gate_up is not None
+        self.overlap = self.shared and x.is_cuda and (overlap if overlap is not None else True)
         self.A = T * top_k
         rows = self.A + (T if self.shared else 0)
         dev = x.device
@@ -203,23 +220,36 @@ class MoEStep:
     def route(self):
         self.routing = route(self.x, self.rw, self.bias, self.top_k, x16=self.x16, h_pad=self.w.gate_up.k_pad)
 
-    def _gemm(self, mode: int, **kw):
+    def _gemm(self, mode: int, x16=None, **kw):
         if self.path == "mma":
-            mma_kernels().grouped_gemm_mma(self.x16 if mode == MODE_GATE_UP else self.inter,
-                                           self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.routing,
-                                           T=self.T, **kw)
+            src = (x16 if x16 is not None else self.x16) if mode == MODE_GATE_UP else self.inter
+            mma_kernels().grouped_gemm_mma(src, self.inter if mode == MODE_GATE_UP else self.y, mode,
+                                           routing=self.routing, T=self.T, **kw)
         else:
             grouped_gemm(self.x if mode == MODE_GATE_UP else self.inter,
                          self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.routing, T=self.T, **kw)
 
+    def _gate_up(self, routed: bool, plain: bool, x16=None):
+        w = self.w
+        self._gemm(MODE_GATE_UP, routed=w.gate_up if routed else None, plain=w.shared_gate_up if plain else None,
+                   x_div=self.top_k, out_off=self.A, ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha,
+                   limit=self.limit, x16=x16, **self.gu_cfg)
+
+    def _down(self, routed: bool, plain: bool):
+        self._gemm(MODE_DOWN, routed=self.w.down if routed else None, plain=self.w.shared_down if plain else None,
+                   x_off=self.A, out_off=self.A, **self.dn_cfg)
+
     def gate_up(self):
-        self._gemm(MODE_GATE_UP, routed=self.w.gate_up, plain=self.w.shared_gate_up, x_div=self.top_k,
-                   out_off=self.A, ng=self.w.inter_pad, scaling=self.scaling, alpha=self.alpha, limit=self.limit,
-                   **self.gu_cfg)
+        self._gate_up(True, self.shared and not self.overlap)
 
     def down(self):
-        self._gemm(MODE_DOWN, routed=self.w.down, plain=self.w.shared_down, x_off=self.A, out_off=self.A,
-                   **self.dn_cfg)
+        self._down(True, self.shared and not self.overlap)
+
+    def shared_expert(self):
+        """The shared expert alone (its own fp16 activation copy on the mma path: no wait for the router's)."""
+        x16 = mma_kernels().to_x16(self.x, self.w.gate_up.k_pad) if self.path == "mma" else None
+        self._gate_up(False, True, x16=x16)
+        self._down(False, True)
 
     def combine(self) -> torch.Tensor:
         return combine(self.y, self.T, self.top_k, self.shared, self.out)
@@ -227,20 +257,29 @@ class MoEStep:
     def run(self) -> torch.Tensor:
         if self.T == 0:
             return self.out
+        if self.overlap:
+            main, side = torch.cuda.current_stream(self.x.device), _side_stream(self.x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self.shared_expert()
         self.route()
         self.gate_up()
         self.down()
+        if self.overlap:
+            main.wait_stream(side)
         return self.combine()
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
               top_k: int, routed_scaling: float, alpha: float, limit: float, config: tuple | None = None,
-              out: torch.Tensor | None = None, routing_out: list | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, routing_out: list | None = None, overlap: bool | None = None
+              ) -> torch.Tensor:
     """The whole MoE layer: x [T, H] -> [T, H] (x's dtype, or written into ``out``). ``router_weight`` [E, H]
     fp32 and ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg)
-    overrides `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests)."""
+    overrides `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests);
+    ``overlap`` = the shared expert on a side stream (default on CUDA)."""
     step = MoEStep(x, router_weight, correction_bias, weights, top_k=top_k, routed_scaling=routed_scaling,
-                   alpha=alpha, limit=limit, config=config, out=out)
+                   alpha=alpha, limit=limit, config=config, out=out, overlap=overlap)
     y = step.run()
     if routing_out is not None and step.routing is not None:
         routing_out.append(step.routing)

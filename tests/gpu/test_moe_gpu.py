@@ -34,12 +34,12 @@ def _layer(expert_fmt: str):
     return _LAYERS[expert_fmt]
 
 
-def _run(cfg, moe, w, x, config=None, bias=None):
+def _run(cfg, moe, w, x, config=None, bias=None, overlap=None):
     out = torch.full_like(x, float("nan"))  # poisoned: every element must be written
     routing = []
     y = fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias if bias is None else bias, w,
                   top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha,
-                  limit=cfg.swiglu_limit, config=config, out=out, routing_out=routing)
+                  limit=cfg.swiglu_limit, config=config, out=out, routing_out=routing, overlap=overlap)
     return y, routing[0]
 
 
@@ -97,6 +97,17 @@ def test_mma_and_portable_paths_agree(T):
     assert torch.equal(torch.sort(ra.ids, 1).values, torch.sort(rb.ids, 1).values)
     assert rel_err(ya, yb) < 1e-2
     assert rel_err(ya, _ref(cfg, moe, w, x, ra)) < 1e-2
+
+
+@pytest.mark.parametrize("T", [2, 48])
+def test_shared_expert_on_a_side_stream_matches_one_launch(T):
+    """The shared expert overlapped on a side stream computes what its tiles compute inside the routed launches."""
+    cfg, moe, w = _layer("nvfp4")
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    a, ra = _run(cfg, moe, w, x, overlap=True)
+    b, rb = _run(cfg, moe, w, x, overlap=False)
+    assert torch.equal(torch.sort(ra.ids, 1).values, torch.sort(rb.ids, 1).values)
+    assert rel_err(a, b) < 1e-6
 
 
 @pytest.mark.parametrize("T", [64, 700])
