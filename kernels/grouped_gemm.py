@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .triton_utils import cast_to, e2m1_to_f16, e4m3_bits_to_f32, interpreting
-from .weight_layout import CHUNK_K, FMT_DENSE, FMT_FP8, FMT_MXFP8, FMT_NVFP4, TILE_N, PackedWeight, unpack
+from .weight_layout import CHUNK_K, TILE_N, PackedWeight, unpack
 
 MODE_GATE_UP, MODE_DOWN, MODE_LINEAR = 0, 1, 2
 
@@ -193,6 +193,17 @@ def routed_tiles_bound(assignments: int, n_experts: int, bm: int) -> int:
     return assignments // bm + min(n_experts, assignments)
 
 
+def launch_grid(routed: PackedWeight | None, plain: PackedWeight | None, routing, T: int, tile_rows: int,
+                n_out: int, block_cols: int):
+    """(grid, plain tiles, routed weight, plain weight) of a grouped launch: plain tiles first, then the routed
+    tiles' bound; a missing weight is stood in for by the other (its pointers are never read)."""
+    n_plain = triton.cdiv(T, tile_rows) if plain is not None else 0
+    n_routed = routed_tiles_bound(routing.assignments, routed.groups, tile_rows) if routed is not None else 0
+    rr = routed if routed is not None else plain
+    pr = plain if plain is not None else routed
+    return (n_plain + n_routed, triton.cdiv(n_out, block_cols)), n_plain, rr, pr
+
+
 def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return t if t is not None else like
 
@@ -204,16 +215,11 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
     """Launch the portable kernel (see the module doc). ``routing`` = `moe_router.Routing` (counts, bucket,
     weights) for routed tiles; ``plain`` = the shared-expert / linear weight for ``T`` plain rows; ``ng`` = the
     gate rows (GATE_UP). ``out`` rows / columns as the mode says; it is written, never read."""
-    ref = routed if routed is not None else plain
     k = x.shape[1]
-    n_out = ng if mode == MODE_GATE_UP else ref.n
-    n_plain = triton.cdiv(T, bm) if plain is not None else 0
-    n_routed = routed_tiles_bound(routing.assignments, routed.groups, bm) if routed is not None else 0
-    grid = (n_plain + n_routed, triton.cdiv(n_out, bn))
+    n_out = ng if mode == MODE_GATE_UP else (routed if routed is not None else plain).n
+    grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, bm, n_out, bn)
     if grid[0] == 0:
         return out
-    pr = plain if plain is not None else ref
-    rr = routed if routed is not None else ref
     _grouped_gemm_kernel[grid](
         x, x.stride(0),
         rr.data, _dummy(rr.scale, rr.data), _dummy(rr.rowscale, x),
@@ -245,5 +251,4 @@ def grouped_gemm_ref(x: torch.Tensor, w: PackedWeight, rows: torch.Tensor, group
 
 
 __all__ = ["MODE_GATE_UP", "MODE_DOWN", "MODE_LINEAR", "grouped_gemm", "grouped_gemm_ref", "routed_tiles_bound",
-           "swiglu_oai_f32", "routed_tile", "load_weight_tile", "work_dtype", "FMT_NVFP4", "FMT_MXFP8", "FMT_FP8",
-           "FMT_DENSE"]
+           "launch_grid", "mma_kernels", "work_dtype"]

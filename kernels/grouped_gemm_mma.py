@@ -18,8 +18,9 @@ fragments once the reduction dimension is *permuted*: the thread's position p = 
 which half of it, a which of the pair) is logical column 16 s + 8 b + 2 t + a. A dot product does not care about
 the order, and ``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
 
-A program computes ``R = 16 * NUM_WARPS * P`` weight rows against one tile of up to ``NT`` rows (tokens or
-assignments), over all of K, with the next chunk's loads in flight while the current one is decoded. Tiles,
+A program computes ``R = 16 * P`` weight rows against one tile of up to ``NT`` rows (tokens or assignments): its
+``NUM_WARPS`` warps take every NUM_WARPS-th K chunk (a batched mma over a leading warp dimension, summed at the end),
+each with ``UNROLL`` chunks' loads issued before the first is decoded. Tiles,
 modes, row indices and epilogues are those of `grouped_gemm.py` (gate_up writes its output in the activation
 order above, fp16, for the down projection to read).
 """
@@ -35,8 +36,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .grouped_gemm import MODE_GATE_UP, routed_tiles_bound
-from .nvfp4_mma import _INT_ASM
+from .grouped_gemm import MODE_GATE_UP, launch_grid
+from .nvfp4_mma import _INT_ASM, _capability_ok
 from .triton_utils import interpreting
 from .weight_layout import CHUNK_K, FMT_FP8, FMT_MXFP8, FMT_NVFP4, TILE_N, PackedWeight
 
@@ -63,18 +64,11 @@ mul.rn.f16x2 $1, a, $3;
 
 
 def available(device: torch.device) -> bool:
-    """CUDA (not ROCm, not the interpreter), sm_89 or sm_9x, not switched off with ``M3SERVE_MOE_MMA=0``."""
-    if device.type != "cuda" or interpreting() or getattr(torch.version, "hip", None):
-        return False
-    if os.environ.get("M3SERVE_MOE_MMA", "1") == "0":
-        return False
-    return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_ok(index: int) -> bool:
-    cap = torch.cuda.get_device_capability(index)
-    return cap == (8, 9) or cap[0] == 9
+    """CUDA (not ROCm, not the interpreter), sm_89 or sm_9x (as `nvfp4_mma`), not switched off with
+    ``M3SERVE_MOE_MMA=0``."""
+    off = os.environ.get("M3SERVE_MOE_MMA", "1") == "0" or getattr(torch.version, "hip", None)
+    return device.type == "cuda" and not (off or interpreting()) and _capability_ok(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 def supported(w: PackedWeight) -> bool:
@@ -144,12 +138,9 @@ def _routed_tile(counts_ptr, tile, E, E_PAD: gl.constexpr, BM: gl.constexpr, LE:
     e = gl.arange(0, E_PAD, layout=LE)
     c = gl.load(counts_ptr + e, mask=e < E, other=0)
     nt = (c + BM - 1) // BM
-    cum = gl.associative_scan(nt, 0, _add)
-    expert = gl.sum((cum <= tile).to(gl.int32), 0)
-    mine = e == expert
-    first = (tile - gl.sum(gl.where(mine, cum - nt, 0), 0)) * BM
-    rows = gl.minimum(gl.sum(gl.where(mine, c, 0), 0) - first, BM)
-    return gl.minimum(expert, E - 1), first, rows
+    expert = gl.sum((gl.associative_scan(nt, 0, _add) <= tile).to(gl.int32), 0)
+    first = (tile - gl.sum(gl.where(e < expert, nt, 0), 0)) * BM  # the expert's first tile starts its bucket
+    return gl.minimum(expert, E - 1), first, gl.minimum(gl.sum(gl.where(e == expert, c, 0), 0) - first, BM)
 
 
 @gluon.jit
@@ -334,21 +325,20 @@ def grouped_gemm_mma(x16: torch.Tensor, out: torch.Tensor, mode: int, *, routed:
                      out_off: int = 0, ng: int = 0, scaling: float = 1.0, alpha: float = 1.702, limit: float = 7.0,
                      p: int = 1, nt: int = 8, unroll: int = 2) -> torch.Tensor:
     """Launch (arguments as `grouped_gemm.grouped_gemm`; ``x16`` fp16 activations in the x16 layout, K padded;
-    GATE_UP writes ``out`` fp16 in that layout). ``p`` 16-row tiles per warp, ``nt`` rows per tile (8 or 16)."""
-    ref = routed if routed is not None else plain
+    GATE_UP writes ``out`` fp16 in that layout). ``p`` 16-row weight tiles per program, ``nt`` rows per tile (a power
+    of two >= 8), ``unroll`` K chunks in flight per warp (the K chunks must divide among the warps in unroll steps)."""
     r = 16 * p
-    n_rows = ng if mode == MODE_GATE_UP else ref.n
+    n_rows = ng if mode == MODE_GATE_UP else (routed if routed is not None else plain).n
     if n_rows % r and mode == MODE_GATE_UP:
         raise ValueError(f"gate rows {n_rows} must be a multiple of the program's {r} rows")
-    n_plain = triton.cdiv(T, nt) if plain is not None else 0
-    n_routed = routed_tiles_bound(routing.assignments, routed.groups, nt) if routed is not None else 0
-    grid = (n_plain + n_routed, triton.cdiv(n_rows, r))
+    grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, nt, n_rows, r)
     if grid[0] == 0:
         return out
-    pr = plain if plain is not None else ref
-    rr = routed if routed is not None else ref
-    if pr.n_pad != rr.n_pad or pr.k_pad != rr.k_pad or ref.n_pad % r:
+    if pr.n_pad != rr.n_pad or pr.k_pad != rr.k_pad or rr.n_pad % r:
         raise ValueError("routed and plain weights must share their padded shape, a multiple of the program rows")
+    if (rr.k_pad // CHUNK_K) % (NUM_WARPS * unroll) or nt < 8 or nt & (nt - 1):
+        raise ValueError(f"K chunks {rr.k_pad // CHUNK_K} not a multiple of {NUM_WARPS} warps x unroll {unroll}, "
+                         f"or nt={nt} not a power of two >= 8")
     lay = layouts(p, nt)
     lw, ls = _fmt_layouts(lay, rr.fmt), _fmt_layouts(lay, pr.fmt)
     _grouped_gemm_mma_kernel[grid](
@@ -358,7 +348,7 @@ def grouped_gemm_mma(x16: torch.Tensor, out: torch.Tensor, mode: int, *, routed:
         routing.counts if routing is not None else out, routing.bucket if routing is not None else out,
         routing.cap if routing is not None else 0, routing.weights if routing is not None else rr.rowscale,
         out, out.stride(0),
-        T, ng, ref.n, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),
+        T, ng, rr.n, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),
         UNSCALE[rr.fmt], UNSCALE[pr.fmt],
         rr.groups, rr.n_pad // TILE_N, rr.k_pad // CHUNK_K, rr.n_pad,
         MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,

@@ -10,8 +10,9 @@ routed weights renormalised to sum to 1. Launches (no host synchronisation, fixe
 4. down projection, one fp32 row per assignment,
 5. combine: the top_k rows of each token plus its shared row -> ``[T, H]`` in x's dtype.
 
-The shared expert (gate_up, down; one fp32 row per token) needs no routing: on CUDA it runs on a side stream,
-overlapped with 1-4 (fork / join, capturable in a CUDA graph); elsewhere its tiles ride in the launches 3-4.
+The shared expert (gate_up, down; one fp32 row per token) rides in the launches 3-4 (no extra pass over the
+activations, no extra launch). It needs no routing, so `MoEStep` can also run it on a side stream overlapped with
+1-4 (fork / join, capturable in a CUDA graph; ``overlap=True``, not yet measured on the H200).
 
 Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
 decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
@@ -30,7 +31,7 @@ import triton.language as tl
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
 from .moe_router import Routing, route, route_ref
 from .triton_utils import cast_to
-from .weight_layout import CHUNK_K, FMT_DENSE, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
+from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
 
 # Token-count thresholds -> path and tile shapes (measured on the H200: docs/performance.md, NOTES-moe.md).
 # mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
@@ -39,9 +40,10 @@ MOE_TUNING = (
     (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
-    (None, "tl", dict(bm=128, bn=128, num_warps=8, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
 )
 PORTABLE = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
+OVERLAP_SHARED = False  # shared expert on a side stream (MoEStep); on once measured on the H200
 
 
 @dataclass
@@ -188,9 +190,10 @@ def _side_stream(device: torch.device):
 
 class MoEStep:
     """One layer call split into its launches, buffers allocated up front: `fused_moe` runs them (`run`), benchmarks
-    time them one by one. On CUDA the shared expert (`shared`: its gate_up and down, which need no routing) runs on
-    a side stream, overlapped with the router and the routed experts (`route`, `gate_up`, `down`); `combine` joins
-    them. Elsewhere (or with ``overlap=False``) the shared expert's tiles ride in the routed launches."""
+    time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`); with
+    ``overlap=True`` (CUDA) the shared expert (`shared_expert`: its gate_up and down, which need no routing) runs on
+    a side stream instead, overlapped with the router and the routed experts, and `combine` joins them (not yet
+    measured on the H200: off by default, see `OVERLAP_SHARED`)."""
 
     def __init__(self, x, router_weight, correction_bias, weights: MoEWeights, *, top_k: int, routed_scaling: float,
                  alpha: float, limit: float, config: tuple | None = None, out: torch.Tensor | None = None,
@@ -203,7 +206,7 @@ class MoEStep:
         self.out = torch.empty_like(x) if out is None else out
         self.path, self.gu_cfg, self.dn_cfg = config or moe_config(T, weights, x.device)
         self.shared = weights.shared_gate_up is not None
-        self.overlap = self.shared and x.is_cuda and (overlap if overlap is not None else True)
+        self.overlap = self.shared and x.is_cuda and (overlap if overlap is not None else OVERLAP_SHARED)
         self.A = T * top_k
         rows = self.A + (T if self.shared else 0)
         dev = x.device
@@ -277,7 +280,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: tor
     """The whole MoE layer: x [T, H] -> [T, H] (x's dtype, or written into ``out``). ``router_weight`` [E, H]
     fp32 and ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg)
     overrides `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests);
-    ``overlap`` = the shared expert on a side stream (default on CUDA)."""
+    ``overlap`` = the shared expert on a side stream (default `OVERLAP_SHARED`)."""
     step = MoEStep(x, router_weight, correction_bias, weights, top_k=top_k, routed_scaling=routed_scaling,
                    alpha=alpha, limit=limit, config=config, out=out, overlap=overlap)
     y = step.run()
@@ -319,4 +322,4 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
 
 
 __all__ = ["MoEWeights", "MoEStep", "moe_prepare", "moe_prepare_module", "fused_moe", "fused_moe_ref", "combine",
-           "moe_config", "MOE_TUNING", "FMT_DENSE"]
+           "moe_config", "MOE_TUNING"]

@@ -5,8 +5,9 @@ assignments by expert, in two launches and without a host synchronisation (CUDA-
   decode step's router weight, 3 MB at M3's 128 x 6144, is streamed by 48 programs at once, each with all its loads
   in flight); it also zeroes the per-expert counters and, for the mma expert kernels, writes the fp16 activation
   copy they read (``x16``, see `grouped_gemm_mma.py`).
-* ``_router_topk_kernel``: the slices summed in a fixed order (deterministic), ``p = sigmoid(logits)``; the top-k of ``p + bias`` choose (the bias chooses, it does not
-  weigh); the weights are ``p`` at those experts over their sum. Each assignment ``a = token * top_k + slot`` takes
+* ``_router_topk_kernel``: the slices summed in a fixed order (deterministic), ``p = sigmoid(logits)``; the top-k
+  of ``p + bias`` choose (the bias chooses, it does not weigh); the weights are ``p`` at those experts over their
+  sum. Each assignment ``a = token * top_k + slot`` takes
   the next free slot of its expert's bucket with an atomic add: ``bucket[e, :counts[e]]`` lists the assignments of
   expert e (in no particular order: every row of the expert GEMMs is computed independently, so the order never
   changes a result).

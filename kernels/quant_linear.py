@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .grouped_gemm import MODE_LINEAR, grouped_gemm, mma_kernels
-from .weight_layout import CHUNK_K, FMT_DENSE, PackedWeight, pack_quant_weight, unpack
+from .weight_layout import CHUNK_K, PackedWeight, pack_quant_weight, unpack
 
 MMA_MAX_ROWS = 256
 # rows (M) -> mma config (p 16-row tiles per program, nt rows per tile, unroll chunks in flight) / portable tiles
@@ -87,4 +87,4 @@ def quant_linear_ref(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     return F.linear(x.float(), wd)
 
 
-__all__ = ["QuantLinear", "quant_linear_prepare", "quant_linear", "quant_linear_ref", "FMT_DENSE"]
+__all__ = ["QuantLinear", "quant_linear_prepare", "quant_linear", "quant_linear_ref"]

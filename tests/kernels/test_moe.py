@@ -168,3 +168,20 @@ def test_quant_linear(fmt, gen):
     assert quant_linear(torch.randn(2, 3, 96, generator=gen), ql).shape == (2, 3, 40)
     if fmt == "dense":
         assert ql.dense is qw.weight  # bf16 / fp32 weights are not converted: cuBLAS reads them as they are
+
+
+def test_fp8_quant_weight_loads_per_tensor_and_per_channel_scales(gen):
+    """The FP8 `QuantWeight` format (E4M3 + an fp32 scale per tensor or per output row), as the loader fills it."""
+    qw = QuantWeight(4, 32, "fp8", lead=(2,))
+    q = torch.randn(4, 32, generator=gen).to(torch.float8_e4m3fn)
+    qw.load("weight", q, index=1)
+    qw.load("weight_scale", torch.tensor(0.5), index=1)
+    assert torch.equal(qw.dequantize(1), q.float() * 0.5)
+    rows = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    qw.load("weight", q, index=0)
+    qw.load("weight_scale", rows.reshape(4, 1), index=0)
+    assert torch.equal(qw.dequantize(0), q.float() * rows[:, None])
+    with pytest.raises(ValueError):
+        qw.load("weight_scale", torch.ones(3), index=0)
+    with pytest.raises(ValueError):
+        qw.load("weight", torch.zeros(4, 32, dtype=torch.uint8), index=0)

@@ -19,6 +19,7 @@ from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare
 from m3serve.kernels.weight_layout import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.model.weights import QuantWeight
 from moe_testing import fill_random, random_moe, tiny_moe_config
+from test_nvfp4_mma_compile import _Launch
 
 _SCALE_PTR = {FMT_NVFP4: "*fp8e4nv", FMT_MXFP8: "*fp16", FMT_FP8: "*fp32"}
 
@@ -51,18 +52,21 @@ def _compile(mode: int, fmt: int, sfmt: int, p: int, nt: int, unroll: int, cubin
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 
-def _sass(tmp_path, *args):
-    cubin = tmp_path / "k.cubin"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_moe_mma_compile as t; "
-            f"t._compile(*{args!r}, {str(cubin)!r})")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+def _cuobjdump(flag: str, cubin: Path) -> str:
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass)
-    usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
-    return ops, usage
+    return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def _sass(tmp_path, *args):
+    """(SASS opcodes, resource usage) of the kernel compiled by `_compile` in a child process."""
+    cubin = tmp_path / "k.cubin"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_moe_mma_compile as t; "
+            f"t._compile(*{args!r}, {str(cubin)!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600,
+                   env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    opcode = r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)"
+    return re.findall(opcode, _cuobjdump("--dump-sass", cubin)), _cuobjdump("--dump-resource-usage", cubin)
 
 
 @pytest.mark.parametrize("mode,fmt,sfmt", [(MODE_GATE_UP, FMT_NVFP4, FMT_MXFP8), (MODE_DOWN, FMT_MXFP8, FMT_FP8)])
@@ -74,16 +78,6 @@ def test_mma_kernels_compile_to_register_fragments(mode, fmt, sfmt, tmp_path):
     # no byte / half shuffles of the fragments (a chunk's would be hundreds; a few pack the epilogue's fp16 stores)
     assert ops.count("PRMT") <= 8
     assert "LOCAL:0" in usage.replace(" ", "")  # no spills
-
-
-class _Launch:
-    """Stands in for a kernel: records ``kernel[grid](*args, **kw)``."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append((grid, args, kw))
 
 
 def test_dispatch_launches_the_mma_kernels_with_the_table_configs(monkeypatch):
