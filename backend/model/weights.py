@@ -1,4 +1,4 @@
-"""Linear weights as stored on the device: dense (bf16/fp32), NVFP4 or MXFP8.
+"""Linear weights as stored on the device: dense (bf16/fp32), NVFP4, MXFP8 or FP8 (per tensor / per channel).
 
 One `QuantWeight` holds a weight of logical shape `[*lead, N, K]` (`lead` is the expert axis for
 stacked experts). NVFP4 keeps its FP32 second-level scale per output row, so fused shards (gate|up)
@@ -12,7 +12,7 @@ from torch import nn
 
 from m3serve.kernels import mxfp8, nvfp4
 
-FORMATS = ("dense", "nvfp4", "mxfp8")
+FORMATS = ("dense", "nvfp4", "mxfp8", "fp8")
 
 
 class QuantWeight(nn.Module):
@@ -32,6 +32,9 @@ class QuantWeight(nn.Module):
             self.register_buffer("block_scale", torch.zeros(*shape, k // 16, dtype=torch.float8_e4m3fn,
                                                             device=device))
             self.register_buffer("scale_2", torch.ones(*shape, dtype=torch.float32, device=device))
+        elif fmt == "fp8":  # E4M3 with an fp32 scale per row (a per-tensor checkpoint scale is broadcast)
+            self.register_buffer("qweight", torch.zeros(*shape, k, dtype=torch.float8_e4m3fn, device=device))
+            self.register_buffer("scale", torch.ones(*shape, dtype=torch.float32, device=device))
         else:
             if k % mxfp8.MX_BLOCK:
                 raise ValueError(f"MXFP8 needs K % 32 == 0, got K={k}")
@@ -48,6 +51,8 @@ class QuantWeight(nn.Module):
         if self.fmt == "nvfp4":
             w = nvfp4.dequantize_nvfp4(pick(self.packed), pick(self.block_scale), 1.0, torch.float32)
             return (w * pick(self.scale_2)[..., None]).to(dtype)
+        if self.fmt == "fp8":
+            return (pick(self.qweight).float() * pick(self.scale)[..., None]).to(dtype)
         return mxfp8.dequantize_mxfp8(pick(self.qweight), pick(self.scale_e8m0), torch.float32).to(dtype)
 
     def nbytes(self) -> int:
@@ -68,6 +73,8 @@ class QuantWeight(nn.Module):
             ("nvfp4", "weight_scale_2"): "scale_2",
             ("mxfp8", "weight"): "qweight",
             ("mxfp8", "weight_scale"): "scale_e8m0",
+            ("fp8", "weight"): "qweight",
+            ("fp8", "weight_scale"): "scale",
         }.get((self.fmt, kind))
         if target is None:
             raise ValueError(f"{name}: tensor role {kind!r} does not belong to a {self.fmt} weight")
@@ -77,6 +84,11 @@ class QuantWeight(nn.Module):
             if t.numel() != 1:
                 raise ValueError(f"{name}: expected a scalar weight_scale_2, found shape {tuple(t.shape)}")
             dst.fill_(float(t.reshape(())))
+            return
+        if target == "scale":  # fp8: per tensor (broadcast) or per output row
+            if t.numel() not in (1, dst.numel()):
+                raise ValueError(f"{name}: expected a scalar or {dst.numel()} weight scales, found {tuple(t.shape)}")
+            dst.copy_(t.float().reshape(-1).expand(dst.numel()).reshape(dst.shape))
             return
         if tuple(t.shape) != tuple(dst.shape):
             raise ValueError(f"{name}: expected shape {tuple(dst.shape)}, found {tuple(t.shape)}")

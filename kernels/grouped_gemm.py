@@ -1,0 +1,254 @@
+"""Grouped GEMM over `PackedWeight`s in plain Triton (`tl`): the MoE expert GEMMs and the quantized linears.
+
+Portable: runs in the interpreter (CI), on ROCm, and serves prefill-sized steps on NVIDIA, where ``tl.dot`` of the
+activation tile and the weight tile decoded in registers is a wgmma (decode-sized steps on Hopper go to
+`grouped_gemm_mma.py`). One program computes one output tile ``[BM rows, BN columns]``:
+
+* **routed tiles** (MoE): the rows are assignments ``a = token * top_k + slot`` routed to one expert, taken in
+  ``BM``-row tiles from ``bucket[e, :counts[e]]`` (`moe_router.py`); a program finds its expert from ``counts``
+  alone (a cumulative sum of tiles per expert), so the grid is an upper bound fixed on the host and programs past
+  the last tile return at once: no host synchronisation.
+* **plain tiles**: rows ``t`` of all ``T`` tokens against group 0 of a second weight (the MoE shared expert, or a
+  dense linear when there are no routed tiles). They come first in the grid (the larger per-row work starts first).
+
+Modes (``MODE``):
+
+* ``GATE_UP``: the weight holds gate rows ``[0, NG)`` then up rows ``[NG, 2 NG)``; the epilogue applies
+  SwiGLU-OAI ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)``, times the row's
+  routing weight (``topk_weight[a] * scaling``; 1 for the shared expert) and stores ``[rows, NG]``.
+* ``DOWN``: ``out[row] = x[row] @ W^T`` per assignment / shared row (combined afterwards, `moe.combine`).
+* ``LINEAR``: a plain ``x @ W^T`` (group 0).
+
+Row indices: a routed row ``a`` reads activation row ``a // X_DIV`` (``X_DIV`` = top_k for gate_up: the token;
+1 for down: the intermediate row) and writes output row ``a``; a plain row ``t`` reads ``t + x_off`` and writes
+``t + out_off``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import cast_to, e2m1_to_f16, e4m3_bits_to_f32, interpreting
+from .weight_layout import CHUNK_K, TILE_N, PackedWeight, unpack
+
+MODE_GATE_UP, MODE_DOWN, MODE_LINEAR = 0, 1, 2
+
+
+@triton.jit
+def swiglu_oai_f32(gate, up, alpha, limit):
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    return (u + 1.0) * (g * tl.sigmoid(g * alpha))
+
+
+@triton.jit
+def routed_tile(counts_ptr, tile, E, E_PAD: tl.constexpr, BM: tl.constexpr):
+    """Routed tile index -> (expert, first bucket slot, rows in the tile); rows <= 0 past the last tile.
+    Tiles are numbered expert by expert, ceil(counts[e] / BM) each."""
+    e = tl.arange(0, E_PAD)
+    c = tl.load(counts_ptr + e, mask=e < E, other=0)
+    nt = (c + BM - 1) // BM
+    cum = tl.cumsum(nt, 0)
+    expert = tl.sum((cum <= tile).to(tl.int32), 0)
+    mine = e == expert
+    first = (tile - tl.sum(tl.where(mine, cum - nt, 0), 0)) * BM
+    rows = tl.minimum(tl.sum(tl.where(mine, c, 0), 0) - first, BM)
+    return tl.minimum(expert, E - 1), first, rows
+
+
+@triton.jit
+def load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr, BN: tl.constexpr,
+                     WDT: tl.constexpr):
+    """Rows ``rows`` [BN] of group ``g``, K chunk ``c`` (128 elements) -> [BN, 128] in WDT, element order. For a
+    16-bit WDT (the GPU path) the codes are decoded exactly with fp16 ops and the hardware e4m3 convert, then
+    converted; mxfp8 values then carry a factor 2^-8 (the caller's ``UNS`` restores it)."""
+    DEC: tl.constexpr = tl.float32 if WDT == tl.float32 else tl.float16
+    if FMT == 3:  # dense, row-major [G, N_PAD, K_PAD]
+        k = c * 128 + tl.arange(0, 128)
+        w = tl.load(data + (g * N_PAD + rows.to(tl.int64))[:, None] * K_PAD + k[None, :])
+        return w.to(WDT)
+    else:
+        rc = ((g * NT16 + rows // 16).to(tl.int64) * KC + c) * 16 + rows % 16  # tile row index [BN]
+        if FMT == 0:  # nvfp4: 64 bytes + 8 e4m3 scales per tile row
+            b = tl.load(data + rc[:, None] * 64 + tl.arange(0, 64)[None, :])
+            sb = tl.load(scale + rc[:, None] * 8 + tl.arange(0, 8)[None, :])
+            if DEC == tl.float16:
+                s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                s = e4m3_bits_to_f32(sb)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 8, 8)), (BN, 64))
+            lo = e2m1_to_f16(b & 0xF).to(DEC) * s
+            hi = e2m1_to_f16(b >> 4).to(DEC) * s
+            return tl.reshape(tl.join(lo, hi), (BN, 128)).to(WDT)
+        else:  # mxfp8 / fp8: 128 e4m3 bytes per tile row, groups of 8 stored as 0 1 4 5 2 3 6 7
+            b = tl.load(data + rc[:, None] * 128 + tl.arange(0, 128)[None, :])
+            if DEC == tl.float16:
+                v = b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                v = e4m3_bits_to_f32(b)
+            v = tl.reshape(tl.permute(tl.reshape(v, (BN, 16, 2, 2, 2)), (0, 1, 3, 2, 4)), (BN, 128))
+            if FMT == 1:
+                s = tl.load(scale + rc[:, None] * 4 + tl.arange(0, 4)[None, :])
+                if DEC == tl.float16:
+                    s = s * 0.00390625  # 2^-8: e4m3 (<= 448) times the multiplier (<= 2^15) stays in fp16
+                v = v * tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 4, 32)), (BN, 128)).to(DEC)
+            return v.to(WDT)
+
+
+@triton.jit
+def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
+               TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr):
+    """acc [BM, BN] over all K chunks, and a second one for rows ``wrows2`` when TWO (gate / up share x's tile)."""
+    acc = tl.zeros((BM, BN), tl.float32)
+    acc2 = tl.zeros((BM, BN), tl.float32)
+    kk = tl.arange(0, 128)
+    for c in range(0, KC):
+        k = c * 128 + kk
+        xt = tl.load(x_ptr + xrow[:, None] * sx + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
+        xt = xt.to(WDT)
+        acc = tl.dot(xt, tl.trans(load_weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)),
+                     acc)
+        if TWO:
+            acc2 = tl.dot(xt, tl.trans(load_weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN,
+                                                        WDT)), acc2)
+    return acc, acc2
+
+
+@triton.jit
+def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG,
+               out_ptr, so, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, WDT: tl.constexpr):
+    """One output tile: the GEMM over all K chunks, the mode's epilogue, the store."""
+    cols = n0 + tl.arange(0, BN)
+    UNS: tl.constexpr = 256.0 if (FMT == 1) and (WDT != tl.float32) else 1.0
+    y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, cols, cols + NG, NT16, KC, N_PAD, K_PAD, FMT,
+                       MODE == 0, BM, BN, WDT)
+    if FMT != 3:
+        y = y * (tl.load(rsc + g * N_PAD + cols) * UNS)[None, :]
+    if MODE == 0:
+        if FMT != 3:
+            up = up * (tl.load(rsc + g * N_PAD + cols + NG) * UNS)[None, :]
+        y = swiglu_oai_f32(y, up, alpha, limit) * wt[:, None]
+        omask = rmask[:, None] & (cols < NG)[None, :]
+    else:
+        omask = rmask[:, None] & (cols < N_OUT)[None, :]
+    tl.store(out_ptr + orow[:, None] * so + cols[None, :], cast_to(y, out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr, sx,
+    w_data, w_scale, w_rows,
+    s_data, s_scale, s_rows,
+    counts_ptr, bucket_ptr, cap, tw_ptr,
+    out_ptr, so,
+    T, K, N_OUT, NG, n_plain_tiles, x_off, out_off, scaling, alpha, limit,
+    E, NT16, KC, N_PAD, K_PAD, S_NT16, S_N_PAD,
+    MODE: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, ROUTED: tl.constexpr, X_DIV: tl.constexpr,
+    E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    i = tl.arange(0, BM)
+    if tile < n_plain_tiles:  # shared expert / dense linear: rows t of all T tokens, group 0 of s_*
+        t = tile * BM + i
+        _tile_body(x_ptr, sx, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
+                   tl.full((BM,), 1.0, tl.float32), K, s_data, s_scale, s_rows, 0, S_NT16, KC, S_N_PAD, K_PAD, n0,
+                   N_OUT, NG, out_ptr, so, alpha, limit, MODE, SFMT, BM, BN, WDT)
+    elif ROUTED:
+        e, first, nrows = routed_tile(counts_ptr, tile - n_plain_tiles, E, E_PAD, BM)
+        if nrows > 0:
+            rmask = i < nrows
+            a = tl.load(bucket_ptr + e.to(tl.int64) * cap + first + i, mask=rmask, other=0)
+            if MODE == 0:
+                wt = tl.load(tw_ptr + a, mask=rmask, other=0.0) * scaling
+            else:
+                wt = tl.full((BM,), 1.0, tl.float32)
+            _tile_body(x_ptr, sx, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale, w_rows,
+                       e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, alpha, limit, MODE, FMT, BM, BN, WDT)
+
+
+@functools.lru_cache(maxsize=None)
+def mma_kernels():
+    """The module `grouped_gemm_mma` (Gluon, sm_89 / sm_90), or None where this Triton has no Gluon."""
+    try:
+        from . import grouped_gemm_mma
+    except ImportError:
+        return None
+    return grouped_gemm_mma
+
+
+def work_dtype(x: torch.Tensor):
+    """Dot operand dtype: fp32 under the interpreter (its bf16 dot is wrong) or for fp32 inputs, else x's own."""
+    if interpreting() or x.dtype == torch.float32:
+        return tl.float32
+    return tl.float16 if x.dtype == torch.float16 else tl.bfloat16
+
+
+def routed_tiles_bound(assignments: int, n_experts: int, bm: int) -> int:
+    """Upper bound of sum_e ceil(counts[e] / bm) over any routing of ``assignments`` rows to ``n_experts``."""
+    return assignments // bm + min(n_experts, assignments)
+
+
+def launch_grid(routed: PackedWeight | None, plain: PackedWeight | None, routing, T: int, tile_rows: int,
+                n_out: int, block_cols: int):
+    """(grid, plain tiles, routed weight, plain weight) of a grouped launch: plain tiles first, then the routed
+    tiles' bound; a missing weight is stood in for by the other (its pointers are never read)."""
+    n_plain = triton.cdiv(T, tile_rows) if plain is not None else 0
+    n_routed = routed_tiles_bound(routing.assignments, routed.groups, tile_rows) if routed is not None else 0
+    rr = routed if routed is not None else plain
+    pr = plain if plain is not None else routed
+    return (n_plain + n_routed, triton.cdiv(n_out, block_cols)), n_plain, rr, pr
+
+
+def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else like
+
+
+def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: PackedWeight | None = None,
+                 plain: PackedWeight | None = None, routing=None, T: int, x_div: int = 1, x_off: int = 0,
+                 out_off: int = 0, ng: int = 0, scaling: float = 1.0, alpha: float = 1.702, limit: float = 7.0,
+                 bm: int = 16, bn: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Launch the portable kernel (see the module doc). ``routing`` = `moe_router.Routing` (counts, bucket,
+    weights) for routed tiles; ``plain`` = the shared-expert / linear weight for ``T`` plain rows; ``ng`` = the
+    gate rows (GATE_UP). ``out`` rows / columns as the mode says; it is written, never read."""
+    k = x.shape[1]
+    n_out = ng if mode == MODE_GATE_UP else (routed if routed is not None else plain).n
+    grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, bm, n_out, bn)
+    if grid[0] == 0:
+        return out
+    _grouped_gemm_kernel[grid](
+        x, x.stride(0),
+        rr.data, _dummy(rr.scale, rr.data), _dummy(rr.rowscale, x),
+        pr.data, _dummy(pr.scale, pr.data), _dummy(pr.rowscale, x),
+        routing.counts if routing is not None else out, routing.bucket if routing is not None else out,
+        routing.cap if routing is not None else 0, routing.weights if routing is not None else x,
+        out, out.stride(0),
+        T, k, n_out, ng, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),
+        rr.groups, rr.n_pad // TILE_N, rr.k_pad // CHUNK_K, rr.n_pad, rr.k_pad, pr.n_pad // TILE_N, pr.n_pad,
+        MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,
+        E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn, WDT=work_dtype(x),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def grouped_gemm_ref(x: torch.Tensor, w: PackedWeight, rows: torch.Tensor, groups: torch.Tensor,
+                     mode: int, ng: int = 0, row_weight: torch.Tensor | None = None, alpha: float = 1.702,
+                     limit: float = 7.0) -> torch.Tensor:
+    """Torch reference, fp32: output row i = f(x[rows[i]] @ W[groups[i]]^T) for the given mode (GATE_UP: SwiGLU of
+    the gate / up halves times ``row_weight[i]``; else the product itself, logical columns only)."""
+    wd = unpack(w)[:, :, : x.shape[1]]
+    y = torch.einsum("rk,rnk->rn", x[rows].float(), wd[groups])
+    if mode != MODE_GATE_UP:
+        return y[:, : w.n]
+    g, u = y[:, :ng], y[:, ng: 2 * ng]
+    out = (u.clamp(-limit, limit) + 1.0) * (g.clamp(max=limit) * torch.sigmoid(g.clamp(max=limit) * alpha))
+    return out * (row_weight[:, None] if row_weight is not None else 1.0)
+
+
+__all__ = ["MODE_GATE_UP", "MODE_DOWN", "MODE_LINEAR", "grouped_gemm", "grouped_gemm_ref", "routed_tiles_bound",
+           "launch_grid", "mma_kernels", "work_dtype"]

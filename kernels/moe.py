@@ -1,0 +1,325 @@
+"""The MoE layer of MiniMax-M3 on the device: router, routed experts (NVFP4 or MXFP8), shared expert, combine.
+
+``fused_moe(x, router_weight, correction_bias, weights, top_k, routed_scaling, alpha, limit)`` equals
+`m3serve.model.m3.SparseMoE.forward` (within bf16 rounding): ``experts(x) * routed_scaling + shared(x)``, the
+routed weights renormalised to sum to 1. Launches (no host synchronisation, fixed grids: capturable in a CUDA graph):
+
+1. router logits (`moe_router`), 2. top-k + grouping by expert (`moe_router`),
+3. gate_up + SwiGLU-OAI for every (token, expert) assignment; the routing weight times ``routed_scaling`` is
+   applied here (the down projection is linear),
+4. down projection, one fp32 row per assignment,
+5. combine: the top_k rows of each token plus its shared row -> ``[T, H]`` in x's dtype.
+
+The shared expert (gate_up, down; one fp32 row per token) rides in the launches 3-4 (no extra pass over the
+activations, no extra launch). It needs no routing, so `MoEStep` can also run it on a side stream overlapped with
+1-4 (fork / join, capturable in a CUDA graph; ``overlap=True``, not yet measured on the H200).
+
+Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
+decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
+steps); `MOE_TUNING` picks the path and tile shapes by token count. Weights are laid out once by `moe_prepare`
+(`weight_layout`): gate and up rows each padded to ``inter_pad`` (a multiple of 128, common to the routed and
+the shared expert), the down projections' K likewise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
+from .moe_router import Routing, route, route_ref
+from .triton_utils import cast_to
+from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
+
+# Token-count thresholds -> path and tile shapes (measured on the H200: docs/performance.md, NOTES-moe.md).
+# mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
+# tl: bm x bn output tiles of the portable kernels.
+MOE_TUNING = (
+    (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
+    (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
+    (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
+    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+)
+PORTABLE = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
+OVERLAP_SHARED = False  # shared expert on a side stream (MoEStep); on once measured on the H200
+
+
+@dataclass
+class MoEWeights:
+    """Experts laid out for the kernels (see `moe_prepare`)."""
+    gate_up: PackedWeight  # [E] x [2 inter_pad, H]: gate rows [0, inter_pad), up rows [inter_pad, 2 inter_pad)
+    down: PackedWeight  # [E] x [H, inter_pad]
+    shared_gate_up: PackedWeight | None  # [1] x [2 inter_pad, H]
+    shared_down: PackedWeight | None  # [1] x [H, inter_pad]
+    inter_pad: int
+    hidden: int
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_up.groups
+
+    def expert_bytes(self) -> int:
+        return self.gate_up.bytes_per_group() + self.down.bytes_per_group()
+
+    def shared_bytes(self) -> int:
+        return sum(w.nbytes() for w in (self.shared_gate_up, self.shared_down) if w is not None)
+
+
+def _gate_up(qw, inter: int, inter_pad: int, dtype) -> PackedWeight:
+    halves = [pack_quant_weight(qw, slice(0, inter), dtype), pack_quant_weight(qw, slice(inter, 2 * inter), dtype)]
+    return concat_rows(halves, inter_pad)
+
+
+def _down(qw, inter_pad: int, dtype) -> PackedWeight:
+    w = pack_quant_weight(qw, None, dtype)
+    if w.k_pad == inter_pad:
+        return w
+    raise ValueError(f"down projection K {w.k} pads to {w.k_pad}, not to the common intermediate {inter_pad}")
+
+
+def moe_prepare(gate_up, down, shared_gate_up=None, shared_down=None, dtype: torch.dtype = torch.bfloat16
+                ) -> MoEWeights:
+    """`QuantWeight`s of the routed experts (``gate_up`` [E, 2 I, H] gate rows first, ``down`` [E, H, I]) and of the
+    shared expert (``[2 I_s, H]``, ``[H, I_s]``; optional) -> `MoEWeights`. Formats: nvfp4 / mxfp8 / fp8 / dense
+    (dense kept in ``dtype``). Done once at load time; the checkpoint tensors are not kept."""
+    inter = gate_up.n // 2
+    inter_s = shared_gate_up.n // 2 if shared_gate_up is not None else inter
+    inter_pad = round_up(max(inter, inter_s), CHUNK_K)
+    if down.k != inter or (shared_down is not None and shared_down.k != inter_s):
+        raise ValueError("down projections must take the gate_up's intermediate size")
+    gu = _gate_up(gate_up, inter, inter_pad, dtype)
+    dn = _down(_padded_k(down, inter_pad), inter_pad, dtype)
+    sgu = sdn = None
+    if shared_gate_up is not None:
+        sgu = _gate_up(shared_gate_up, inter_s, inter_pad, dtype)
+        sdn = _down(_padded_k(shared_down, inter_pad), inter_pad, dtype)
+    return MoEWeights(gu, dn, sgu, sdn, inter_pad, gate_up.k)
+
+
+class _KPadded:
+    """A `QuantWeight` view whose K is zero-padded to ``k`` (the down projections' K = the common intermediate)."""
+
+    def __init__(self, qw, k: int):
+        self.fmt, self.n, self.k = qw.fmt, qw.n, k
+        pad = k - qw.k
+        z = lambda t, per: torch.nn.functional.pad(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                                                   (0, pad // per))
+        if qw.fmt == "nvfp4":
+            self.packed, self.scale_2 = z(qw.packed, 2), qw.scale_2
+            self.block_scale = z(qw.block_scale, 16).view(torch.float8_e4m3fn)
+        elif qw.fmt in ("mxfp8", "fp8"):
+            self.qweight = z(qw.qweight, 1).view(torch.float8_e4m3fn)
+            if qw.fmt == "mxfp8":
+                self.scale_e8m0 = torch.nn.functional.pad(qw.scale_e8m0, (0, pad // 32), value=127)
+            else:
+                self.scale = qw.scale
+        else:
+            self.weight = torch.nn.functional.pad(qw.weight, (0, pad))
+
+
+def _padded_k(qw, k: int):
+    return qw if qw.k == k else _KPadded(qw, k)
+
+
+def moe_prepare_module(moe, dtype: torch.dtype | None = None) -> MoEWeights:
+    """`MoEWeights` of a `SparseMoE` module (its experts, and its shared expert)."""
+    ex, sh = moe.experts, moe.shared_experts
+    return moe_prepare(ex.gate_up_proj, ex.down_proj, sh.gate_up_proj.w, sh.down_proj.w,
+                       dtype or ex.gate_up_proj.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------- combine
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, so, T, H, A, TOPK: tl.constexpr, SHARED: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = h < H
+    acc = tl.zeros((BH,), tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * H + h, mask=m, other=0.0)
+    if SHARED:
+        acc += tl.load(y_ptr + (A + t).to(tl.int64) * H + h, mask=m, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * so + h, cast_to(acc, out_ptr.dtype.element_ty), mask=m)
+
+
+def combine(y: torch.Tensor, T: int, top_k: int, shared: bool, out: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j y[t * top_k + j] + (y[T * top_k + t] if shared), in out's dtype."""
+    if T:
+        H = y.shape[1]
+        bh = min(1024, triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, bh))](y, out, out.stride(0), T, H, T * top_k, TOPK=top_k, SHARED=shared,
+                                                BH=bh, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- layer
+def moe_config(T: int, w: MoEWeights, device: torch.device) -> tuple[str, dict, dict]:
+    """(path, gate_up config, down config) for T tokens on this device (`MOE_TUNING`)."""
+    mma = mma_kernels()
+    fast = mma is not None and mma.available(device) and all(
+        mma.supported(p) for p in (w.gate_up, w.down) + ((w.shared_gate_up, w.shared_down) if w.shared_gate_up
+                                                          else ()))
+    for limit, path, gu, dn in MOE_TUNING:
+        if limit is not None and T > limit:
+            continue
+        if path == "mma" and not (fast and _mma_shapes_ok(w, gu) and _mma_shapes_ok(w, dn)):
+            continue
+        if path == "tl" and device.type != "cuda":
+            return "tl", PORTABLE, PORTABLE
+        return path, gu, dn
+    return "tl", PORTABLE, PORTABLE
+
+
+def _mma_shapes_ok(w: MoEWeights, cfg: dict) -> bool:
+    r, per = 16 * cfg["p"], mma_kernels().NUM_WARPS * cfg["unroll"]
+    return (w.inter_pad % r == 0 and w.hidden % r == 0 and (w.gate_up.k_pad // CHUNK_K) % per == 0
+            and (w.down.k_pad // CHUNK_K) % per == 0)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
+
+class MoEStep:
+    """One layer call split into its launches, buffers allocated up front: `fused_moe` runs them (`run`), benchmarks
+    time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`); with
+    ``overlap=True`` (CUDA) the shared expert (`shared_expert`: its gate_up and down, which need no routing) runs on
+    a side stream instead, overlapped with the router and the routed experts, and `combine` joins them (not yet
+    measured on the H200: off by default, see `OVERLAP_SHARED`)."""
+
+    def __init__(self, x, router_weight, correction_bias, weights: MoEWeights, *, top_k: int, routed_scaling: float,
+                 alpha: float, limit: float, config: tuple | None = None, out: torch.Tensor | None = None,
+                 overlap: bool | None = None):
+        if x.dim() != 2 or x.shape[1] != weights.hidden:
+            raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+        self.x, self.rw, self.bias, self.w = x, router_weight, correction_bias, weights
+        self.top_k, self.scaling, self.alpha, self.limit = top_k, routed_scaling, alpha, limit
+        T = self.T = x.shape[0]
+        self.out = torch.empty_like(x) if out is None else out
+        self.path, self.gu_cfg, self.dn_cfg = config or moe_config(T, weights, x.device)
+        self.shared = weights.shared_gate_up is not None
+        self.overlap = self.shared and x.is_cuda and (overlap if overlap is not None else OVERLAP_SHARED)
+        self.A = T * top_k
+        rows = self.A + (T if self.shared else 0)
+        dev = x.device
+        self.x16 = None
+        if self.path == "mma":
+            self.x16 = torch.empty(T, weights.gate_up.k_pad, dtype=torch.float16, device=dev)
+            idt = torch.float16
+        else:
+            idt = _torch_dtype(work_dtype(x))
+        self.inter = torch.empty(rows, weights.inter_pad, dtype=idt, device=dev)
+        self.y = torch.empty(rows, weights.hidden, dtype=torch.float32, device=dev)
+        self.routing: Routing | None = None
+
+    def route(self):
+        self.routing = route(self.x, self.rw, self.bias, self.top_k, x16=self.x16, h_pad=self.w.gate_up.k_pad)
+
+    def _gemm(self, mode: int, x16=None, **kw):
+        if self.path == "mma":
+            src = (x16 if x16 is not None else self.x16) if mode == MODE_GATE_UP else self.inter
+            mma_kernels().grouped_gemm_mma(src, self.inter if mode == MODE_GATE_UP else self.y, mode,
+                                           routing=self.routing, T=self.T, **kw)
+        else:
+            grouped_gemm(self.x if mode == MODE_GATE_UP else self.inter,
+                         self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.routing, T=self.T, **kw)
+
+    def _gate_up(self, routed: bool, plain: bool, x16=None):
+        w = self.w
+        self._gemm(MODE_GATE_UP, routed=w.gate_up if routed else None, plain=w.shared_gate_up if plain else None,
+                   x_div=self.top_k, out_off=self.A, ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha,
+                   limit=self.limit, x16=x16, **self.gu_cfg)
+
+    def _down(self, routed: bool, plain: bool):
+        self._gemm(MODE_DOWN, routed=self.w.down if routed else None, plain=self.w.shared_down if plain else None,
+                   x_off=self.A, out_off=self.A, **self.dn_cfg)
+
+    def gate_up(self):
+        self._gate_up(True, self.shared and not self.overlap)
+
+    def down(self):
+        self._down(True, self.shared and not self.overlap)
+
+    def shared_expert(self):
+        """The shared expert alone (its own fp16 activation copy on the mma path: no wait for the router's)."""
+        x16 = mma_kernels().to_x16(self.x, self.w.gate_up.k_pad) if self.path == "mma" else None
+        self._gate_up(False, True, x16=x16)
+        self._down(False, True)
+
+    def combine(self) -> torch.Tensor:
+        return combine(self.y, self.T, self.top_k, self.shared, self.out)
+
+    def run(self) -> torch.Tensor:
+        if self.T == 0:
+            return self.out
+        if self.overlap:
+            main, side = torch.cuda.current_stream(self.x.device), _side_stream(self.x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self.shared_expert()
+        self.route()
+        self.gate_up()
+        self.down()
+        if self.overlap:
+            main.wait_stream(side)
+        return self.combine()
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
+              top_k: int, routed_scaling: float, alpha: float, limit: float, config: tuple | None = None,
+              out: torch.Tensor | None = None, routing_out: list | None = None, overlap: bool | None = None
+              ) -> torch.Tensor:
+    """The whole MoE layer: x [T, H] -> [T, H] (x's dtype, or written into ``out``). ``router_weight`` [E, H]
+    fp32 and ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg)
+    overrides `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests);
+    ``overlap`` = the shared expert on a side stream (default `OVERLAP_SHARED`)."""
+    step = MoEStep(x, router_weight, correction_bias, weights, top_k=top_k, routed_scaling=routed_scaling,
+                   alpha=alpha, limit=limit, config=config, out=out, overlap=overlap)
+    y = step.run()
+    if routing_out is not None and step.routing is not None:
+        routing_out.append(step.routing)
+    return y
+
+
+def _torch_dtype(t):
+    return {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}[t]
+
+
+def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
+                  top_k: int, routed_scaling: float, alpha: float, limit: float,
+                  routing: Routing | None = None) -> torch.Tensor:
+    """Torch reference in fp32 on the packed weights (same math as `SparseMoE.forward`). With ``routing`` the
+    kernel's expert choice is used (so near-tie flips of the top-k do not count as errors)."""
+    if routing is not None:
+        w, idx = routing.weights.float(), routing.ids.long()
+    else:
+        w, idx, _ = route_ref(x, router_weight, correction_bias, top_k)
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    ip, h = weights.inter_pad, weights.hidden
+
+    def ffn(xs, g_u, d):
+        z = xs @ g_u[:, :h].T
+        g, u = z[:, :ip].clamp(max=limit), z[:, ip:].clamp(-limit, limit)
+        return ((u + 1.0) * (g * torch.sigmoid(alpha * g))) @ d.T
+
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.where(idx == e)
+        y = ffn(xf[tok], unpack(weights.gate_up, e), unpack(weights.down, e))
+        out.index_add_(0, tok, y[:, :h] * w[tok, slot, None])
+    out = out * routed_scaling
+    if weights.shared_gate_up is not None:
+        out = out + ffn(xf, unpack(weights.shared_gate_up, 0), unpack(weights.shared_down, 0))[:, :h]
+    return out.to(x.dtype)
+
+
+__all__ = ["MoEWeights", "MoEStep", "moe_prepare", "moe_prepare_module", "fused_moe", "fused_moe_ref", "combine",
+           "moe_config", "MOE_TUNING"]

@@ -1,0 +1,194 @@
+"""The MoE router on the device: sigmoid scores + correction bias, top-k, renormalised weights, and the grouping of
+assignments by expert, in two launches and without a host synchronisation (CUDA-graph capturable).
+
+* ``_router_logits_kernel``: fp32 partial logits ``x @ W^T`` per K slice (grid: token blocks x K slices, so a
+  decode step's router weight, 3 MB at M3's 128 x 6144, is streamed by 48 programs at once, each with all its loads
+  in flight); it also zeroes the per-expert counters and, for the mma expert kernels, writes the fp16 activation
+  copy they read (``x16``, see `grouped_gemm_mma.py`).
+* ``_router_topk_kernel``: the slices summed in a fixed order (deterministic), ``p = sigmoid(logits)``; the top-k
+  of ``p + bias`` choose (the bias chooses, it does not weigh); the weights are ``p`` at those experts over their
+  sum. Each assignment ``a = token * top_k + slot`` takes
+  the next free slot of its expert's bucket with an atomic add: ``bucket[e, :counts[e]]`` lists the assignments of
+  expert e (in no particular order: every row of the expert GEMMs is computed independently, so the order never
+  changes a result).
+
+The reference is `route_ref` (the model's `Router.forward`, plus the grouping).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+F16_MAX = tl.constexpr(65504.0)
+
+
+@dataclass
+class Routing:
+    """Device-side routing of T tokens: ids / weights ``[T, top_k]``, ``counts [E]``, ``bucket [E, cap]``."""
+    ids: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+    bucket: torch.Tensor
+    top_k: int
+
+    @property
+    def cap(self) -> int:
+        return self.bucket.shape[1]
+
+    @property
+    def assignments(self) -> int:
+        return self.ids.numel()
+
+
+@triton.jit
+def x16_position(k):
+    """Position of element k in the mma kernels' fp16 activation layout: inside each group of 8 the elements are
+    stored in the order 0 4 1 5 2 6 3 7 (an f16x2 register then pairs elements j and j + 4, as the decoders do)."""
+    return (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1)
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, sx, w_ptr, part_ptr, counts_ptr, x16_ptr, sx16,
+    T, H, H_PAD, E, KSL,
+    BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, USE_DOT: tl.constexpr,
+    WRITE_X16: tl.constexpr,
+):
+    """Partial logits ``part[s, t, :]`` of K slice s (``KSL`` elements) for a block of tokens and every expert:
+    many programs stream the router weight at once; the top-k kernel adds the slices in a fixed order."""
+    pt = tl.program_id(0)
+    ps = tl.program_id(1)
+    t = pt * BT + tl.arange(0, BT)
+    e = tl.arange(0, E_PAD)
+    tm = t < T
+    em = e < E
+    if (pt == 0) & (ps == 0):
+        tl.store(counts_ptr + e, tl.zeros((E_PAD,), tl.int32), mask=em)
+    acc = tl.zeros((BT, E_PAD), tl.float32)
+    for k0 in range(ps * KSL, ps * KSL + KSL, BK):
+        if WRITE_X16:  # this slice of the fp16 activation copy (columns H <= k < H_PAD written as zeros)
+            k = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & (k < H)[None, :],
+                         other=0.0).to(tl.float32)
+            x16 = tl.minimum(tl.maximum(xt, -F16_MAX), F16_MAX).to(tl.float16)
+            tl.store(x16_ptr + t.to(tl.int64)[:, None] * sx16 + x16_position(k)[None, :], x16,
+                     mask=tm[:, None] & (k < H_PAD)[None, :])
+        for s0 in tl.static_range(0, BK, SUB):
+            k = k0 + s0 + tl.arange(0, SUB)
+            km = k < H
+            xf = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :],
+                         other=0.0).to(tl.float32)
+            wt = tl.load(w_ptr + e.to(tl.int64)[:, None] * H + k[None, :], mask=em[:, None] & km[None, :],
+                         other=0.0).to(tl.float32)
+            if USE_DOT:
+                acc = tl.dot(xf, tl.trans(wt), acc, input_precision="ieee")
+            else:
+                acc += tl.sum(xf[:, None, :] * wt[None, :, :], axis=2)
+    tl.store(part_ptr + (ps * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tm[:, None] & em[None, :])
+
+
+@triton.jit
+def _select(sel, cols, j: tl.constexpr):
+    """Index [BT] of the j-th largest of sel [BT, E_PAD] (earlier picks masked out), by repeated argmax."""
+    for _ in tl.static_range(j):
+        best = tl.argmax(sel, axis=1)
+        sel = tl.where(cols[None, :] == best[:, None], float("-inf"), sel)
+    return tl.argmax(sel, axis=1)
+
+
+@triton.jit
+def _router_topk_kernel(
+    part_ptr, KS, bias_ptr, ids_ptr, w_ptr, counts_ptr, bucket_ptr, cap, T, E,
+    TOPK: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr, KS_PAD: tl.constexpr,
+):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, E_PAD)
+    tm = t < T
+    cm = cols < E
+    ks = tl.arange(0, KS_PAD)
+    m3 = (ks < KS)[:, None, None] & (tm[:, None] & cm[None, :])[None, :, :]
+    off = (ks[:, None, None] * T + t.to(tl.int64)[None, :, None]) * E + cols[None, None, :]
+    lg = tl.sum(tl.load(part_ptr + off, mask=m3, other=0.0), axis=0)
+    p = tl.sigmoid(lg)
+    bias = tl.load(bias_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    sel = tl.where(cm[None, :], p + bias[None, :], float("-inf"))
+    total = tl.zeros((BT,), tl.float32)
+    for j in tl.static_range(TOPK):
+        idx = _select(sel, cols, j)
+        total += tl.sum(tl.where(cols[None, :] == idx[:, None], p, 0.0), axis=1)
+    for j in tl.static_range(TOPK):
+        idx = _select(sel, cols, j)
+        wj = tl.sum(tl.where(cols[None, :] == idx[:, None], p, 0.0), axis=1) / total
+        a = t * TOPK + j
+        tl.store(ids_ptr + a, idx.to(tl.int32), mask=tm)
+        tl.store(w_ptr + a, wj, mask=tm)
+        rank = tl.atomic_add(counts_ptr + idx, 1, mask=tm, sem="relaxed")
+        tl.store(bucket_ptr + idx.to(tl.int64) * cap + rank, a.to(tl.int32), mask=tm)
+
+
+# Launch shapes by token count (one place): tokens per logits program and K slices (every 128-element chunk its
+# own program for decode steps), a broadcast-sum below 16 tokens (no padded dot rows), top-k block size.
+def router_config(T: int, n_chunks: int) -> dict:
+    if T <= 8:
+        bt = triton.next_power_of_2(max(T, 1))
+        return dict(BT=bt, KS=n_chunks, SUB=64 // bt, USE_DOT=False, warps=4)
+    if T <= 64:
+        return dict(BT=16, KS=n_chunks, SUB=32, USE_DOT=True, warps=4)
+    ks = max(d for d in range(1, 9) if n_chunks % d == 0)
+    return dict(BT=32, KS=ks, SUB=32, USE_DOT=True, warps=4)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int, *,
+          x16: torch.Tensor | None = None, h_pad: int | None = None, config: dict | None = None) -> Routing:
+    """x [T, H] -> `Routing`. ``router_weight`` [E, H] (fp32, as the model keeps it), ``correction_bias`` [E].
+    With ``x16`` ([T, h_pad] fp16, h_pad a multiple of 128) the activations are also written there in the mma
+    kernels' layout."""
+    T, H = x.shape
+    E = router_weight.shape[0]
+    if router_weight.shape[1] != H:
+        raise ValueError(f"router weight {tuple(router_weight.shape)} does not match hidden size {H}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} outside [1, {E}]")
+    dev = x.device
+    hp = max(h_pad or 0, -(-H // 128) * 128)
+    cfg = dict(router_config(T, hp // 128), **(config or {}))
+    ks = cfg["KS"]
+    part = torch.empty(ks, T, E, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    bucket = torch.empty(E, max(T, 1), dtype=torch.int32, device=dev)
+    if T == 0:
+        counts.zero_()
+        return Routing(ids, w, counts, bucket, top_k)
+    e_pad = triton.next_power_of_2(E)
+    _router_logits_kernel[(triton.cdiv(T, cfg["BT"]), ks)](
+        x, x.stride(0), router_weight, part, counts, x16 if x16 is not None else part,
+        x16.stride(0) if x16 is not None else 0, T, H, hp, E, hp // ks,
+        BT=cfg["BT"], BK=128, SUB=cfg["SUB"], E_PAD=e_pad, USE_DOT=cfg["USE_DOT"], WRITE_X16=x16 is not None,
+        num_warps=cfg["warps"])
+    ks_pad = triton.next_power_of_2(ks)
+    bt2 = max(1, min(16, 16384 // (ks_pad * e_pad)))
+    _router_topk_kernel[(triton.cdiv(T, bt2),)](
+        part, ks, correction_bias, ids, w, counts, bucket, bucket.shape[1], T, E,
+        TOPK=top_k, BT=bt2, E_PAD=e_pad, KS_PAD=ks_pad, num_warps=8)
+    return Routing(ids, w, counts, bucket, top_k)
+
+
+def route_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int):
+    """Torch reference (= `Router.forward`): (weights [T, k] fp32, ids [T, k], logits [T, E] fp32)."""
+    logits = torch.nn.functional.linear(x.float(), router_weight.float())
+    probs = torch.sigmoid(logits)
+    _, idx = torch.topk(probs + correction_bias.float(), top_k, dim=-1, sorted=False)
+    w = probs.gather(1, idx)
+    return w / w.sum(-1, keepdim=True), idx, logits
+
+
+def grouping_ref(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """counts [E] and, per expert, the sorted assignments (``token * top_k + slot``) routed to it."""
+    flat = ids.reshape(-1).long().cpu()
+    counts = torch.bincount(flat, minlength=n_experts)
+    return counts, [torch.nonzero(flat == e).flatten().tolist() for e in range(n_experts)]

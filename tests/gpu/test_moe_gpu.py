@@ -1,0 +1,170 @@
+"""The MoE layer and quantized linears on the GPU at M3 shapes (hidden 6144, expert FFN 3072, 128 experts top-4,
+shared FFN 3072): NVFP4 and MXFP8 experts with the MXFP8 shared expert, against the fp32 torch references; the mma
+(Gluon) and portable paths against each other; skewed routing; poisoned outputs; the whole layer captured in a CUDA
+graph. Skipped without CUDA (CI runs the same kernels in the interpreter on small shapes: tests/kernels)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
+
+from m3serve.kernels.grouped_gemm import mma_kernels  # noqa: E402
+from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_config, moe_prepare_module  # noqa: E402
+from m3serve.kernels.moe_router import grouping_ref, route_ref  # noqa: E402
+from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref  # noqa: E402
+from m3serve.model.weights import QuantWeight  # noqa: E402
+from moe_testing import fill_random, m3_moe_config, random_moe, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+_LAYERS: dict = {}
+
+
+def _layer(expert_fmt: str):
+    """One M3-shaped layer per expert format (built once: GBs of weights)."""
+    if expert_fmt not in _LAYERS:
+        _LAYERS.clear()
+        torch.cuda.empty_cache()
+        cfg = m3_moe_config()
+        g = torch.Generator(device=DEV).manual_seed(7)
+        moe = random_moe(cfg, expert_fmt, "mxfp8", g, device=DEV, dtype=torch.bfloat16)
+        _LAYERS[expert_fmt] = (cfg, moe, moe_prepare_module(moe))
+    return _LAYERS[expert_fmt]
+
+
+def _run(cfg, moe, w, x, config=None, bias=None, overlap=None):
+    out = torch.full_like(x, float("nan"))  # poisoned: every element must be written
+    routing = []
+    y = fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias if bias is None else bias, w,
+                  top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha,
+                  limit=cfg.swiglu_limit, config=config, out=out, routing_out=routing, overlap=overlap)
+    return y, routing[0]
+
+
+def _ref(cfg, moe, w, x, routing, bias=None):
+    return fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias if bias is None else bias, w,
+                         top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor,
+                         alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, routing=routing)
+
+
+def _check_routing(cfg, moe, x, routing, bias=None):
+    """Ids as the reference picks them (but for near ties), weights, counts and buckets consistent."""
+    bias = moe.gate.e_score_correction_bias if bias is None else bias
+    w_ref, idx_ref, logits = route_ref(x, moe.gate.weight, bias, cfg.num_experts_per_tok)
+    got = torch.sort(routing.ids.long(), dim=1).values
+    want = torch.sort(idx_ref, dim=1).values
+    sel = torch.sigmoid(logits) + bias.float()
+    kth = torch.topk(sel, cfg.num_experts_per_tok + 1, dim=1).values
+    near_tie = (kth[:, -2] - kth[:, -1]) < 1e-5
+    assert torch.equal(got[~near_tie], want[~near_tie])
+    counts, lists = grouping_ref(routing.ids, cfg.num_local_experts)
+    assert torch.equal(routing.counts.cpu().long(), counts)
+    for e in range(cfg.num_local_experts):
+        assert sorted(routing.bucket[e, : counts[e]].tolist()) == lists[e]
+    assert torch.allclose(routing.weights.sum(1), torch.ones(x.shape[0], device=x.device), atol=1e-5)
+
+
+@pytest.mark.parametrize("expert_fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 300])
+def test_layer_matches_reference(expert_fmt, T):
+    cfg, moe, w = _layer(expert_fmt)
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    y, routing = _run(cfg, moe, w, x)
+    assert not torch.isnan(y).any()
+    _check_routing(cfg, moe, x, routing)
+    assert rel_err(y, _ref(cfg, moe, w, x, routing)) < 1e-2
+
+
+def test_layer_matches_sparse_moe_forward():
+    cfg, moe, w = _layer("nvfp4")
+    x = torch.randn(6, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    y, _ = _run(cfg, moe, w, x)
+    assert rel_err(y, moe(x)) < 2e-2
+
+
+@pytest.mark.parametrize("T", [3, 40, 520])
+def test_mma_and_portable_paths_agree(T):
+    cfg, moe, w = _layer("nvfp4")
+    if mma_kernels() is None or not mma_kernels().available(torch.device(DEV)):
+        pytest.skip("no mma kernels on this device")
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    mma_cfg = ("mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=8, unroll=3))
+    tl_cfg = ("tl", dict(bm=32, bn=64, num_warps=4, num_stages=3), dict(bm=32, bn=128, num_warps=4, num_stages=3))
+    ya, ra = _run(cfg, moe, w, x, mma_cfg)
+    yb, rb = _run(cfg, moe, w, x, tl_cfg)
+    assert torch.equal(torch.sort(ra.ids, 1).values, torch.sort(rb.ids, 1).values)
+    assert rel_err(ya, yb) < 1e-2
+    assert rel_err(ya, _ref(cfg, moe, w, x, ra)) < 1e-2
+
+
+@pytest.mark.parametrize("T", [2, 48])
+def test_shared_expert_on_a_side_stream_matches_one_launch(T):
+    """The shared expert overlapped on a side stream computes what its tiles compute inside the routed launches."""
+    cfg, moe, w = _layer("nvfp4")
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    a, ra = _run(cfg, moe, w, x, overlap=True)
+    b, rb = _run(cfg, moe, w, x, overlap=False)
+    assert torch.equal(torch.sort(ra.ids, 1).values, torch.sort(rb.ids, 1).values)
+    assert rel_err(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("T", [64, 700])
+def test_skewed_routing(T):
+    """Expert 5 takes every token (many tiles of one expert), 64 experts can never be chosen (0 tokens)."""
+    cfg, moe, w = _layer("nvfp4")
+    bias = moe.gate.e_score_correction_bias.clone()
+    bias[5] += 10.0
+    bias[64:] -= 10.0
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    y, routing = _run(cfg, moe, w, x, bias=bias)
+    assert int(routing.counts[5]) == T and int(routing.counts[64:].sum()) == 0
+    _check_routing(cfg, moe, x, routing, bias)
+    assert rel_err(y, _ref(cfg, moe, w, x, routing, bias)) < 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_cuda_graph_capture_matches_eager(T):
+    cfg, moe, w = _layer("nvfp4")
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    eager, _ = _run(cfg, moe, w, x)
+    args = (moe.gate.weight, moe.gate.e_score_correction_bias, w)
+    kw = dict(top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha,
+              limit=cfg.swiglu_limit)
+    fused_moe(x, *args, **kw)  # compile outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe(x, *args, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, *args, **kw)
+    x.copy_(torch.randn_like(x))  # a new step through the same graph
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh, _ = _run(cfg, moe, w, x)
+    assert rel_err(out, fresh) < 1e-5  # only the order of the top-k rows' fp32 sums may differ
+    assert not torch.equal(out, eager)
+
+
+def test_config_table_picks_the_mma_path_for_decode():
+    cfg, moe, w = _layer("nvfp4")
+    if mma_kernels() is None or not mma_kernels().available(torch.device(DEV)):
+        pytest.skip("no mma kernels on this device")
+    assert moe_config(1, w, torch.device(DEV))[0] == "mma"
+    assert moe_config(64, w, torch.device(DEV))[0] == "mma"
+    assert moe_config(4096, w, torch.device(DEV))[0] == "tl"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
+@pytest.mark.parametrize("M", [1, 16, 200, 600])
+def test_quant_linear(fmt, M):
+    g = torch.Generator(device=DEV).manual_seed(M)
+    with torch.device(DEV):
+        qw = QuantWeight(6144, 3072, fmt, torch.bfloat16)
+    fill_random(qw, g)
+    ql = quant_linear_prepare(qw)
+    x = torch.randn(M, 3072, device=DEV, dtype=torch.bfloat16)
+    assert rel_err(quant_linear(x, ql), quant_linear_ref(x, ql)) < 1e-2

@@ -1,0 +1,187 @@
+"""The MoE layer's kernels in the interpreter, on small shapes, each against its torch reference: the packed weight
+layout, the router (top-k and the grouping by expert), the grouped GEMMs (gate_up + SwiGLU, down; routed and
+shared in one launch, formats mixed), the whole layer against `SparseMoE.forward` for every expert format, skewed
+routing (experts with no token, one expert with most), the quantized linears. Outputs are poisoned first: every
+element must be written. The mma (Gluon) kernels cannot run here: tests/kernels/test_moe_mma_compile.py compiles
+them, tests/gpu/test_moe_gpu.py runs them."""
+import pytest
+import torch
+
+from m3serve.kernels import weight_layout as WL
+from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, grouped_gemm_ref
+from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_config, moe_prepare_module
+from m3serve.kernels.moe_router import grouping_ref, route, route_ref
+from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref
+from m3serve.model.weights import QuantWeight
+from moe_testing import fill_random, random_moe, rel_err, tiny_moe_config
+
+FORMATS = ["nvfp4", "mxfp8", "fp8", "dense"]
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_layout_round_trip(fmt, gen):
+    qw = QuantWeight(40, 96 if fmt != "mxfp8" else 160, fmt, lead=(3,))  # rows and K padded (to 48, 128 / 256)
+    fill_random(qw, gen)
+    pw = WL.pack_quant_weight(qw)
+    full = WL.unpack(pw)
+    assert full.shape == (3, pw.n_pad, pw.k_pad)
+    assert torch.equal(full[:, : qw.n, : qw.k], qw.dequantize())
+    assert not full[:, qw.n:].any() and not full[:, :, qw.k:].any()  # padding decodes to zeros
+    if fmt != "dense":  # one contiguous block per (16-row tile, 128-element chunk)
+        assert pw.data.shape == (3, pw.n_pad // 16, pw.k_pad // 128, 16, WL.DATA_BYTES[pw.fmt])
+
+
+def test_mxfp8_prepared_multipliers_keep_small_blocks(gen):
+    """Block exponents spread over 40 binades in one row: blocks within 22 binades of the row's largest are exact."""
+    qw = QuantWeight(16, 1280, "mxfp8")
+    fill_random(qw, gen)
+    qw.scale_e8m0[:] = (torch.arange(40, dtype=torch.uint8) + 100).repeat(16, 1)
+    full = WL.unpack(WL.pack_quant_weight(qw))[0, :, :1280]
+    ref = qw.dequantize()
+    exact = slice((40 - 23) * 32, 1280)
+    assert torch.equal(full[:, exact], ref[:, exact])
+    assert rel_err(full, ref) < 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_router_matches_reference(T, gen):
+    E, H, k = 16, 96, 4
+    x = torch.randn(T, H, generator=gen)
+    rw = torch.randn(E, H, generator=gen) * 0.2
+    bias = torch.randn(E, generator=gen) * 0.1
+    r = route(x, rw, bias, k)
+    w_ref, idx_ref, _ = route_ref(x, rw, bias, k)
+    order_ref, order = torch.sort(idx_ref, 1), torch.sort(r.ids.long(), 1)
+    assert torch.equal(order.values, order_ref.values)
+    assert torch.allclose(r.weights.gather(1, order.indices), w_ref.gather(1, order_ref.indices), atol=1e-6)
+    counts, lists = grouping_ref(r.ids, E)
+    assert torch.equal(r.counts.long(), counts)
+    for e in range(E):
+        assert sorted(r.bucket[e, : counts[e]].tolist()) == lists[e]
+
+
+def test_router_skewed_and_x16_copy(gen):
+    """One expert takes every token, half the experts none; the fp16 copy for the mma kernels is written in their
+    element order, zero-padded."""
+    E, H, k, T = 16, 96, 2, 9
+    x = torch.randn(T, H, generator=gen)
+    rw = torch.randn(E, H, generator=gen) * 0.2
+    bias = torch.zeros(E)
+    bias[3], bias[8:] = 10.0, -10.0
+    x16 = torch.full((T, 128), float("nan"), dtype=torch.float16)
+    r = route(x, rw, bias, k, x16=x16, h_pad=128)
+    assert int(r.counts[3]) == T and int(r.counts[8:].sum()) == 0 and int(r.counts.sum()) == T * k
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+    expect = torch.cat([x, torch.zeros(T, 32)], 1).reshape(T, 16, 8)[:, :, order].reshape(T, 128)
+    assert torch.equal(x16, expect.half())
+
+
+@pytest.mark.parametrize("routed_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("fp8", "dense")])
+def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, gen):
+    cfg = tiny_moe_config(hidden=96, inter=32, experts=6, top_k=2)
+    moe = random_moe(cfg, routed_fmt, shared_fmt, gen)
+    w = moe_prepare_module(moe)
+    T, k, ip = 11, 2, w.inter_pad
+    x = torch.randn(T, 96, generator=gen)
+    bias = torch.zeros(6)
+    bias[1], bias[4] = 5.0, -9.0  # expert 1 in every token's top 2 (one tile of 16 rows), expert 4 in none
+    r = route(x, moe.gate.weight, bias, k)
+    A = T * k
+    inter = torch.full((A + T, ip), float("nan"))
+    grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
+                 out_off=A, ng=ip, scaling=2.0)
+    rows = torch.cat([torch.arange(A) // k, torch.arange(T)])
+    ref_r = grouped_gemm_ref(x, w.gate_up, rows[:A], r.ids.reshape(-1).long(), MODE_GATE_UP, ng=ip,
+                             row_weight=r.weights.reshape(-1) * 2.0)
+    ref_s = grouped_gemm_ref(x, w.shared_gate_up, rows[A:], torch.zeros(T, dtype=torch.long), MODE_GATE_UP, ng=ip)
+    assert rel_err(inter[:A], ref_r) < 1e-5 and rel_err(inter[A:], ref_s) < 1e-5
+    assert not inter[:, 32:].any()  # padded intermediate columns are exact zeros
+    y = torch.full((A + T, 96), float("nan"))
+    grouped_gemm(inter, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A)
+    assert rel_err(y[:A], grouped_gemm_ref(inter, w.down, torch.arange(A), r.ids.reshape(-1).long(), MODE_DOWN)) < 1e-5
+    assert rel_err(y[A:], grouped_gemm_ref(inter, w.shared_down, torch.arange(A, A + T),
+                                           torch.zeros(T, dtype=torch.long), MODE_DOWN)) < 1e-5
+
+
+def _layer(moe, cfg, w, x, **kw):
+    out = torch.full_like(x, float("nan"))
+    rl = []
+    y = fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, top_k=cfg.num_experts_per_tok,
+                  routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, out=out,
+                  routing_out=rl, **kw)
+    return y, (rl[0] if rl else None)
+
+
+@pytest.mark.parametrize("expert_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("mxfp8", "mxfp8"), ("fp8", "nvfp4"),
+                                                   ("dense", "dense")])
+def test_layer_matches_sparse_moe(expert_fmt, shared_fmt, gen):
+    cfg = tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2, shared_inter=96)
+    moe = random_moe(cfg, expert_fmt, shared_fmt, gen)
+    w = moe_prepare_module(moe)
+    x = torch.randn(7, cfg.hidden_size, generator=gen)
+    y, r = _layer(moe, cfg, w, x)
+    assert rel_err(y, moe(x)) < 1e-5
+    kw = dict(top_k=2, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    assert rel_err(fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, routing=r, **kw),
+                   moe(x)) < 1e-5
+
+
+def test_layer_skewed_routing(gen):
+    """Most tokens on one expert (several tiles of it), experts without tokens, a bf16 layer."""
+    cfg = tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2)
+    moe = random_moe(cfg, "nvfp4", "mxfp8", gen, dtype=torch.bfloat16)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias[2] += 4.0
+        moe.gate.e_score_correction_bias[5:] -= 6.0
+    w = moe_prepare_module(moe)
+    x = torch.randn(37, cfg.hidden_size, generator=gen).bfloat16()
+    y, r = _layer(moe, cfg, w, x)
+    assert int(r.counts[2]) == 37 and int(r.counts[5:].sum()) == 0
+    assert rel_err(y, moe(x)) < 1e-2
+
+
+def test_empty_step(gen):
+    cfg = tiny_moe_config()
+    moe = random_moe(cfg, "nvfp4", "mxfp8", gen)
+    w = moe_prepare_module(moe)
+    y, r = _layer(moe, cfg, w, torch.zeros(0, cfg.hidden_size))
+    assert y.shape == (0, cfg.hidden_size)
+    assert moe_config(1, w, torch.device("cpu"))[0] == "tl"  # no mma kernels here
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_linear(fmt, gen):
+    qw = QuantWeight(40, 96, fmt)
+    fill_random(qw, gen)
+    ql = quant_linear_prepare(qw)
+    for M in (1, 5, 33):
+        x = torch.randn(M, 96, generator=gen)
+        y = quant_linear(x, ql)
+        assert y.shape == (M, 40)
+        assert rel_err(y, quant_linear_ref(x, ql)) < 1e-5
+        assert rel_err(y, x @ qw.dequantize().T) < 1e-5
+    assert quant_linear(torch.randn(2, 3, 96, generator=gen), ql).shape == (2, 3, 40)
+    if fmt == "dense":
+        assert ql.dense is qw.weight  # bf16 / fp32 weights are not converted: cuBLAS reads them as they are
+
+
+def test_fp8_quant_weight_loads_per_tensor_and_per_channel_scales(gen):
+    """The FP8 `QuantWeight` format (E4M3 + an fp32 scale per tensor or per output row), as the loader fills it."""
+    qw = QuantWeight(4, 32, "fp8", lead=(2,))
+    q = torch.randn(4, 32, generator=gen).to(torch.float8_e4m3fn)
+    qw.load("weight", q, index=1)
+    qw.load("weight_scale", torch.tensor(0.5), index=1)
+    assert torch.equal(qw.dequantize(1), q.float() * 0.5)
+    rows = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    qw.load("weight", q, index=0)
+    qw.load("weight_scale", rows.reshape(4, 1), index=0)
+    assert torch.equal(qw.dequantize(0), q.float() * rows[:, None])
+    with pytest.raises(ValueError):
+        qw.load("weight_scale", torch.ones(3), index=0)
+    with pytest.raises(ValueError):
+        qw.load("weight", torch.zeros(4, 32, dtype=torch.uint8), index=0)
