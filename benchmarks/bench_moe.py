@@ -32,12 +32,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/support: random layers
 
 from m3serve.kernels.moe import MoEStep, fused_moe, moe_config, moe_prepare_module  # noqa: E402
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare  # noqa: E402
 from m3serve.model.weights import QuantWeight  # noqa: E402
-from moe_testing import fill_random, m3_moe_config, random_moe, rel_err, tiny_moe_config  # noqa: E402
+from support.moe import fill_random, m3_moe_config, random_moe, rel_err, tiny_moe_config  # noqa: E402
 
 
 def timed(fn, graph: bool, rep: int) -> float:

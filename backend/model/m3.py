@@ -200,7 +200,7 @@ class M3ForCausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
-        for mod in self.modules():
+        for mod in self.modules():  # a MoE layer before its shared expert's linears (it may take them over)
             if isinstance(mod, (Linear, SparseMoE)):
                 mod.prepare(device)
 

@@ -55,6 +55,12 @@ class QuantWeight(nn.Module):
             return (pick(self.qweight).float() * pick(self.scale)[..., None]).to(dtype)
         return mxfp8.dequantize_mxfp8(pick(self.qweight), pick(self.scale_e8m0), torch.float32).to(dtype)
 
+    def release(self) -> None:
+        """Drop the stored tensors (a kernel method keeps them in its own layout); shapes and format stay known."""
+        for name, buf in list(self._buffers.items()):
+            self._buffers[name] = buf.new_empty(0)
+        self.released = True
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 

@@ -2,20 +2,15 @@
 shared FFN 3072): NVFP4 and MXFP8 experts with the MXFP8 shared expert, against the fp32 torch references; the mma
 (Gluon) and portable paths against each other; skewed routing; poisoned outputs; the whole layer captured in a CUDA
 graph. Skipped without CUDA (CI runs the same kernels in the interpreter on small shapes: tests/kernels)."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
-
-from m3serve.kernels.grouped_gemm import mma_kernels  # noqa: E402
-from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_config, moe_prepare_module  # noqa: E402
-from m3serve.kernels.moe_router import grouping_ref, route_ref  # noqa: E402
-from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref  # noqa: E402
-from m3serve.model.weights import QuantWeight  # noqa: E402
-from moe_testing import fill_random, m3_moe_config, random_moe, rel_err  # noqa: E402
+from m3serve.kernels.grouped_gemm import mma_kernels
+from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_config, moe_prepare_module
+from m3serve.kernels.moe_router import grouping_ref, route_ref
+from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref
+from m3serve.model.weights import QuantWeight
+from support.moe import fill_random, m3_moe_config, random_moe, rel_err
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

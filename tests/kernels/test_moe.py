@@ -13,7 +13,7 @@ from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_config, moe_prepar
 from m3serve.kernels.moe_router import grouping_ref, route, route_ref
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref
 from m3serve.model.weights import QuantWeight
-from moe_testing import fill_random, random_moe, rel_err, tiny_moe_config
+from support.moe import fill_random, random_moe, rel_err, tiny_moe_config
 
 FORMATS = ["nvfp4", "mxfp8", "fp8", "dense"]
 

@@ -18,7 +18,7 @@ from m3serve.kernels.moe import fused_moe, moe_config, moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare
 from m3serve.kernels.weight_layout import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.model.weights import QuantWeight
-from moe_testing import fill_random, random_moe, tiny_moe_config
+from support.moe import fill_random, random_moe, tiny_moe_config
 from test_nvfp4_mma_compile import _Launch
 
 _SCALE_PTR = {FMT_NVFP4: "*fp8e4nv", FMT_MXFP8: "*fp16", FMT_FP8: "*fp32"}
@@ -63,8 +63,9 @@ def _sass(tmp_path, *args):
     cubin = tmp_path / "k.cubin"
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_moe_mma_compile as t; "
             f"t._compile(*{args!r}, {str(cubin)!r})")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=600,
-                   env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600, env=env)
     opcode = r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)"
     return re.findall(opcode, _cuobjdump("--dump-sass", cubin)), _cuobjdump("--dump-resource-usage", cubin)
 

@@ -3,9 +3,12 @@
 Its method is picked once at load (`SparseMoE.prepare`), by the experts' weight format and the device:
 - `TorchMoE`: the reference (dequantize the routed experts' weights, per expert; loops on the host over the
   experts that got tokens, so it synchronises: CPU and tests).
-- `DenseMoE`: dense (bf16/fp32) experts on CUDA with no host synchronisation (CUDA-graph safe): every expert
-  runs over every token and the routing weights (zero for experts not chosen) combine them. Exact, and cheap for
-  small expert counts; quantized experts at M3's size go to the kernels.
+- `KernelMoE`: the Triton MoE layer (kernels/moe.py: router with on-device grouping, grouped expert GEMMs that
+  decode NVFP4 / MXFP8 / FP8 weights in registers, SwiGLU-OAI fused, the shared expert in the same launches,
+  combine): CUDA, quantized experts or bf16/fp16 ones. The weights are laid out for it once and the checkpoint
+  layout released. No host synchronisation (CUDA-graph safe).
+- `DenseMoE`: fp32 dense experts on CUDA (the small test models), no host synchronisation either: every expert
+  runs over every token and the routing weights (zero for experts not chosen) combine them. Exact.
 """
 from __future__ import annotations
 
@@ -102,10 +105,31 @@ class DenseMoE(TorchMoE):
         return out.to(x.dtype)
 
 
-def select_moe_method(experts: Experts, device: torch.device):
-    if device.type == "cuda" and experts.gate_up_proj.fmt == "dense":
+class KernelMoE:
+    name = "triton-fused"
+
+    def __init__(self, layer: "SparseMoE"):
+        from m3serve.kernels.moe import moe_prepare_module
+        self.weights = moe_prepare_module(layer, layer.experts.gate_up_proj.dtype)
+        for w in (layer.experts.gate_up_proj, layer.experts.down_proj, layer.shared_experts.gate_up_proj.w,
+                  layer.shared_experts.down_proj.w):
+            w.release()
+
+    def apply(self, layer: "SparseMoE", x: torch.Tensor) -> torch.Tensor:
+        from m3serve.kernels.moe import fused_moe
+        e = layer.experts
+        return fused_moe(x, layer.gate.weight, layer.gate.e_score_correction_bias, self.weights,
+                         top_k=layer.gate.top_k, routed_scaling=layer.scaling, alpha=e.alpha, limit=e.limit)
+
+
+def select_moe_method(layer: "SparseMoE", device: torch.device):
+    if device.type != "cuda":
+        return TorchMoE()
+    if isinstance(layer.method, KernelMoE):
+        return layer.method
+    if layer.experts.gate_up_proj.fmt == "dense" and layer.experts.gate_up_proj.dtype == torch.float32:
         return DenseMoE()
-    return TorchMoE()
+    return KernelMoE(layer)
 
 
 class SparseMoE(nn.Module):
@@ -118,7 +142,7 @@ class SparseMoE(nn.Module):
         self.method = None
 
     def prepare(self, device: torch.device) -> None:
-        self.method = select_moe_method(self.experts, device)
+        self.method = select_moe_method(self, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.method or TorchMoE()).apply(self, x)

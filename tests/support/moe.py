@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from m3serve.config import ModelConfig
-from m3serve.model.m3 import SparseMoE
+from m3serve.model.layers.moe import SparseMoE
 
 
 def _uniform(shape, lo, hi, gen, device):
