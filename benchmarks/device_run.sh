@@ -2,8 +2,8 @@
 # One device call on a GPU machine that has torch + triton but not this package installed (the lent H200):
 # lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
-# benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"). Logs and JSON go to $OUT (or
-# ./device_out).
+# benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
+# $ENGINE_ARGS ("engine"). Logs and JSON go to $OUT (or ./device_out).
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_qkv.log" | tail -30 ;;
     moe) timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/bench_moe.py --out "$OUT/bench_moe.json" ${MOE_ARGS:-} 2>&1 \
            | tee "$OUT/bench_moe.log" | grep -v '^{' ;;
+    engine) timeout "${ENGINE_TIMEOUT:-400}" python3 benchmarks/bench_engine.py --out "$OUT" ${ENGINE_ARGS:-} 2>&1 \
+           | tee "$OUT/bench_engine.log" | grep -v "^  " ;;
     *) echo "unknown step $step" ;;
   esac
 done
