@@ -2,7 +2,8 @@
 # One device call on a GPU machine that has torch + triton but not this package installed (the lent H200):
 # lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
-# benchmarks/bench_qkv.py $QKV_ARGS. Logs and JSON go to $OUT (or ./device_out).
+# benchmarks/bench_qkv.py $QKV_ARGS, and on a multi-GPU kind "tp": benchmarks/bench_tp.py $TP_ARGS (TP / EP parity
+# over NCCL, all-reduce cost). Logs and JSON go to $OUT (or ./device_out).
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_msa.log" | grep -v "^decode \|^prefill {\|^insert {" ;;
     qkv) timeout "${QKV_TIMEOUT:-200}" python3 benchmarks/bench_qkv.py --out "$OUT/bench_qkv.json" ${QKV_ARGS:-} 2>&1 \
            | tee "$OUT/bench_qkv.log" | tail -30 ;;
+    tp) timeout "${TP_TIMEOUT:-500}" python3 benchmarks/bench_tp.py --out "$OUT/bench_tp.json" ${TP_ARGS:-} 2>&1 \
+          | tee "$OUT/bench_tp.log" | grep "^|" ;;
     *) echo "unknown step $step" ;;
   esac
 done

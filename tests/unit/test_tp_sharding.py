@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 
 import pytest
@@ -107,6 +108,7 @@ def _checkpoint_bytes(d) -> tuple[int, int]:
 
 @pytest.mark.parametrize("size,ep", [(2, False), (4, False), (4, True)])
 def test_each_rank_reads_and_holds_only_its_shard(tiny4, monkeypatch, size, ep):
+    assert len([f for f in os.listdir(tiny4) if f.endswith(".safetensors")]) > 1  # a sharded checkpoint
     total, replicated = _checkpoint_bytes(tiny4)
     full, full_read = _load_counting(monkeypatch, tiny4)
     assert full_read == total
@@ -273,3 +275,20 @@ def test_engine_config_cli_and_capacity_per_rank():
     # a quarter of the weights plus the replicated routers and index-key projections (~0.1 GB)
     assert four["weight_bytes"] / 4 < four["per_rank"]["weight_bytes"] < four["weight_bytes"] / 4 + 0.2e9
     assert four["per_rank"]["cache_bytes_per_token"] == 34_560 // 4 + 4_104  # its KV heads + every index key
+
+
+def test_the_tp4_example_repositories_load_one_engine():
+    """At TP4 one engine takes the 4 GPUs: each example repository holds one LLM model (text or ids role)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "model_repository_examples")
+    for example in sorted(os.listdir(root)):
+        if not os.path.isdir(os.path.join(root, example)):
+            continue
+        llm_models = []
+        for model in os.listdir(os.path.join(root, example)):
+            with open(os.path.join(root, example, model, "config.pbtxt")) as f:
+                pbtxt = f.read()
+            if 'string_value: "text"' in pbtxt or 'string_value: "ids"' in pbtxt:
+                llm_models.append(model)
+                with open(os.path.join(root, example, model, "1", "model.json")) as f:
+                    assert json.load(f)["tensor_parallel_size"] == 4
+        assert llm_models == ["m3"], (example, llm_models)
