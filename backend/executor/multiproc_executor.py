@@ -237,7 +237,7 @@ class MultiprocExecutor(Executor):
                 self.channel.send(ch.STEP, obj=dataclasses.replace(step, sampling=None))
                 return self.worker.execute(step, timeout_s=self.timeout_s)
             except BaseException as e:
-                self.failure = self._diagnose(e)
+                self._fail(self._diagnose(e))
                 raise RuntimeError(f"tensor-parallel step failed: {self.failure}") from e
 
     def _diagnose(self, e: BaseException) -> str:
@@ -246,22 +246,26 @@ class MultiprocExecutor(Executor):
                 for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
         return "; ".join(gone) + f" ({type(e).__name__}: {e})" if gone else f"{type(e).__name__}: {e}"
 
+    def _fail(self, why: str) -> None:
+        """The group is broken for good: record why and end the other workers now (their memory, a hung NCCL
+        kernel); `shutdown` reaps them."""
+        self.failure = self.failure or why
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
     def check_health(self) -> None:
         if self.failure is not None:
             raise RuntimeError(f"tensor-parallel executor failed: {self.failure}")
         for rank, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
-                self.failure = f"rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+                self._fail(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}")
                 raise RuntimeError(f"tensor-parallel worker {self.failure}")
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.failure is not None:  # a broken group: no goodbyes (a stopped worker only yields to SIGKILL)
-            for p in self.procs:
-                if p.poll() is None:
-                    p.kill()
         # leave the group only once no step is in flight (one still running after the wait is left alone)
         if self._lock.acquire(timeout=self.timeout_s + 5.0):
             try:

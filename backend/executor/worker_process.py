@@ -74,7 +74,7 @@ def main(args: dict) -> None:
     try:
         code = _serve(args, channel)
     except SystemExit as e:
-        code = e.code or 0
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then the process ends
         message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         sys.stderr.write(f"[tp rank {rank}] failed: {message}\n")
