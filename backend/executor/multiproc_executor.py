@@ -8,7 +8,7 @@ over the process group (NCCL on CUDA, gloo on CPU); the logits are gathered to r
 
 Faults: a worker that exits breaks the next collective at once (gloo: connection reset); one that hangs makes
 rank 0's collective time out (gloo) or its wait for the step's result time out (NCCL), after `timeout_s`. The
-step then raises, the engine marks itself dead and fails every running request; `check_health` also notices a
+step then raises, the other workers are killed, the engine marks itself dead and fails every running request; `check_health` also notices a
 worker that died while the engine was idle. `shutdown` (also run when the executor is garbage collected or the
 interpreter exits) asks the workers to exit, then terminates and kills what is left; the workers also die with
 the engine process (PR_SET_PDEATHSIG + a parent watchdog), so nothing outlives it.
