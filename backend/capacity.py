@@ -1,4 +1,9 @@
-"""`m3serve capacity`: how many sequences of a given length fit, from the cache bytes per token."""
+"""`m3serve capacity`: how many sequences of a given length fit, from the cache bytes per token.
+
+With `gpus` = N tensor-parallel ranks, each rank holds 1/N of the sharded weights plus every replicated one (router,
+the indexer's shared key projection), 1/N of the KV heads' cache (at least one head) and all of the indexer keys
+(one head, replicated); the pool has the same number of pages on every rank, so the limits are those of one rank
+(`per_rank`)."""
 from __future__ import annotations
 
 from m3serve.config import (ModelConfig, indexer_bytes_per_token, kv_bytes_per_token, normalize_kv_dtype,
@@ -28,11 +33,19 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return out
 
 
-def weight_bytes(cfg: ModelConfig, experts: str = "bfloat16", shared: str = "bfloat16") -> int:
+def replicated_params(cfg: ModelConfig) -> int:
+    """Parameters every tensor-parallel rank holds in full: the routers and the indexer's key projection."""
+    return cfg.num_local_experts * cfg.hidden_size * cfg.num_moe_layers + \
+        cfg.hidden_size * cfg.index_head_dim * cfg.num_sparse_layers
+
+
+def weight_bytes(cfg: ModelConfig, experts: str = "bfloat16", shared: str = "bfloat16", ranks: int = 1) -> int:
+    """Weight bytes of the whole model (ranks=1) or of one of `ranks` tensor-parallel ranks."""
     p = param_counts(cfg)
     rest = p["total"] - p["routed_experts"] - p["shared_experts"]
-    return int(p["routed_experts"] * _WEIGHT_BYTES[experts] + p["shared_experts"] * _WEIGHT_BYTES[shared]
-               + rest * 2)
+    total = p["routed_experts"] * _WEIGHT_BYTES[experts] + p["shared_experts"] * _WEIGHT_BYTES[shared] + rest * 2
+    replicated = replicated_params(cfg) * 2
+    return int((total - replicated) / ranks + replicated)
 
 
 def plan(cfg: ModelConfig, kv_cache_dtype: str, indexer_kv_dtype: str | None = None, gpus: int = 1,
@@ -45,19 +58,24 @@ def plan(cfg: ModelConfig, kv_cache_dtype: str, indexer_kv_dtype: str | None = N
     if weights_gb is None:
         experts = "nvfp4" if q.get("routed_experts") == "NVFP4" else "bfloat16"
         shared = {"MXFP8": "mxfp8", "NVFP4": "nvfp4"}.get(q.get("shared_experts"), "bfloat16")
-        wbytes = weight_bytes(cfg, experts, shared)
+        wbytes, rank_wbytes = weight_bytes(cfg, experts, shared), weight_bytes(cfg, experts, shared, gpus)
     else:
         wbytes = int(weights_gb * 1e9)
+        rank_wbytes = wbytes // gpus  # given as a total: assumed evenly split
     kv_tok, idx_tok = kv_bytes_per_token(cfg, kv), indexer_bytes_per_token(cfg, idx)
+    heads = max(cfg.num_key_value_heads // gpus, 1)  # fewer KV heads than ranks: one each, replicated
+    rank_tok = kv_tok * heads / cfg.num_key_value_heads + idx_tok  # a rank caches its KV heads, every index key
     block = block_size or cfg.index_block_size
-    per_seq = page_count(seq_len, block) * block * (kv_tok + idx_tok)
-    budget = gpus * (gpu_memory_gb * 1e9 * gpu_memory_utilization - activation_reserve_gb * 1e9) - wbytes
+    per_seq = page_count(seq_len, block) * block * rank_tok
+    budget = gpu_memory_gb * 1e9 * gpu_memory_utilization - activation_reserve_gb * 1e9 - rank_wbytes
     return {
         "kv_cache_dtype": kv, "indexer_kv_dtype": idx,
         "kv_bytes_per_token": kv_tok, "indexer_bytes_per_token": idx_tok,
         "cache_bytes_per_token": kv_tok + idx_tok,
         "weight_bytes": wbytes, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "seq_len": seq_len,
-        "cache_budget_bytes": max(int(budget), 0),
+        "cache_budget_bytes": max(int(budget), 0) * gpus,
         "max_concurrent_sequences": max(int(budget // per_seq), 0) if per_seq else 0,
-        "max_cached_tokens": max(int(budget // (kv_tok + idx_tok)), 0),
+        "max_cached_tokens": max(int(budget // rank_tok), 0),
+        "per_rank": {"weight_bytes": rank_wbytes, "cache_bytes_per_token": int(round(rank_tok)),
+                     "cache_budget_bytes": max(int(budget), 0)},
     }

@@ -28,7 +28,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks: rank 0 in this process, a worker process per other rank (GPU r, or CPU with gloo)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="routed experts: E/N whole experts per rank instead of each expert split over the ranks")
     g.add_argument("--num-gpu-blocks-override", type=int)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
@@ -37,7 +40,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ["device", "dtype", "kv_cache_dtype", "attention_config", "block_size", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "enable_prefix_caching",
-            "tensor_parallel_size", "num_gpu_blocks_override", "seed", "enforce_eager"]
+            "tensor_parallel_size", "enable_expert_parallel", "num_gpu_blocks_override", "seed", "enforce_eager"]
     return {k: getattr(a, k) for k in keys}
 
 
@@ -46,16 +49,16 @@ def cmd_generate(a) -> int:
 
     if not a.prompt_ids and not a.prompt:
         raise SystemExit("generate: give --prompt-ids or --prompt")
-    llm = LLM(model=a.model, **_engine_kwargs(a))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                         seed=a.sampling_seed, ignore_eos=a.ignore_eos)
     prompts = list(a.prompt_ids or []) + list(a.prompt or [])
-    for i, out in enumerate(llm.generate(prompts, sp)):
-        rec = {"prompt_index": i, "token_ids": out.token_ids}
-        if out.text:
-            rec["text"] = out.text
-        rec["finish_reason"] = out.finish_reason
-        print(json.dumps(rec, ensure_ascii=False), flush=True)
+    with LLM(model=a.model, **_engine_kwargs(a)) as llm:
+        for i, out in enumerate(llm.generate(prompts, sp)):
+            rec = {"prompt_index": i, "token_ids": out.token_ids}
+            if out.text:
+                rec["text"] = out.text
+            rec["finish_reason"] = out.finish_reason
+            print(json.dumps(rec, ensure_ascii=False), flush=True)
     return 0
 
 
@@ -117,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model")
     c.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     c.add_argument("--indexer-kv-dtype", default=None, choices=KV_CACHE_DTYPES)
-    c.add_argument("--gpus", type=int, default=1)
+    c.add_argument("--gpus", type=int, default=1, help="tensor-parallel ranks (one GPU each); limits are per rank")
     c.add_argument("--gpu-memory-gb", type=float, default=141.0)
     c.add_argument("--seq-len", type=int, default=262144)
     c.add_argument("--weights-gb", type=float)

@@ -284,7 +284,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # False: a prompt's prefill runs in one step (needs budget >= max_model_len)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # > 1: rank 0 in the engine process, a worker process per other rank
+    enable_expert_parallel: bool = False  # routed experts: E/N whole experts per rank instead of each one split
     attention_config: dict[str, Any] = field(default_factory=dict)  # {"indexer_kv_dtype": ...}
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
@@ -315,8 +316,14 @@ class EngineConfig:
             problems.append(f"attention_config.indexer_kv_dtype: {idx!r} is not one of {list(KV_CACHE_DTYPES)}")
         if self.attention_config.get("indexer_decode_cp"):
             problems.append("attention_config.indexer_decode_cp: decode context parallelism is not supported yet")
-        if self.tensor_parallel_size != 1:
-            problems.append(f"tensor_parallel_size: {self.tensor_parallel_size} is not supported yet (only 1)")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            problems.append(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+        elif tp > 1 and str(self.device).startswith("cuda:"):
+            problems.append(f"device: {self.device!r} names one GPU; with tensor_parallel_size={tp} use 'cuda' "
+                            "(rank r runs on cuda:r; pick the GPUs with CUDA_VISIBLE_DEVICES)")
+        if not isinstance(self.enable_expert_parallel, bool):
+            problems.append(f"enable_expert_parallel: must be true or false, got {self.enable_expert_parallel!r}")
         if self.speculative_config:
             problems.append("speculative_config: speculative decoding (DSpark) is not supported yet")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

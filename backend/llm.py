@@ -31,11 +31,23 @@ def _as_prompt(p) -> dict:
 
 
 class LLM:
+    """`with LLM(...) as llm:` or `llm.shutdown()` releases the tensor-parallel worker processes at once (they also go
+    when the object is collected or the interpreter exits)."""
+
     def __init__(self, model: str, **options):
         self.config = EngineConfig(model=model, **options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:

@@ -111,7 +111,21 @@ class AsyncLLMEngine:
             return dict(self._stats)
 
     def is_healthy(self) -> bool:
-        return self._error is None and not self._stopping and self._thread.is_alive()
+        return (self._error is None and not self._stopping and self._thread.is_alive()
+                and self._executor_healthy())
+
+    # ---- hook (issue #14): the executor's worker processes --------------------------------------------
+    def _executor_healthy(self) -> bool:
+        """A tensor-parallel worker that died while the engine was idle: mark the engine dead (the step loop marks
+        it dead itself when a step fails). Called by `is_healthy`, so by the Triton model's health check."""
+        try:
+            self.engine.check_health()
+        except Exception as e:  # noqa: BLE001 - any failure of a worker is fatal to the engine
+            self._fail_all(e, f"the engine is not healthy: {e}")
+            with self._cv:
+                self._cv.notify_all()
+            return False
+        return True
 
     @property
     def is_running(self) -> bool:
@@ -124,6 +138,7 @@ class AsyncLLMEngine:
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self.engine.shutdown()  # hook (issue #14): the executor's worker processes go with the engine
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:

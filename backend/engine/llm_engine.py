@@ -223,6 +223,15 @@ class LLMEngine:
             prompt_token_ids=list(seq.prompt_token_ids) if first else [],
             num_cached_tokens=seq.num_cached_tokens)
 
+    # ---- the executor's workers -------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise if the executor lost a worker (tensor parallelism: a worker process died)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Release the executor's workers and processes (idempotent)."""
+        self.executor.shutdown()
+
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
         return {

@@ -1,6 +1,6 @@
 """The engine's view of its workers: set up the model and the page pool on every device, run each step on all
-of them, hand back rank 0's sampled tokens. Today one worker in this process (`UniprocExecutor`); tensor
-parallelism puts worker processes behind the same interface."""
+of them, hand back rank 0's sampled tokens. One worker in this process (`UniprocExecutor`), or with
+tensor_parallel_size > 1 rank 0 here and worker processes for the other ranks (`multiproc_executor.py`)."""
 from __future__ import annotations
 
 from m3serve.config import EngineConfig, ModelConfig
@@ -15,7 +15,7 @@ class Executor:
     index_dtype: str
     model_dtype: str
     num_pages: int
-    pin_memory: bool  # step inputs are built in pinned host memory (copied to a CUDA device without a sync)
+    pin_memory: bool = False  # step inputs are built in pinned host memory (copied to a CUDA device without a sync)
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         raise NotImplementedError
@@ -43,4 +43,7 @@ class UniprocExecutor(Executor):
 
 
 def create_executor(config: EngineConfig, model_config: ModelConfig, max_model_len: int, **kwargs) -> Executor:
+    if config.tensor_parallel_size > 1:
+        from m3serve.executor.multiproc_executor import MultiprocExecutor
+        return MultiprocExecutor(config, model_config, max_model_len, **kwargs)
     return UniprocExecutor(config, model_config, max_model_len, **kwargs)

@@ -29,10 +29,12 @@ _STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": tor
 CPU_DEFAULT_CACHE_BYTES = 256 << 20
 
 
-def page_bytes(cfg: ModelConfig, kv_dtype: str, index_dtype: str) -> int:
-    """Bytes of one page over all layers (K, V, indexer keys, block scales)."""
+def page_bytes(cfg: ModelConfig, kv_dtype: str, index_dtype: str, num_kv_heads: int | None = None) -> int:
+    """Bytes of one page over all layers (K, V, indexer keys, block scales) for `num_kv_heads` KV heads (a
+    tensor-parallel rank's; default all); the indexer keys are one head, on every rank."""
     b = cfg.index_block_size
-    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * b * cfg.head_dim * KV_BYTES_PER_ELEMENT[kv_dtype]
+    heads = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    kv = cfg.num_hidden_layers * 2 * heads * b * cfg.head_dim * KV_BYTES_PER_ELEMENT[kv_dtype]
     idx = cfg.num_sparse_layers * b * cfg.index_head_dim * KV_BYTES_PER_ELEMENT[index_dtype]
     return int(math.ceil(kv + idx))
 
@@ -48,10 +50,10 @@ def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_
 def determine_num_pages(cfg: ModelConfig, kv_dtype: str, index_dtype: str, device: torch.device, *,
                         gpu_memory_utilization: float, num_gpu_blocks_override: int | None,
                         max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        reserved_bytes: int = 0) -> int:
+                        reserved_bytes: int = 0, num_kv_heads: int | None = None) -> int:
     """Pages the pool gets: what the device's memory allows under `gpu_memory_utilization` after the weights,
     the activation reserve and `reserved_bytes` (e.g. CUDA graph memory), or the override."""
-    per_page = page_bytes(cfg, kv_dtype, index_dtype)
+    per_page = page_bytes(cfg, kv_dtype, index_dtype, num_kv_heads)
     per_seq = math.ceil(max_model_len / cfg.index_block_size)
     if num_gpu_blocks_override is not None:
         pages, how = int(num_gpu_blocks_override), "num_gpu_blocks_override"
@@ -178,13 +180,14 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_pages: int, kv_dtype: str, index_dtype: str,
                  device: torch.device | str = "cpu", kv_scales: dict[int, tuple[float, float]] | None = None,
-                 index_scales: dict[int, float] | None = None):
+                 index_scales: dict[int, float] | None = None, num_kv_heads: int | None = None):
         self.kv_dtype, self.index_dtype = kv_dtype, index_dtype
         self.block_size, self.num_pages = cfg.index_block_size, num_pages
         self.device = torch.device(device)
         kv_scales, index_scales = kv_scales or {}, index_scales or {}
+        heads = num_kv_heads or cfg.num_key_value_heads  # a tensor-parallel rank holds its KV heads only
         self.layers = [
-            LayerKVCache.allocate(num_pages, self.block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype,
+            LayerKVCache.allocate(num_pages, self.block_size, heads, cfg.head_dim, kv_dtype,
                                   self.device, *kv_scales.get(layer, (1.0, 1.0)), index_head_dim=cfg.index_head_dim,
                                   index_dtype=index_dtype if cfg.is_sparse_attention(layer) else None,
                                   index_scale=index_scales.get(layer, 1.0))

@@ -23,8 +23,9 @@ def select_attention_backend(model, cache: PagedKVCache, device: torch.device):
             log.warning("Triton attention backend unavailable (%s); using the torch reference attention", e)
         else:
             log.info("attention backend: Triton kernels (block-sparse MSA over the paged cache)")
-            cfg = model.config
-            return TritonAttention(model.attention_spec, cache, cfg.num_attention_heads, cfg.index_n_heads)
+            cfg, par = model.config, model.parallel  # this rank's heads
+            h0, h1 = par.split_heads(cfg.index_n_heads, "index_n_heads")
+            return TritonAttention(model.attention_spec, cache, cfg.num_attention_heads // par.size, h1 - h0)
     return TorchAttention(model.attention_spec, cache)
 
 
@@ -52,12 +53,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput | None:
-        """Run one step; the sampled tokens (on the device), or None when the step samples nothing."""
+        """Run one step; the sampled tokens (on the device), or None when the step samples nothing. Tensor-parallel
+        ranks other than 0 get the step without its sampling fields: they compute their logits' share (gathered
+        to rank 0) and return None. Decode steps replay the CUDA graphs when they were captured."""
         if self.graphs is not None and self.graphs.supports(step):
             return self.graphs.execute(step)
         step = step.to(self.device, non_blocking=True)
         hidden = self.forward(step)
-        if step.sampling is None:
+        if step.logits_indices is None or step.logits_indices.numel() == 0:
             return None
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        if logits is None or step.sampling is None:
+            return None
         return self.sampler(logits, step.sampling)

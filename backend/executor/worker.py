@@ -1,12 +1,15 @@
 """A worker: one device's model, page pool and model runner. It receives `StepInput`s and returns sampled tokens
-as host tensors; it holds no request state (that lives in the engine), so it can run in another process."""
+as host tensors; it holds no request state (that lives in the engine), so it can run in another process. With
+tensor parallelism it is one rank (`parallel`): its shard of the model, its KV heads' pages; only rank 0 samples."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from m3serve.config import EngineConfig, ModelConfig, normalize_kv_dtype
+from m3serve.distributed.parallel import Parallel
 from m3serve.engine.step import SamplerOutput, StepInput
 from m3serve.executor.cuda_graph import graph_reserve_bytes
 from m3serve.executor.kv_cache import PagedKVCache, determine_num_pages
@@ -28,15 +31,18 @@ def resolve_dtype(dtype: str, model_dtype: str, device: torch.device) -> torch.d
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, *, model=None, load_report=None):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, *, model=None, load_report=None,
+                 parallel: Parallel | None = None, device: torch.device | None = None):
         self.config, self.model_config = config, model_config
+        self.parallel = parallel or Parallel()
         if model is None:
             from m3serve.model.loader import load_model
-            self.device = resolve_device(config.device)
+            self.device = device if device is not None else resolve_device(config.device)
             if self.device.type == "cuda" and self.device.index is not None:
                 torch.cuda.set_device(self.device)
             dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
-            model, load_report = load_model(config.model, self.device, dtype, model_config, progress=False)
+            model, load_report = load_model(config.model, self.device, dtype, model_config, progress=False,
+                                            parallel=self.parallel)
         else:
             self.device = next(model.parameters()).device
         self.model, self.load_report = model, load_report
@@ -45,12 +51,16 @@ class Worker:
         self.kv_dtype = normalize_kv_dtype(config.kv_cache_dtype, dtype_name)
         idx = config.indexer_kv_dtype
         self.index_dtype = self.kv_dtype if idx == "auto" else normalize_kv_dtype(idx, dtype_name)
+        kv0, kv1 = self.parallel.split_heads(model_config.num_key_value_heads, "num_key_value_heads")
+        self.num_kv_heads = kv1 - kv0
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+        """Decode graphs on CUDA unless enforce_eager; not with tensor parallelism yet (capturing runs warm-up
+        forwards whose all-reduces every rank would have to join)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.parallel.size == 1
 
     def determine_num_pages(self, max_model_len: int) -> int:
         c, m = self.config, self.model_config
@@ -59,16 +69,34 @@ class Worker:
             m, self.kv_dtype, self.index_dtype, self.device,
             gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks_override=c.num_gpu_blocks_override,
             max_model_len=max_model_len, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            reserved_bytes=reserve)
+            num_kv_heads=self.num_kv_heads, reserved_bytes=reserve)
 
     def init_cache(self, num_pages: int, max_model_len: int) -> None:
         """The page pool, the model runner and (CUDA, unless enforce_eager) its decode graphs."""
         kv_scales = getattr(self.load_report, "kv_scales", None) or {}
-        self.cache = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales)
+        self.cache = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales,
+                                  num_kv_heads=self.num_kv_heads)
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.use_cuda_graphs:
             self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)
 
-    def execute(self, step: StepInput) -> SamplerOutput | None:
+    def execute(self, step: StepInput, timeout_s: float | None = None) -> SamplerOutput | None:
+        """The sampled tokens on the host (None when the step samples nothing, and on ranks other than 0). With
+        `timeout_s` on CUDA, a step whose device work does not finish in time (a hung peer) raises TimeoutError."""
         out = self.runner.execute(step)
-        return None if out is None else out.to("cpu")
+        if out is None:
+            return None
+        if timeout_s is not None and self.device.type == "cuda":
+            _wait_device(timeout_s)
+        return out.to("cpu")
+
+
+def _wait_device(timeout_s: float) -> None:
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the step's device work did not finish within {timeout_s:.0f} s (a tensor-parallel "
+                               "peer hangs?)")
+        time.sleep(50e-6)

@@ -7,6 +7,9 @@
   `weight_scale` e4m3 + `weight_scale_2`, or compressed-tensors `weight_packed` +
   `weight_global_scale` = the reciprocal), MXFP8 (`weight` e4m3 + `weight_scale_inv` E8M0 per 32).
 - A missing, unexpected or misshapen tensor is an error naming it.
+- Tensor parallelism: built with a `Parallel` of rank r of N, the model holds only rank r's shard, and each
+  tensor is read through `get_slice` for just that part (`Shard.source`, model/layers/sharding.py); expert-parallel
+  ranks skip the other ranks' experts' tensors altogether.
 """
 from __future__ import annotations
 
@@ -20,8 +23,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from m3serve.config import ModelConfig
+from m3serve.config import ConfigError, ModelConfig
+from m3serve.distributed.parallel import Parallel
 from m3serve.model import layout as L
+from m3serve.model.layers.sharding import QUANT_BLOCK, Shard
 from m3serve.model.m3 import M3ForCausalLM, Rotary
 from m3serve.model.weights import QuantWeight
 
@@ -130,7 +135,9 @@ class _Coverage:
 
 
 def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None, progress: bool = True) -> tuple[M3ForCausalLM, LoadReport]:
+               config: ModelConfig | None = None, progress: bool = True, parallel: Parallel | None = None
+               ) -> tuple[M3ForCausalLM, LoadReport]:
+    """The model (this rank's shard of it, with `parallel`) and a report of what was loaded."""
     cfg = config or ModelConfig.from_pretrained(model_dir)
     weight_map = list_tensors(model_dir)
     meta = read_headers(model_dir, weight_map)
@@ -151,14 +158,14 @@ def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.
     formats = _detect_formats(parsed, meta)
 
     with torch.device("meta"):
-        model = M3ForCausalLM(cfg, dtype)
+        model = M3ForCausalLM(cfg, dtype, parallel=parallel)
     for (layer, path), fmt in formats.items():
         parent, attr, full = _resolve(model, layer, path)
         old = getattr(parent, attr)
         if fmt != "dense":
             if not isinstance(old, QuantWeight):
                 raise CheckpointError(f"{full}: a {fmt} tensor where only a plain tensor is supported")
-            setattr(parent, attr, QuantWeight(old.n, old.k, fmt, dtype, old.lead, device="meta"))
+            setattr(parent, attr, _quant_weight(old, fmt, dtype, full, parallel))
             report.formats[full] = fmt
     model.to_empty(device=device)
     model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
@@ -171,7 +178,7 @@ def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.
             for name in s.keys():
                 if name not in parsed:
                     continue
-                _load_one(model, cfg, name, parsed[name], s.get_tensor(name), cov, report)
+                _load_one(model, cfg, name, parsed[name], _Reader(s, name, meta[name][1]), cov, report)
                 bar.update(1)
     bar.close()
     report.num_tensors = len(parsed)
@@ -185,7 +192,37 @@ def load_model(model_dir: str, device: str | torch.device = "cpu", dtype: torch.
     return model, report
 
 
-def _load_one(model, cfg, name, p, t: torch.Tensor, cov: _Coverage, report: LoadReport) -> None:
+def _quant_weight(old: QuantWeight, fmt: str, dtype, full: str, parallel: Parallel | None) -> QuantWeight:
+    """A quantized weight in the place of the dense one the model was built with (same shard)."""
+    block = QUANT_BLOCK[fmt]
+    if old.shard.cols is not None and old.k % block:
+        raise CheckpointError(
+            f"{full}: a row-parallel {fmt} weight splits K={old.k * parallel.size} into {old.k} per rank over "
+            f"tensor_parallel_size={parallel.size}; {fmt} needs K per rank to be a multiple of its block of {block} "
+            "(scales cover blocks of K): use a smaller tensor_parallel_size")
+    return QuantWeight(old.n, old.k, fmt, dtype, old.lead, device="meta", shard=old.shard)
+
+
+class _Reader:
+    """One checkpoint tensor of an open shard file, read whole or by the slices a `Shard` asks for."""
+
+    def __init__(self, handle, name: str, shape: list[int]):
+        self.handle, self.name, self.shape = handle, name, list(shape)
+
+    def read(self, shard: Shard = Shard(), fmt: str = "dense", role: str = "weight", one_part: bool = False,
+             stacked: bool = False) -> torch.Tensor:
+        try:
+            index = shard.source(self.shape, fmt, role, one_part, stacked, self.name)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        if index == [()]:
+            return self.handle.get_tensor(self.name)
+        sl = self.handle.get_slice(self.name)
+        parts = [sl[i] for i in index]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
+def _load_one(model, cfg, name, p, reader: _Reader, cov: _Coverage, report: LoadReport) -> None:
     layer, path, part, expert, raw_role = p
     role = L.ROLES.get(raw_role)
     if role is None:
@@ -193,19 +230,25 @@ def _load_one(model, cfg, name, p, t: torch.Tensor, cov: _Coverage, report: Load
     parent, attr, full = _resolve(model, layer, path)
     target = getattr(parent, attr)
     if role in ("k_scale", "v_scale"):
+        t = reader.read()
         k, v = report.kv_scales.get(layer, (1.0, 1.0))
         report.kv_scales[layer] = (float(t), v) if role == "k_scale" else (k, float(t))
         return
-    if role == "weight_global_scale":  # compressed-tensors: quant-side g; we keep the dequant side 1/g
-        t, role = 1.0 / t.float(), "weight_scale_2"
     if isinstance(target, QuantWeight):
         if part in ("gate", "up"):
             half = target.n // 2
             rows = slice(0, half) if part == "gate" else slice(half, target.n)
         else:
             rows = slice(None)
-        if expert is not None and not 0 <= expert < cfg.num_local_experts:
-            raise CheckpointError(f"{name}: expert {expert} out of range (config has {cfg.num_local_experts})")
+        if expert is not None:
+            if not 0 <= expert < cfg.num_local_experts:
+                raise CheckpointError(f"{name}: expert {expert} out of range (config has {cfg.num_local_experts})")
+            expert = target.shard.local_expert(expert)
+            if expert is None:
+                return  # another rank's expert: not read at all
+        t = reader.read(target.shard, target.fmt, role, part in ("gate", "up"), part == "stack")
+        if role == "weight_global_scale":  # compressed-tensors: quant-side g; we keep the dequant side 1/g
+            t, role = 1.0 / t.float(), "weight_scale_2"
         try:
             target.load(role, t, index=expert, rows=rows, name=name)
         except ValueError as e:
@@ -214,6 +257,7 @@ def _load_one(model, cfg, name, p, t: torch.Tensor, cov: _Coverage, report: Load
         return
     if role != "weight":
         raise CheckpointError(f"unexpected tensor {name}: {full} is a plain tensor, not quantized")
+    t = reader.read(getattr(parent, "shard", Shard()))
     if tuple(t.shape) != tuple(target.shape):
         raise CheckpointError(f"{name}: expected shape {tuple(target.shape)}, found {tuple(t.shape)}")
     with torch.no_grad():
@@ -251,7 +295,7 @@ def _name_missing(layout, full, mod, role, got) -> str:
     if got is not None:
         idx = (~got).nonzero()[0].tolist()
         if mod.lead:
-            expert = idx[0]
+            expert = idx[0] + (mod.shard.experts[0] if mod.shard.experts else 0)  # a global id
         row = idx[-1]
     else:
         row = 0

@@ -4,6 +4,10 @@ against (numerics of transformers 5.25 `MiniMaxM3VLForCausalLM`), written over a
 Tokens of all sequences of a step are flattened to `[T, hidden]`; the `StepInput` says which belong to
 which sequence, and an attention backend (model/layers/attention.py) owns the cache. Module names follow
 the transformers layout so the loader's map stays short.
+
+Built with a `Parallel` of size N, each rank holds its shard (model/layers/sharding.py has the rules): its
+attention heads, its part of each FFN (or its experts), its vocab rows; the layers sum partial outputs over the
+ranks where a split ends (o_proj, the MLP down projections, the MoE layer, the embedding).
 """
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3serve.config import ModelConfig
+from m3serve.distributed.parallel import Parallel
 from m3serve.engine.step import StepInput
 from m3serve.model.layers.attention import AttentionSpec
-from m3serve.model.layers.linear import Linear
+from m3serve.model.layers.embedding import VocabParallelEmbedding
+from m3serve.model.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from m3serve.model.layers.moe import DenseMLP, SparseMoE
 
 
@@ -58,10 +64,15 @@ class Rotary(nn.Module):
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Index heads follow the KV heads across ranks (head h picks the blocks of KV head h); the one index key
+    is shared by all heads, so every rank computes and caches it."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, parallel: Parallel):
         super().__init__()
-        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.q_proj = Linear(cfg.hidden_size, cfg.index_n_heads * cfg.index_head_dim, dtype=dtype)
+        h0, h1 = parallel.split_heads(cfg.index_n_heads, "index_n_heads")
+        self.n_heads, self.head_dim = h1 - h0, cfg.index_head_dim
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.index_n_heads * cfg.index_head_dim, parallel,
+                                           dtype=dtype, head_dim=cfg.index_head_dim)
         self.k_proj = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=dtype)
         self.q_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
@@ -76,18 +87,25 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    """This rank's attention heads (`n_heads`, `n_kv`: local counts; with more ranks than KV heads each KV head is
+    replicated on size/H_kv ranks, whose q heads are its group); o_proj sums the heads' outputs over ranks."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, parallel: Parallel | None = None):
         super().__init__()
+        parallel = parallel or Parallel()
         self.layer = layer
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.eps, self.rotary_dim = cfg.rms_norm_eps, cfg.rotary_dim
-        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, dtype=dtype)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, dtype=dtype)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, dtype=dtype)
-        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, dtype=dtype)
+        self.n_heads = parallel.part(cfg.num_attention_heads, "num_attention_heads")
+        kv0, kv1 = parallel.split_heads(cfg.num_key_value_heads, "num_key_value_heads")
+        self.n_kv = kv1 - kv0
+        self.head_dim, self.eps, self.rotary_dim = cfg.head_dim, cfg.rms_norm_eps, cfg.rotary_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = ColumnParallelLinear(h, cfg.num_attention_heads * d, parallel, dtype=dtype, head_dim=d)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, parallel, dtype=dtype, head_dim=d)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, parallel, dtype=dtype, head_dim=d)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, parallel, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.indexer = Indexer(cfg, dtype) if cfg.is_sparse_attention(layer) else None
+        self.indexer = Indexer(cfg, dtype, parallel) if cfg.is_sparse_attention(layer) else None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections()
 
     def _projections(self) -> list[Linear]:
@@ -147,13 +165,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, formats: dict[str, str]):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, formats: dict[str, str], parallel: Parallel):
         super().__init__()
-        self.self_attn = Attention(cfg, layer, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, parallel)
         if cfg.is_moe(layer):
-            self.mlp = SparseMoE(cfg, dtype, formats.get("experts", "dense"), formats.get("shared_experts", "dense"))
+            self.mlp = SparseMoE(cfg, dtype, formats.get("experts", "dense"), formats.get("shared_experts", "dense"),
+                                 parallel)
         else:
-            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype, formats.get("dense_mlp", "dense"))
+            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size, dtype, formats.get("dense_mlp", "dense"), parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -163,25 +182,26 @@ class DecoderLayer(nn.Module):
 
 
 class M3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, formats: dict[int, dict[str, str]] | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, formats: dict[int, dict[str, str]] | None = None,
+                 parallel: Parallel | None = None):
         super().__init__()
-        formats = formats or {}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        formats, parallel = formats or {}, parallel or Parallel()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, formats.get(i, {})) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, i, dtype, formats.get(i, {}), parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class M3ForCausalLM(nn.Module):
-    """forward(step, backend) -> final hidden states [T, H]; compute_logits(h) -> fp32 [N, V]."""
+    """forward(step, backend) -> final hidden states [T, H]; compute_logits(h) -> fp32 [N, V] (on rank 0)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 formats: dict[int, dict[str, str]] | None = None):
+                 formats: dict[int, dict[str, str]] | None = None, parallel: Parallel | None = None):
         super().__init__()
         self.config, self.dtype = cfg, dtype
-        self.model = M3Model(cfg, dtype, formats)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.parallel = parallel or Parallel()
+        self.model = M3Model(cfg, dtype, formats, self.parallel)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, self.parallel, dtype=dtype)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.attention_spec = AttentionSpec.of(cfg)
 
@@ -205,5 +225,6 @@ class M3ForCausalLM(nn.Module):
                 mod.prepare(device)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits [N, V]: every rank computes its vocab rows, rank 0 gets them all (the others: None)."""
+        return self.parallel.gather_first(self.lm_head(hidden).float(), dim=-1)

@@ -70,14 +70,15 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str = "bfloat16",
-              dspark: bool = False) -> ModelConfig:
-    """The tiny model in `out_dir`; with `dspark`, also its tiny DSpark draft in `out_dir/dspark`."""
+              dspark: bool = False, **over) -> ModelConfig:
+    """The tiny model in `out_dir`; with `dspark`, also its tiny DSpark draft in `out_dir/dspark`. `over`: config
+    fields to change (e.g. 4 KV heads, so that 4 tensor-parallel ranks divide the model)."""
     from m3serve.text.tiny_tokenizer import build_tiny_tokenizer
 
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tiny_tokenizer(out_dir)
     vocab = -(-tok["vocab_size"] // 64) * 64  # embedding rows padded to a multiple of 64, as real models do
-    cfg = tiny_config(vocab, tok["bos_token_id"], tok["eos_token_id"], dtype=dtype)
+    cfg = tiny_config(vocab, tok["bos_token_id"], tok["eos_token_id"], dtype=dtype, **over)
     write_checkpoint(out_dir, cfg, random_state(cfg, seed), layout=layout, dtype=getattr(torch, dtype),
                      max_shard_bytes=1 << 20)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:

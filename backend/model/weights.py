@@ -11,17 +11,19 @@ import torch
 from torch import nn
 
 from m3serve.kernels import mxfp8, nvfp4
+from m3serve.model.layers.sharding import Shard
 
 FORMATS = ("dense", "nvfp4", "mxfp8", "fp8")
 
 
 class QuantWeight(nn.Module):
     def __init__(self, n: int, k: int, fmt: str = "dense", dtype: torch.dtype = torch.float32,
-                 lead: tuple[int, ...] = (), device: torch.device | str | None = None):
+                 lead: tuple[int, ...] = (), device: torch.device | str | None = None, shard: Shard | None = None):
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}")
-        self.n, self.k, self.fmt, self.lead, self.dtype = n, k, fmt, tuple(lead), dtype
+        self.n, self.k, self.fmt, self.lead, self.dtype = n, k, fmt, tuple(lead), dtype  # this rank's shape
+        self.shard = shard or Shard()  # which part of the checkpoint weight that is (tensor parallelism)
         shape = (*self.lead, n)
         if fmt == "dense":
             self.register_buffer("weight", torch.zeros(*shape, k, dtype=dtype, device=device))

@@ -2,8 +2,9 @@
 
 `model` (and `tokenizer`) may be absolute, or relative to the version folder, or relative to
 `$M3SERVE_MODEL_DIR`; `$VARS` and `~` are expanded. Options vLLM accepts that change nothing here
-are dropped with a note; unknown options and unsupported ones (TP > 1, speculative_config, ...) fail
-the model load with a message naming them.
+are dropped with a note; unknown options and unsupported ones (speculative_config, ...) fail the model
+load with a message naming them. `tensor_parallel_size` and `enable_expert_parallel` pass through to the engine,
+which starts its worker processes from the stub (executor/multiproc_executor.py).
 """
 from __future__ import annotations
 

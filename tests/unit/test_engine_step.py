@@ -1,6 +1,5 @@
 """The typed step input: built from scheduled sequences, it carries only tensors, lists and scalars, so it survives
 pickle and `torch.distributed.broadcast_object_list` to another rank unchanged."""
-import dataclasses
 import os
 import pickle
 import tempfile
@@ -14,6 +13,7 @@ from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
 from m3serve.engine.step import SamplingInput, StepInput
 from m3serve.engine.step_builder import StepBuilder
+from support.steps import assert_same
 
 B = 4
 
@@ -29,17 +29,6 @@ def _scheduled() -> ScheduledBatch:
     c = Sequence("c", 2, [1, 2, 3], SamplingParams(top_p=0.5, min_tokens=2, stop_token_ids=[4]), 10, seed=9)
     c.pages = [4]
     return ScheduledBatch([a, b, c], [1, 6, 3])
-
-
-def _assert_same(x, y):
-    assert type(x) is type(y)
-    if isinstance(x, torch.Tensor):
-        assert x.dtype == y.dtype and torch.equal(x, y)
-    elif dataclasses.is_dataclass(x):
-        for f in dataclasses.fields(x):
-            _assert_same(getattr(x, f.name), getattr(y, f.name))
-    else:
-        assert x == y
 
 
 def test_step_builder_fields():
@@ -65,7 +54,7 @@ def test_step_input_pickles():
     step, _ = StepBuilder(B, {2}).build(_scheduled())
     step.attn_tiles = torch.tensor([[0, 0, 1]], dtype=torch.int32)
     back = pickle.loads(pickle.dumps(step))
-    _assert_same(step, back)
+    assert_same(step, back)
     assert isinstance(back.sampling, SamplingInput)
 
 
@@ -84,4 +73,4 @@ def test_step_input_broadcasts_to_another_rank():
         mp.spawn(_rank, args=(os.path.join(d, "store"), result), nprocs=2, join=True)
         received = torch.load(result, weights_only=False)
     assert isinstance(received, StepInput)
-    _assert_same(StepBuilder(B, {2}).build(_scheduled())[0], received)
+    assert_same(StepBuilder(B, {2}).build(_scheduled())[0], received)

@@ -4,6 +4,10 @@
 - `TorchQuantLinear`: the reference for NVFP4 / MXFP8 / FP8 weights: dequantize, then F.linear (CPU, tests).
 - `KernelQuantLinear`: the Triton kernels (kernels/quant_linear.py) decode the packed weights in registers (CUDA);
   the weight is laid out for them once and the checkpoint layout released.
+
+Tensor parallelism (nano-vllm's split): `ColumnParallelLinear` holds N/size output rows (of each of `parts` blocks,
+e.g. gate | up), `RowParallelLinear` holds K/size input columns and sums the partial outputs over the ranks. Each
+holds only its shard (`w.shard` tells the loader which slice to read) and still hands its local GEMM to its method.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m3serve.distributed.parallel import Parallel
+from m3serve.model.layers.sharding import Shard
 from m3serve.model.weights import QuantWeight
 
 log = logging.getLogger(__name__)
@@ -69,3 +75,36 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         method = self.method or (DenseLinear() if self.w.fmt == "dense" else TorchQuantLinear())
         return method.apply(self.w, x)
+
+
+class ColumnParallelLinear(Linear):
+    """y[:, this rank's output rows] = x W_shard^T; the output stays split (the next layer takes it as it is).
+    `head_dim`: the rows are heads of that size, split by `Parallel.split_heads` (replicated below one per rank)."""
+
+    def __init__(self, k: int, n: int, parallel: Parallel, parts: int = 1, fmt: str = "dense",
+                 dtype: torch.dtype = torch.float32, head_dim: int | None = None):
+        if head_dim is None:
+            start, stop = parallel.split(n // parts, f"output size {n // parts}")
+        else:
+            h0, h1 = parallel.split_heads(n // head_dim, f"{n // head_dim} heads")
+            start, stop = h0 * head_dim, h1 * head_dim
+        super().__init__(k, (stop - start) * parts, fmt, dtype)
+        if parallel.size > 1:
+            self.w.shard = Shard(rows=(start, stop), parts=parts)
+
+
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x[:, this rank's K columns] W_shard^T (`reduce=False`: the caller sums once for
+    several partial outputs, e.g. the routed and the shared experts)."""
+
+    def __init__(self, k: int, n: int, parallel: Parallel, fmt: str = "dense", dtype: torch.dtype = torch.float32,
+                 reduce: bool = True):
+        start, stop = parallel.split(k, f"input size {k}")
+        super().__init__(stop - start, n, fmt, dtype)
+        self.parallel, self.reduce = parallel, reduce
+        if parallel.size > 1:
+            self.w.shard = Shard(cols=(start, stop))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.parallel.all_reduce(y) if self.reduce else y

@@ -5,10 +5,17 @@ Its method is picked once at load (`SparseMoE.prepare`), by the experts' weight 
   experts that got tokens, so it synchronises: CPU and tests).
 - `KernelMoE`: the Triton MoE layer (kernels/moe.py: router with on-device grouping, grouped expert GEMMs that
   decode NVFP4 / MXFP8 / FP8 weights in registers, SwiGLU-OAI fused, the shared expert in the same launches,
-  combine): CUDA, quantized experts or bf16/fp16 ones. The weights are laid out for it once and the checkpoint
-  layout released. No host synchronisation (CUDA-graph safe).
+  combine): CUDA, quantized experts or bf16/fp16 ones, every expert on this rank (not with expert parallelism yet:
+  the torch reference serves that). The weights are laid out for it once and the checkpoint layout released. No
+  host synchronisation (CUDA-graph safe).
 - `DenseMoE`: fp32 dense experts on CUDA (the small test models), no host synchronisation either: every expert
   runs over every token and the routing weights (zero for experts not chosen) combine them. Exact.
+
+Tensor parallelism: the shared expert and the dense MLPs split their FFN over the ranks (gate_up by rows, down by
+columns); the routed experts either split each expert's FFN the same way or, with expert parallelism, each rank
+holds E/N whole experts (`Experts.first_expert`...) and runs the tokens routed to them (every rank has every token
+after attention's all-reduce: that is the dispatch). Either way each rank's routed + shared output is a partial
+sum, and `SparseMoE` sums them over the ranks with one all-reduce (the combine).
 """
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3serve.config import ModelConfig
-from m3serve.model.layers.linear import Linear
+from m3serve.distributed.parallel import Parallel
+from m3serve.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from m3serve.model.layers.sharding import Shard
 from m3serve.model.weights import QuantWeight
 
 
@@ -30,11 +39,16 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, inter: int, dtype: torch.dtype, fmt: str = "dense"):
+    """`reduce=False`: the output is this rank's partial sum (the MoE layer sums it with the routed experts')."""
+
+    def __init__(self, cfg: ModelConfig, inter: int, dtype: torch.dtype, fmt: str = "dense",
+                 parallel: Parallel | None = None, reduce: bool = True):
         super().__init__()
+        parallel = parallel or Parallel()
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, fmt=fmt, dtype=dtype)  # gate rows first
-        self.down_proj = Linear(inter, cfg.hidden_size, fmt=fmt, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * inter, parallel, parts=2, fmt=fmt,
+                                                 dtype=dtype)  # gate rows first
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, parallel, fmt=fmt, dtype=dtype, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
@@ -58,15 +72,33 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' stacked weights: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+    """This rank's routed experts' stacked weights: gate_up [E_r, 2I_r, H] (gate rows first), down [E_r, H, I_r].
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: str = "dense"):
+    Router ids are global: local expert j is global expert `first_expert + j`, for j < `num_experts`; of
+    `total_experts`. Tensor-parallel: every expert, I_r = I/N. Expert-parallel: E_r = E/N whole experts."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: str = "dense", parallel: Parallel | None = None):
         super().__init__()
+        parallel = parallel or Parallel()
         e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        self.num_experts = e
+        self.total_experts, self.first_expert, self.num_experts = e, 0, e
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
-        self.gate_up_proj = QuantWeight(2 * i, h, fmt, dtype, lead=(e,))
-        self.down_proj = QuantWeight(h, i, fmt, dtype, lead=(e,))
+        gate_up = down = Shard()
+        if parallel.size > 1 and parallel.expert_parallel:
+            self.first_expert, stop = parallel.split(e, "num_local_experts")
+            self.num_experts = stop - self.first_expert
+            gate_up = down = Shard(experts=(self.first_expert, stop))
+        elif parallel.size > 1:
+            i0, i1 = parallel.split(i, "intermediate_size")
+            i = i1 - i0
+            gate_up, down = Shard(rows=(i0, i1), parts=2), Shard(cols=(i0, i1))
+        self.gate_up_proj = QuantWeight(2 * i, h, fmt, dtype, lead=(self.num_experts,), shard=gate_up)
+        self.down_proj = QuantWeight(h, i, fmt, dtype, lead=(self.num_experts,), shard=down)
+
+    def local_ids(self, idx: torch.Tensor) -> list[int]:
+        """The local indices of this rank's experts that some token was routed to (synchronises with the host)."""
+        first, n = self.first_expert, self.num_experts
+        return [e - first for e in torch.unique(idx).tolist() if first <= e < first + n]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e over the tokens x (weights dequantized: the reference math)."""
@@ -75,8 +107,9 @@ class Experts(nn.Module):
 
 
 class TorchMoE:
-    """A method's `apply(layer, x)` computes the whole layer (router, routed experts, shared expert), so a fused
-    kernel can take all of it; the torch methods differ only in how they run the routed experts."""
+    """A method's `apply(layer, x)` computes the whole layer (router, routed experts, shared expert) of this rank, so
+    a fused kernel can take all of it (the layer then sums the ranks' outputs); the torch methods differ only in how
+    they run the routed experts."""
 
     name = "torch-reference"
 
@@ -86,8 +119,8 @@ class TorchMoE:
 
     def routed(self, experts: Experts, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
+        for e in experts.local_ids(idx):
+            tok, slot = torch.where(idx == e + experts.first_expert)
             h = experts.expert(e, x[tok])
             out.index_add_(0, tok, (h * weights[tok, slot, None].to(h.dtype)).float())
         return out.to(x.dtype)
@@ -97,8 +130,9 @@ class DenseMoE(TorchMoE):
     name = "dense-all-experts"
 
     def routed(self, experts: Experts, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        combine = torch.zeros(x.shape[0], experts.num_experts, dtype=torch.float32, device=x.device)
+        combine = torch.zeros(x.shape[0], experts.total_experts, dtype=torch.float32, device=x.device)
         combine.scatter_(1, idx, weights.float())
+        combine = combine[:, experts.first_expert:experts.first_expert + experts.num_experts]
         out = torch.zeros_like(x, dtype=torch.float32)
         for e in range(experts.num_experts):
             out += combine[:, e:e + 1] * experts.expert(e, x).float()
@@ -127,22 +161,28 @@ def select_moe_method(layer: "SparseMoE", device: torch.device):
         return TorchMoE()
     if isinstance(layer.method, KernelMoE):
         return layer.method
-    if layer.experts.gate_up_proj.fmt == "dense" and layer.experts.gate_up_proj.dtype == torch.float32:
+    e = layer.experts
+    if e.num_experts != e.total_experts:  # expert parallel: the fused kernel routes over every expert it holds
+        return TorchMoE()
+    if e.gate_up_proj.fmt == "dense" and e.gate_up_proj.dtype == torch.float32:
         return DenseMoE()
     return KernelMoE(layer)
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_fmt: str = "dense", shared_fmt: str = "dense"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_fmt: str = "dense", shared_fmt: str = "dense",
+                 parallel: Parallel | None = None):
         super().__init__()
+        self.parallel = parallel or Parallel()
         self.scaling = cfg.routed_scaling_factor
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg, dtype, expert_fmt)
-        self.shared_experts = DenseMLP(cfg, cfg.shared_intermediate_size, dtype, shared_fmt)
+        self.gate = Router(cfg)  # replicated: every rank routes every token alike
+        self.experts = Experts(cfg, dtype, expert_fmt, self.parallel)
+        self.shared_experts = DenseMLP(cfg, cfg.shared_intermediate_size, dtype, shared_fmt, self.parallel,
+                                       reduce=False)
         self.method = None
 
     def prepare(self, device: torch.device) -> None:
         self.method = select_moe_method(self, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.method or TorchMoE()).apply(self, x)
+        return self.parallel.all_reduce((self.method or TorchMoE()).apply(self, x))
