@@ -2,7 +2,11 @@
 full-attention layers), prefill insert and prefill attention; torch references in the same run.
 
     python benchmarks/bench_msa.py --out /tmp/bench.json        (one device call; prints a table)
-    python benchmarks/bench_msa.py --smoke                      (CPU: tiny shapes, checks the script runs)
+    python benchmarks/bench_msa.py --smoke                      (CPU: tiny shapes, checks the script runs;
+                                                                 with --tune / --tune-decoders: their variants too)
+
+Kernel variants (``--tune``, ``--tune-decoders``) are selected through the kernels' tuning table
+(``m3serve.kernels.dispatch.tuned``), the same launch parameters the engine gets by default otherwise.
 
 Per (context, batch, cache dtype): times (triton.testing.do_bench, median, L2 flushed between reps; also
 CUDA-graph replays with the L2 flushed, which hide Python launch overhead), bytes the kernel must move
@@ -30,6 +34,8 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from m3serve.config import KV_BYTES_PER_ELEMENT  # noqa: E402
+from m3serve.executor.kv_cache import LayerKVCache  # noqa: E402
+from m3serve.kernels.dispatch import tuned  # noqa: E402
 from m3serve.kernels.indexer import indexer_block_scores, indexer_decode, indexer_prefill  # noqa: E402
 from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref  # noqa: E402
 from m3serve.kernels.msa_attention import msa_decode, msa_prefill  # noqa: E402
@@ -79,6 +85,14 @@ def t_graph(fn, n=10):
         return None
 
 
+def under(fn, **knobs):
+    """``fn`` with the kernels' launch choices changed (`dispatch.Tuning` fields): one benchmark variant."""
+    def run():
+        with tuned(**knobs):
+            return fn()
+    return run
+
+
 def t_cpu(fn, n=1):
     t0 = time.perf_counter()
     for _ in range(n):
@@ -106,18 +120,14 @@ def alloc_pool(dtype, lead, dim, device):
 
 
 class Pool:
+    """One layer's pages (K, V, index keys) of ``dtype``, random valid bytes: ``cache`` is what the kernels take."""
+
     def __init__(self, dtype, n_pages, device):
         self.dtype, self.P = dtype, n_pages
-        self.kd, self.ksb = alloc_pool(dtype, (n_pages, H_KV, B), D, device)
-        self.vd, self.vsb = alloc_pool(dtype, (n_pages, H_KV, B), D, device)
-        self.idx, self.isb = alloc_pool(dtype, (n_pages, B), D_IDX, device)
-        self.s = SCALE[dtype]
-
-    def kv(self):
-        return self.kd, self.vd, self.ksb, self.vsb, self.s, self.s
-
-    def index(self):
-        return self.idx, self.isb, self.s
+        (kd, ksb), (vd, vsb) = (alloc_pool(dtype, (n_pages, H_KV, B), D, device) for _ in range(2))
+        idx, isb = alloc_pool(dtype, (n_pages, B), D_IDX, device)
+        s = SCALE[dtype]
+        self.cache = LayerKVCache(dtype, kd, vd, ksb, vsb, s, s, dtype, idx, isb, s)
 
 
 def unfused_torch_msa_decode(q, iq, pool, bt, ctx, scale):
@@ -125,15 +135,16 @@ def unfused_torch_msa_decode(q, iq, pool, bt, ctx, scale):
     S = q.shape[0]
     nb = ctx // B
     pages = bt[:, :nb].long()
-    keys = pool.idx[pages].view(S, nb * B, D_IDX)  # gather
+    c = pool.cache
+    keys = c.index[pages].view(S, nb * B, D_IDX)  # gather
     sc = torch.einsum("shd,skd->shk", iq, keys).float()  # [S, H, L]
     bs = sc.view(S, H_IDX, nb, B).amax(-1)
     bs[:, :, nb - 1] = float("inf")  # local block
     top = bs.topk(min(TOPK, nb), dim=-1).indices  # [S, H, k]
     sel = pages.gather(1, top.flatten(1)).view(S, H_KV, -1)  # page ids [S, H, k]
     hh = torch.arange(H_KV, device=q.device)[None, :, None]
-    ksel = pool.kd[sel, hh].flatten(2, 3)  # [S, H, k*B, D]
-    vsel = pool.vd[sel, hh].flatten(2, 3)
+    ksel = c.k[sel, hh].flatten(2, 3)  # [S, H, k*B, D]
+    vsel = c.v[sel, hh].flatten(2, 3)
     return F.scaled_dot_product_attention(q.view(S, H_KV, H_Q // H_KV, D), ksel, vsel, scale=scale)
 
 
@@ -160,15 +171,17 @@ def bench_decode(pool, ctx, batch, device, copy_bw, timer, graph, refs):
     idx_bytes = S * ctx * D_IDX * be
     row = {"kv_dtype": pool.dtype, "index_dtype": pool.dtype, "context": ctx, "batch": S}
 
-    scan = lambda: indexer_block_scores(iq, *pool.index(), bt, seq_lens=seq_lens)  # noqa: E731
-    idx_fn = lambda: indexer_decode(iq, *pool.index(), bt, seq_lens, TOPK)  # noqa: E731
-    bids, pages = indexer_decode(iq, *pool.index(), bt, seq_lens, TOPK, return_pages=True)
+    c = pool.cache
+    scan = lambda: indexer_block_scores(iq, c, bt, seq_lens=seq_lens)  # noqa: E731
+    idx_fn = lambda: indexer_decode(iq, c, bt, seq_lens, TOPK)  # noqa: E731
+    bids, pages = indexer_decode(iq, c, bt, seq_lens, TOPK, return_pages=True)
     n_sel = int((bids >= 0).sum())
-    attn_fn = lambda: msa_decode(q, *pool.kv(), bt, seq_lens, scale, bids, block_pages=pages)  # noqa: E731
-    dense_fn = lambda: msa_decode(q, *pool.kv(), bt, seq_lens, scale, None)  # noqa: E731
+    attn_fn = lambda: msa_decode(q, c, bt, seq_lens, scale, bids, block_pages=pages)  # noqa: E731
+    dense_fn = lambda: msa_decode(q, c, bt, seq_lens, scale, None)  # noqa: E731
+
     def both():
-        ids, pages = indexer_decode(iq, *pool.index(), bt, seq_lens, TOPK, return_pages=True)
-        return msa_decode(q, *pool.kv(), bt, seq_lens, scale, ids, block_pages=pages)
+        ids, pages = indexer_decode(iq, c, bt, seq_lens, TOPK, return_pages=True)
+        return msa_decode(q, c, bt, seq_lens, scale, ids, block_pages=pages)
     attn_bytes = n_sel * B * 2 * D * be
     dense_bytes = S * ctx * H_KV * 2 * D * be
     for name, fn, nbytes in (("indexer_scan", scan, idx_bytes), ("indexer_topk", idx_fn, idx_bytes),
@@ -226,9 +239,9 @@ def bench_insert(dtype, T, device, timer):
     ik = torch.randn(T, D_IDX, device=device, dtype=torch.bfloat16)
     slots = torch.randperm(P * B, device=device)[:T]
     s = SCALE[dtype]
-    args = (k, v, slots, kd, vd, ksb, vsb, s, s, ik, idd, isb, s)
-    fused = timer(lambda: kv_insert(*args))
-    unfused = timer(lambda: kv_insert_ref(*args))
+    cache = LayerKVCache(dtype, kd, vd, ksb, vsb, s, s, dtype, idd, isb, s)
+    fused = timer(lambda: kv_insert(k, v, slots, cache, ik))
+    unfused = timer(lambda: kv_insert_ref(k, v, slots, cache, ik))
     nbytes = T * (2 * H_KV * D + D_IDX) * (2 + KV_BYTES_PER_ELEMENT[dtype])
     return {"kv_dtype": dtype, "tokens": T, "fused_ms": fused, "unfused_torch_ms": unfused,
             "speedup": unfused / fused, "bytes": nbytes, "fused_TBps": nbytes / (fused * 1e-3) / 1e12}
@@ -243,12 +256,13 @@ def bench_prefill(pool, ctx, chunk, device, timer):
     q = torch.randn(chunk, H_Q, D, device=device, dtype=torch.bfloat16)
     iq = torch.randn(chunk, H_IDX, D_IDX, device=device, dtype=torch.bfloat16)
     scale = D ** -0.5
-    idx_fn = lambda: indexer_prefill(iq, *pool.index(), bt, qsl, pos, TOPK)  # noqa: E731
+    c = pool.cache
+    idx_fn = lambda: indexer_prefill(iq, c, bt, qsl, pos, TOPK)  # noqa: E731
     bids = idx_fn()
     row = {"kv_dtype": pool.dtype, "context": ctx, "chunk": chunk}
     row["indexer_prefill_ms"] = timer(idx_fn)
-    row["msa_prefill_sparse_ms"] = timer(lambda: msa_prefill(q, *pool.kv(), bt, qsl, pos, scale, bids))
-    row["msa_prefill_dense_ms"] = timer(lambda: msa_prefill(q, *pool.kv(), bt, qsl, pos, scale, None))
+    row["msa_prefill_sparse_ms"] = timer(lambda: msa_prefill(q, c, bt, qsl, pos, scale, bids))
+    row["msa_prefill_dense_ms"] = timer(lambda: msa_prefill(q, c, bt, qsl, pos, scale, None))
     if device == "cuda" and pool.dtype == "bfloat16":
         k = torch.randn(1, H_Q, ctx, D, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -264,6 +278,7 @@ def bench_prefill(pool, ctx, chunk, device, timer):
 def bench_tune(pool, device, copy_bw, timer, shapes=((131072, 64), (32768, 8))):
     """Variants of the decode kernels at the large shapes (block sizes, warps, stages, decoders, splits)."""
     rows = []
+    c = pool.cache
     be = KV_BYTES_PER_ELEMENT[pool.dtype]
     scale = D ** -0.5
 
@@ -289,11 +304,12 @@ def bench_tune(pool, device, copy_bw, timer, shapes=((131072, 64), (32768, 8))):
             continue
         bt, sl, q, iq = setup(ctx, S)
         idx_bytes = S * ctx * D_IDX * be
+        scan = lambda: indexer_block_scores(iq, c, bt, seq_lens=sl)  # noqa: E731
         for nw, ns in ((4, 3), (8, 3), (4, 4), (8, 2)):
             rec("indexer_scan", ctx, S, f"warps={nw} stages={ns}",
-                lambda: indexer_block_scores(iq, *pool.index(), bt, seq_lens=sl, num_warps=nw, num_stages=ns),
-                idx_bytes)
-        ids, pages = indexer_decode(iq, *pool.index(), bt, sl, TOPK, return_pages=True)
+                under(scan, index_num_warps=nw, index_num_stages=ns), idx_bytes)
+        ids, pages = indexer_decode(iq, c, bt, sl, TOPK, return_pages=True)
+        sparse = lambda: msa_decode(q, c, bt, sl, scale, ids, block_pages=pages)  # noqa: E731
         attn_bytes = int((ids >= 0).sum()) * B * 2 * D * be
         words_opts = {"nvfp4": (True, False), "fp8": (True, False), "bfloat16": (True,)}[pool.dtype]
         if si == 0:
@@ -301,18 +317,15 @@ def bench_tune(pool, device, copy_bw, timer, shapes=((131072, 64), (32768, 8))):
                 for bn in (64, 128):
                     for nw in (4, 8):
                         rec("msa_sparse", ctx, S, f"words={words} block_n={bn} warps={nw}",
-                            lambda: msa_decode(q, *pool.kv(), bt, sl, scale, ids, block_pages=pages, words=words,
-                                               block_n=bn, num_warps=nw), attn_bytes)
+                            under(sparse, decode_words=words, decode_block_n=bn, decode_num_warps=nw), attn_bytes)
         for st in (1, 2, 4, 8):
-            rec("msa_sparse", ctx, S, f"split_target={st}",
-                lambda: msa_decode(q, *pool.kv(), bt, sl, scale, ids, block_pages=pages, split_target=st),
-                attn_bytes)
+            rec("msa_sparse", ctx, S, f"split_target={st}", under(sparse, decode_split_target=st), attn_bytes)
         if si == 1 and pool.dtype != "bfloat16":
             dense_bytes = S * ctx * H_KV * 2 * D * be
             for bn in (64, 128):
                 for nw in (4, 8):
                     rec("msa_dense", ctx, S, f"block_n={bn} warps={nw}",
-                        lambda: msa_decode(q, *pool.kv(), bt, sl, scale, None, block_n=bn, num_warps=nw),
+                        under(lambda: msa_decode(q, c, bt, sl, scale, None), decode_block_n=bn, decode_num_warps=nw),
                         dense_bytes)
         for r in rows:
             if "printed" not in r:
@@ -337,33 +350,30 @@ def bench_decoders(pool, device, copy_bw, timer, ctx=131072, S=64):
     q = torch.randn(S, H_Q, D, device=device, dtype=torch.bfloat16)
     iq = torch.randn(S, H_IDX, D_IDX, device=device, dtype=torch.bfloat16)
     scale = D ** -0.5
-    ids, pages = indexer_decode(iq, *pool.index(), bt, sl, TOPK, return_pages=True)
+    c = pool.cache
+    ids, pages = indexer_decode(iq, c, bt, sl, TOPK, return_pages=True)
     attn_bytes = int((ids >= 0).sum()) * B * 2 * D * be
     dense_s = 8
+    dense_bytes = dense_s * ctx * H_KV * 2 * D * be
+    scan = lambda: indexer_block_scores(iq, c, bt, seq_lens=sl)  # noqa: E731
+    sparse = lambda: msa_decode(q, c, bt, sl, scale, ids, block_pages=pages)  # noqa: E731
+    dense = lambda: msa_decode(q[:dense_s], c, bt[:dense_s], sl[:dense_s], scale, None)  # noqa: E731
     variants = []
     if pool.dtype == "nvfp4":  # the mma.sync kernels (nvfp4_mma: decoder mode, pages in flight) vs the portable ones
-        scan_v = [("portable", {"mma": False})] + [
-            (f"mma mode={m} unroll={u}", {"mma_mode": m, "mma_unroll": u}) for m, u in ((0, 1), (0, 2), (1, 1), (1, 2),
-                                                                                        (1, 3), (1, 4))]
-        for params, kw in scan_v:
-            variants.append(("indexer_scan", params, S * ctx * D_IDX * be,
-                             lambda kw=kw: indexer_block_scores(iq, *pool.index(), bt, seq_lens=sl, **kw)))
-        for params, kw in (("portable", {"mma": False}), ("mma kmode=0", {"mma_kmode": 0}),
-                           ("mma kmode=1", {"mma_kmode": 1}), ("mma split_target=1", {"split_target": 1}),
-                           ("mma split_target=4", {"split_target": 4}), ("mma split_target=8", {"split_target": 8})):
-            variants.append(("msa_sparse", params, attn_bytes,
-                             lambda kw=kw: msa_decode(q, *pool.kv(), bt, sl, scale, ids, block_pages=pages, **kw)))
-            variants.append(("msa_dense", f"b={dense_s} {params}", dense_s * ctx * H_KV * 2 * D * be,
-                             lambda kw=kw: msa_decode(q[:dense_s], *pool.kv(), bt[:dense_s], sl[:dense_s], scale,
-                                                      None, **kw)))
+        for params, kw in [("portable", {"mma": False})] + [
+                (f"mma mode={m} unroll={u}", {"index_mma_mode": m, "index_mma_unroll": u})
+                for m, u in ((0, 1), (0, 2), (1, 1), (1, 2), (1, 3), (1, 4))]:
+            variants.append(("indexer_scan", params, S * ctx * D_IDX * be, under(scan, **kw)))
+        for params, kw in (("portable", {"mma": False}), ("mma kmode=0", {"decode_mma_kmode": 0}),
+                           ("mma kmode=1", {"decode_mma_kmode": 1}), ("mma split_target=1", {"decode_split_target": 1}),
+                           ("mma split_target=4", {"decode_split_target": 4}),
+                           ("mma split_target=8", {"decode_split_target": 8})):
+            variants.append(("msa_sparse", params, attn_bytes, under(sparse, **kw)))
+            variants.append(("msa_dense", f"b={dense_s} {params}", dense_bytes, under(dense, **kw)))
     else:
         for words in (True, False):
-            variants.append(("msa_sparse", f"words={words}", attn_bytes,
-                             lambda w=words: msa_decode(q, *pool.kv(), bt, sl, scale, ids, block_pages=pages,
-                                                        words=w)))
-            variants.append(("msa_dense", f"b={dense_s} words={words}", dense_s * ctx * H_KV * 2 * D * be,
-                             lambda w=words: msa_decode(q[:dense_s], *pool.kv(), bt[:dense_s], sl[:dense_s], scale,
-                                                        None, words=w)))
+            variants.append(("msa_sparse", f"words={words}", attn_bytes, under(sparse, decode_words=words)))
+            variants.append(("msa_dense", f"b={dense_s} words={words}", dense_bytes, under(dense, decode_words=words)))
     for kind, params, nbytes, fn in variants:
         try:
             ms = timer(fn)
@@ -458,10 +468,12 @@ def main():
                 print(f"decode {dtype} ctx={ctx} b={batch}: total {row['msa_decode_total_ms']:.4f} ms "
                       f"(scan {row['indexer_scan_frac_copy']:.0%}, sparse {row['msa_sparse_frac_copy']:.0%}, "
                       f"dense {row['msa_dense_frac_copy']:.0%} of copy bw) [{time.time() - t0:.1f}s]", flush=True)
-        if args.tune and device == "cuda":
-            tune_rows += bench_tune(pool, device, copy_bw, timer)
-        if args.tune_decoders and device == "cuda" and dtype != "bfloat16":
-            tune_rows += bench_decoders(pool, device, copy_bw, lambda fn: graph(fn) or timer(fn))
+        if args.tune:
+            tune_rows += bench_tune(pool, device, copy_bw, timer, **({"shapes": ((512, 2), (512, 1))} if args.smoke
+                                                                      else {}))
+        if args.tune_decoders and dtype != "bfloat16":
+            tune_rows += bench_decoders(pool, device, copy_bw, (lambda fn: graph(fn) or timer(fn)) if graph else timer,
+                                        **({"ctx": 512, "S": 2} if args.smoke else {}))
         for ctx, chunk in prefill:
             if ctx // B <= pool.P:
                 try:

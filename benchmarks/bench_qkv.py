@@ -64,13 +64,11 @@ def bench_one(cfg, layer, kv, T, device, timer):
     cos, sin = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)(pos, dtype)
     slots = torch.randperm(n_pages * cfg.index_block_size, device=device)[:T]
     sparse = attn.indexer is not None
-    lc = cache.layers[layer]
-    c = [lc.k, lc.v, lc.k_scale_blocks, lc.v_scale_blocks, lc.k_scale, lc.v_scale]
-    ic = dict(idx_data=lc.index, idx_scale_blocks=lc.index_scale_blocks, idx_scale=lc.index_scale) if sparse else {}
+    lc = cache.layers[layer]  # this layer's pages (index keys on sparse layers only)
 
     def unfused():
         q, k, v, iq, ik = attn.finish(attn.project(x), cos, sin)
-        kv_insert_ref(k, v, slots, *c, ik=ik, **ic)
+        kv_insert_ref(k, v, slots, lc, ik=ik)
         return q, iq
 
     ix = attn.indexer
@@ -82,15 +80,15 @@ def bench_one(cfg, layer, kv, T, device, timer):
 
     def gemm_insert():
         q, k, v, iq, ik = attn.finish(attn.project(x), cos, sin)
-        kv_insert(k, v, slots, *c, ik=ik, **ic)
+        kv_insert(k, v, slots, lc, ik=ik)
         return q, iq
 
     def fused():
         return qkv_insert(torch.nn.functional.linear(x, attn.qkv_weight), layout, attn.norm_weights, attn.eps,
-                          cos, sin, slots, *c, **ic)
+                          cos, sin, slots, lc)
 
     def kernel_alone():
-        return qkv_insert(qkv, layout, attn.norm_weights, attn.eps, cos, sin, slots, *c, **ic)
+        return qkv_insert(qkv, layout, attn.norm_weights, attn.eps, cos, sin, slots, lc)
 
     t_gi, t_fused, t_kernel = timer(gemm_insert), timer(fused), timer(kernel_alone)
     t_gemm = timer(lambda: torch.nn.functional.linear(x, attn.qkv_weight))

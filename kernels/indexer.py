@@ -42,38 +42,36 @@ def indexer_topk_ref(
 
 
 # =============================================================================================== paged cache
-# Index keys live in pages (one head): ``[P, B, D_idx]`` bf16 / fp8 or ``uint8 [P, B, D_idx/2]`` + e4m3
-# ``[P, B, D_idx/16]`` (nvfp4), per-layer fp32 scale; block_tables ``int32 [S, max_pages]``; page = index block.
-# Outputs are token-major: ``int32 [T, H_idx, topk]`` (decode: T = S), same -1-padded contract as above;
-# the order of ids inside one selection may differ from the reference only between equal scores.
+# Index keys live in the layer's index pages (one head; `cache.LayerCache`): page = index block. Outputs are
+# token-major: ``int32 [T, H_idx, topk]`` (decode: T = S), same -1-padded contract as above; the order of ids
+# inside one selection may differ from the reference only between equal scores.
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .kv_insert import gather_pages_ref  # noqa: E402
-from .triton_utils import (FMT_NVFP4, FMT_PLAIN, NVFP4_UNSCALE, cache_format, dot_dtype, interpreting,  # noqa: E402
-                           joined_cols, next_pow2, num_sms, nvfp4_asm_ok, nvfp4_joined_tile, nvfp4_mma_kernels,
-                           prefill_tiles)
+from . import dispatch  # noqa: E402
+from .cache import LayerCache, gather_part_ref  # noqa: E402
+from .codecs import (FMT_NVFP4, FMT_PLAIN, NVFP4, NVFP4_UNSCALE, cache_format, dot_dtype, joined_cols,  # noqa: E402
+                     nvfp4_joined_tile)
 
 
-def indexer_decode_ref(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, seq_lens, topk: int,
-                       local_blocks: int = 1) -> torch.Tensor:
+def indexer_decode_ref(iq, cache: LayerCache, block_tables, seq_lens, topk: int, local_blocks: int = 1) -> torch.Tensor:
     """One decoding query per sequence: iq ``[S, H, D]`` at position ``seq_lens - 1``; -> ``int32 [S, H, topk]``."""
-    B = idx_data.shape[1]
+    B = cache.index.shape[1]
     out = []
     for s in range(iq.shape[0]):
         n = int(seq_lens[s])
-        keys = gather_pages_ref(idx_data, idx_scale_blocks, idx_scale, block_tables[s], n)
+        keys = gather_part_ref(cache, "index", block_tables[s], n)
         pos = torch.tensor([n - 1], device=iq.device)
         out.append(indexer_topk_ref(iq[s:s + 1], keys, pos, B, topk, local_blocks)[:, 0])
     return torch.stack(out) if out else torch.empty(0, iq.shape[1], topk, dtype=torch.int32, device=iq.device)
 
 
-def indexer_prefill_ref(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, query_start_loc, positions,
-                        topk: int, local_blocks: int = 1) -> torch.Tensor:
+def indexer_prefill_ref(iq, cache: LayerCache, block_tables, query_start_loc, positions, topk: int,
+                        local_blocks: int = 1) -> torch.Tensor:
     """Many queries per sequence (chunked prefill): iq ``[T, H, D]``, sequence s owns tokens
     ``query_start_loc[s]:query_start_loc[s+1]`` at ``positions``; keys = the sequence's pages up to its
     last position (context + this chunk, already inserted). -> ``int32 [T, H, topk]``."""
-    B = idx_data.shape[1]
+    B = cache.index.shape[1]
     qsl = [int(x) for x in query_start_loc]
     out = torch.full((iq.shape[0], iq.shape[1], topk), -1, dtype=torch.int32, device=iq.device)
     for s in range(len(qsl) - 1):
@@ -81,7 +79,7 @@ def indexer_prefill_ref(iq, idx_data, idx_scale_blocks, idx_scale, block_tables,
         if a == b:
             continue
         pos = positions[a:b]
-        keys = gather_pages_ref(idx_data, idx_scale_blocks, idx_scale, block_tables[s], int(pos.max()) + 1)
+        keys = gather_part_ref(cache, "index", block_tables[s], int(pos.max()) + 1)
         out[a:b] = indexer_topk_ref(iq[a:b], keys, pos, B, topk, local_blocks).permute(1, 0, 2)
     return out
 
@@ -125,7 +123,7 @@ def _indexer_scores_kernel(
     b_end = tl.minimum(b_begin + blocks_per_prog, n_blk)
     own = qpos // B_C
     q_base = iq_ptr + tok.to(tl.int64)[:, None] * siq_t + hh[:, None] * siq_h
-    if FMT == 2:  # keys decoded from int32 words into joined tiles: load the query in the same column order
+    if FMT == NVFP4:  # keys decoded from int32 words into joined tiles: load the query in the same column order
         q = tl.load(q_base + joined_cols(D)[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
         j = tl.arange(0, D // 8)
         wp = kd_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -136,7 +134,7 @@ def _indexer_scores_kernel(
     for blk in range(b_begin, b_end):  # one whole page per iteration: a flat loop the pipeliner can prefetch
         page = tl.load(bt_ptr + seq.to(tl.int64) * sbt_s + blk).to(tl.int64)
         kpos = blk * B_C + n
-        if FMT == 2:
+        if FMT == NVFP4:
             w = tl.load(wp + page * (skd_p // 4) + n[:, None] * (skd_t // 4) + j[None, :])
             sc = tl.load(ks_ptr + page * sks_p + n[:, None] * sks_t + tl.arange(0, D // 16)[None, :])
             s = tl.dot(q, tl.trans(nvfp4_joined_tile(w, sc, B_C, D, ASM).to(DOT_DT)))
@@ -174,23 +172,18 @@ def _topk_kernel(sc_ptr, nb, H, bt_ptr, sbt_s, ids_ptr, pg_ptr, TOPK: tl.constex
         x = tl.where(i == idx, float("-inf"), x)
 
 
-def indexer_block_t(H: int) -> int:
-    """Query tokens per prefill tile: rows = tokens x next_pow2(H) >= 16 (tl.dot), 64 on GPU."""
-    h_pad = next_pow2(H)
-    return max(1, (16 if interpreting() else 64) // h_pad, 16 // h_pad)
-
-
-def indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, *, seq_lens=None,
-                         query_start_loc=None, positions=None, local_blocks: int = 1, num_chunks=None,
-                         block_t=None, tiles=None, out=None, num_warps=None, num_stages=3,
-                         asm=None, mma=None, mma_mode=None, mma_unroll=None) -> torch.Tensor:
+def indexer_block_scores(iq, cache: LayerCache, block_tables, *, seq_lens=None, query_start_loc=None, positions=None,
+                         local_blocks: int = 1, tiles=None, out=None) -> torch.Tensor:
     """Stage 1: fp32 ``[T, H, max_pages]`` block max scores (-inf where not scored, +inf local blocks).
 
     Decode (``seq_lens`` given): one token per sequence at ``seq_lens - 1``. Prefill: ``query_start_loc`` and
-    ``positions`` (tiles of ``block_t`` consecutive tokens share each loaded key page). NVFP4 decode at M3's
-    shapes on sm_89/sm_90 runs `nvfp4_mma`'s kernel (``mma=False``: the portable one).
+    ``positions`` (tiles of `dispatch.index_block_t` consecutive tokens share each loaded key page; ``tiles``: the
+    step's tile map, made under the same tuning). NVFP4 decode at M3's shapes on sm_89/sm_90 runs `nvfp4_mma`'s
+    kernel (`dispatch.use_mma_index_scan`). ``out``: scores written in place (blocks past a tile's last query
+    block left alone; without ``out`` they are -inf).
     """
     T, H, D = iq.shape
+    idx_data = cache.index
     B = idx_data.shape[1]
     nb = block_tables.shape[1]
     fmt = cache_format(idx_data)
@@ -200,32 +193,26 @@ def indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables
     if T == 0 or nb == 0:
         return out.fill_(float("-inf")) if fill else out
     decode = seq_lens is not None
-    h_pad = next_pow2(H)
+    h_pad = dispatch.next_pow2(H)
     if decode:  # one token per program: pad the head rows to the 16 that tl.dot needs
         h_pad = max(16, h_pad)
         block_t, n_tiles, tiles, pos = 1, T, seq_lens, seq_lens
     else:
-        if block_t is None:
-            block_t = indexer_block_t(H)
+        block_t = dispatch.index_block_t(H)
         if tiles is None:
-            tiles = prefill_tiles(query_start_loc, block_t, iq.device)
+            tiles = dispatch.prefill_tiles(query_start_loc, block_t, iq.device)
         n_tiles = tiles.shape[0]
         pos = positions
         if n_tiles == 0:
             return out.fill_(float("-inf")) if fill else out
-    if num_chunks is None:
-        num_chunks = max(1, min(nb, -(-4 * num_sms(iq.device) // n_tiles)))
-    bpp = -(-nb // num_chunks)
-    num_chunks = -(-nb // bpp)
-    fast = nvfp4_mma_kernels() if decode and fmt == FMT_NVFP4 and mma is not False else None
-    if fast is not None and fast.indexer_decode_supported(iq, idx_data, idx_scale_blocks):
-        return fast.indexer_decode_scores(iq, idx_data, idx_scale_blocks, float(idx_scale), block_tables,
-                                          seq_lens, out, fill, num_chunks, bpp, local_blocks, mma_mode, mma_unroll)
-    if num_warps is None:  # measured on the H200 (docs/performance.md, tune rows)
-        num_warps = 8 if fmt == FMT_PLAIN else 4
+    num_chunks, bpp = dispatch.index_chunks(nb, n_tiles, iq.device)
+    t = dispatch.tuning()
+    if decode and dispatch.use_mma_index_scan(iq, cache):
+        return dispatch.mma_kernels().indexer_decode_scores(iq, cache, block_tables, seq_lens, out, fill, num_chunks,
+                                                            bpp, local_blocks, t.index_mma_mode, t.index_mma_unroll)
     kd = idx_data
-    ks = idx_scale_blocks if fmt == FMT_NVFP4 else idx_data
-    i_scale = 1.0 if fmt == FMT_PLAIN else float(idx_scale) * (NVFP4_UNSCALE if fmt == FMT_NVFP4 else 1.0)
+    ks = cache.index_scale_blocks if fmt == FMT_NVFP4 else idx_data
+    i_scale = 1.0 if fmt == FMT_PLAIN else float(cache.index_scale) * (NVFP4_UNSCALE if fmt == FMT_NVFP4 else 1.0)
     _indexer_scores_kernel[(n_tiles, num_chunks)](
         iq, iq.stride(0), iq.stride(1),
         kd, kd.stride(0), kd.stride(1),
@@ -237,8 +224,8 @@ def indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables
         bpp, nb, H,
         H_PAD=h_pad, BLOCK_T=block_t, D=D, B_C=B, FMT=fmt, DOT_DT=dot_dtype(fmt, idx_data.dtype),
         LOCAL=int(local_blocks), DECODE=decode, FILL=fill,
-        ASM=fmt == FMT_NVFP4 and (asm if asm is not None else nvfp4_asm_ok(iq.device)),
-        num_warps=num_warps, num_stages=num_stages,
+        ASM=fmt == FMT_NVFP4 and dispatch.asm(iq.device),
+        num_warps=dispatch.index_num_warps(fmt), num_stages=t.index_num_stages,
     )
     return out
 
@@ -254,8 +241,7 @@ def select_topk_blocks_ref(block_scores: torch.Tensor, topk: int) -> torch.Tenso
     return idx
 
 
-def select_topk_blocks(block_scores: torch.Tensor, topk: int, block_tables: torch.Tensor | None = None,
-                       row_seq: str = "decode"):
+def select_topk_blocks(block_scores: torch.Tensor, topk: int, block_tables: torch.Tensor | None = None):
     """Stage 2 (Triton): the contract of :func:`select_topk_blocks_ref`. With ``block_tables`` (decode: row
     t = sequence t) also returns the page of every selected block (-1 where none): ``(ids, pages)``."""
     T, H, nb = block_scores.shape
@@ -265,28 +251,24 @@ def select_topk_blocks(block_scores: torch.Tensor, topk: int, block_tables: torc
     pages = torch.empty_like(ids) if block_tables is not None else ids
     bt = block_tables if block_tables is not None else ids
     _topk_kernel[(T * H,)](block_scores.contiguous(), nb, H, bt, bt.stride(0) if block_tables is not None else 0,
-                           ids, pages, TOPK=topk, NB_PAD=max(16, next_pow2(nb)), PAGES=block_tables is not None,
-                           num_warps=4 if nb > 512 else 1)
+                           ids, pages, TOPK=topk, NB_PAD=max(16, dispatch.next_pow2(nb)),
+                           PAGES=block_tables is not None, num_warps=dispatch.topk_num_warps(nb))
     return (ids, pages) if block_tables is not None else ids
 
 
-def indexer_decode(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, seq_lens, topk: int,
-                   local_blocks: int = 1, num_chunks=None, return_pages: bool = False, **tune):
+def indexer_decode(iq, cache: LayerCache, block_tables, seq_lens, topk: int, local_blocks: int = 1,
+                   return_pages: bool = False):
     """Triton version of :func:`indexer_decode_ref`: block scores split over (sequence, block chunk), then a
     top-k kernel. ``return_pages``: also the selected pages ``[S, H, topk]`` (what msa_decode reads)."""
-    scores = indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, seq_lens=seq_lens,
-                                  local_blocks=local_blocks, num_chunks=num_chunks, **tune)
+    scores = indexer_block_scores(iq, cache, block_tables, seq_lens=seq_lens, local_blocks=local_blocks)
     if return_pages:
         return select_topk_blocks(scores, topk, block_tables)
     return select_topk_blocks(scores, topk)
 
 
-def indexer_prefill(iq, idx_data, idx_scale_blocks, idx_scale, block_tables, query_start_loc, positions,
-                    topk: int, local_blocks: int = 1, num_chunks=None, block_t=None, tiles=None,
-                    **tune) -> torch.Tensor:
-    """Triton version of :func:`indexer_prefill_ref`."""
-    scores = indexer_block_scores(iq, idx_data, idx_scale_blocks, idx_scale, block_tables,
-                                  query_start_loc=query_start_loc, positions=positions,
-                                  local_blocks=local_blocks, num_chunks=num_chunks, block_t=block_t, tiles=tiles,
-                                  **tune)
+def indexer_prefill(iq, cache: LayerCache, block_tables, query_start_loc, positions, topk: int,
+                    local_blocks: int = 1, tiles=None) -> torch.Tensor:
+    """Triton version of :func:`indexer_prefill_ref` (``tiles``: see `indexer_block_scores`)."""
+    scores = indexer_block_scores(iq, cache, block_tables, query_start_loc=query_start_loc, positions=positions,
+                                  local_blocks=local_blocks, tiles=tiles)
     return select_topk_blocks(scores, topk)

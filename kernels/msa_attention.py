@@ -42,39 +42,40 @@ def msa_attention_ref(
 
 
 # =============================================================================================== paged cache
-# K/V pages ``[P, H_kv, B, D]`` (bf16 / fp8) or ``uint8 [P, H_kv, B, D/2]`` + e4m3 ``[P, H_kv, B, D/16]``
-# (nvfp4), fp32 per-layer k_scale / v_scale; block_tables ``int32 [S, max_pages]``. ``block_ids`` are
-# token-major ``[T, H_kv, topk]`` (the indexer's paged output), logical block numbers of the sequence.
+# K/V in the layer's pages (`cache.LayerCache`); ``block_ids`` are token-major ``[T, H_kv, topk]`` (the indexer's
+# paged output), logical block numbers of the sequence.
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .kv_insert import gather_pages_ref  # noqa: E402
-from .triton_utils import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8_WORDS_UNSCALE, NVFP4_UNSCALE, cache_format,  # noqa: E402
-                           cast_to, dot_dtype, fp8_words_f16, interpreting, joined_cols, next_pow2, num_sms,
-                           nvfp4_asm_ok, nvfp4_joined_tile, nvfp4_mma_kernels, nvfp4_tile_f16, nvfp4_words_f16,
-                           prefill_tiles)
+from . import dispatch  # noqa: E402
+from .cache import LayerCache, gather_part_ref  # noqa: E402
+from .codecs import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8, FP8_WORDS_UNSCALE, NVFP4, NVFP4_UNSCALE,  # noqa: E402
+                     cache_format, cast_to, dot_dtype, fp8_words_f16, joined_cols, nvfp4_joined_tile, nvfp4_tile_f16,
+                     nvfp4_words_f16)
 
 
-def msa_decode_ref(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables, seq_lens,
-                   scale: float, block_ids=None) -> torch.Tensor:
+def _gather_kv_ref(cache: LayerCache, block_table_row, n: int):
+    return gather_part_ref(cache, "k", block_table_row, n), gather_part_ref(cache, "v", block_table_row, n)
+
+
+def msa_decode_ref(q, cache: LayerCache, block_tables, seq_lens, scale: float, block_ids=None) -> torch.Tensor:
     """One query per sequence at position ``seq_lens - 1``: q ``[S, H_q, D]`` -> ``[S, H_q, D]`` (q.dtype)."""
-    B = k_data.shape[2]
+    B = cache.k.shape[2]
     out = torch.empty_like(q)
     for s in range(q.shape[0]):
         n = int(seq_lens[s])
-        keys = gather_pages_ref(k_data, k_scale_blocks, k_scale, block_tables[s], n)
-        vals = gather_pages_ref(v_data, v_scale_blocks, v_scale, block_tables[s], n)
+        keys, vals = _gather_kv_ref(cache, block_tables[s], n)
         pos = torch.tensor([n - 1], device=q.device)
         bids = None if block_ids is None else block_ids[s][:, None, :]
         out[s] = msa_attention_ref(q[s:s + 1], keys, vals, pos, scale, bids, B)[0]
     return out
 
 
-def msa_prefill_ref(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables,
-                    query_start_loc, positions, scale: float, block_ids=None) -> torch.Tensor:
+def msa_prefill_ref(q, cache: LayerCache, block_tables, query_start_loc, positions, scale: float,
+                    block_ids=None) -> torch.Tensor:
     """Many queries per sequence (chunked prefill), causal by ``positions``; keys/values from the pages
     (context + this chunk, already inserted). q ``[T, H_q, D]`` -> ``[T, H_q, D]``."""
-    B = k_data.shape[2]
+    B = cache.k.shape[2]
     qsl = [int(x) for x in query_start_loc]
     out = torch.empty_like(q)
     for s in range(len(qsl) - 1):
@@ -82,9 +83,7 @@ def msa_prefill_ref(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, 
         if a == b:
             continue
         pos = positions[a:b]
-        n = int(pos.max()) + 1
-        keys = gather_pages_ref(k_data, k_scale_blocks, k_scale, block_tables[s], n)
-        vals = gather_pages_ref(v_data, v_scale_blocks, v_scale, block_tables[s], n)
+        keys, vals = _gather_kv_ref(cache, block_tables[s], int(pos.max()) + 1)
         bids = None if block_ids is None else block_ids[a:b].permute(1, 0, 2)
         out[a:b] = msa_attention_ref(q[a:b], keys, vals, pos, scale, bids, B)
     return out
@@ -95,22 +94,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(d_ptr, s_ptr, page, h, t_off, mask, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
-                  BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, DOT_DT: tl.constexpr):
-    """One [BN, D] tile of a page. nvfp4: (even elements, odd elements) [BN, D/2] each, valued E2M1 * S * 2^-7;
-    else (tile, tile)."""
-    base = d_ptr + page * sd_p + h * sd_h
-    if FMT == 2:
-        c = tl.arange(0, D // 2)
-        kb = tl.load(base + t_off[:, None] * sd_t + c[None, :], mask=mask[:, None], other=0)
-        sc = tl.load(s_ptr + page * ss_p + h * ss_h + t_off[:, None] * ss_t + tl.arange(0, D // 16)[None, :],
-                     mask=mask[:, None], other=0.0)
-        lo, hi = nvfp4_tile_f16(kb, sc, BN, D // 2)
-        return lo.to(DOT_DT), hi.to(DOT_DT)
-    else:
-        d = tl.arange(0, D)
-        x = tl.load(base + t_off[:, None] * sd_t + d[None, :], mask=mask[:, None], other=0.0).to(DOT_DT)
-        return x, x
+def _online_softmax(sc, m_i, l_i):
+    """One key tile of the streaming softmax (base 2), shared by every attention kernel here: ``sc [R, N]`` the
+    tile's scores in log2 units (scaled by softmax scale x log2(e) x the decoders' unscale; -inf where masked), the
+    running row max ``m_i`` and sum ``l_i`` updated. Returns ``(p, alpha, m_i, l_i)``: the tile's unnormalized
+    probabilities and the factor by which the caller rescales its accumulators before adding ``p @ V``. A row with
+    nothing kept so far stays at m = -inf, l = 0 (no NaN)."""
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(sc - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
 
 
 @triton.jit
@@ -137,11 +132,12 @@ def _tile_slots(d_ptr, s_ptr, page, h, t_off, mask, sd_p, sd_h, sd_t, ss_p, ss_h
                 ASM: tl.constexpr = False):
     """One [BN, D] K or V tile as NS sub-tiles [BN, D / NS]; sub-tile k holds elements j * NS + k.
 
-    NS = 1: plain / fp8 (native cast). fp8 NS = 4: int32 words, values e4m3 * 2^-8. nvfp4 NS = 2: bytes
-    (low / high nibble), NS = 8: int32 words; nvfp4 values are E2M1 * S * 2^-7. Unused slots repeat slot 0.
+    NS = 1: plain / fp8 (native cast); nvfp4: int32 words re-joined into one tile (columns permuted, see
+    _slot_cols). fp8 NS = 4: int32 words, values e4m3 * 2^-8. nvfp4 NS = 2: bytes (low / high nibble), NS = 8:
+    int32 words; nvfp4 values are E2M1 * S * 2^-7. Unused slots repeat slot 0.
     """
     base = d_ptr + page * sd_p + h * sd_h
-    if FMT == 2:
+    if FMT == NVFP4:
         if NS == 1:  # int32 words, the 8 codes of each word re-joined into one tile (columns permuted)
             wp1 = base.to(tl.pointer_type(tl.int32), bitcast=True)
             w1 = tl.load(wp1 + t_off[:, None] * (sd_t // 4) + tl.arange(0, D // 8)[None, :], mask=mask[:, None],
@@ -170,7 +166,7 @@ def _tile_slots(d_ptr, s_ptr, page, h, t_off, mask, sd_p, sd_h, sd_t, ss_p, ss_h
             lo = lo.to(DOT_DT)
             hi = hi.to(DOT_DT)
             return lo, hi, lo, lo, lo, lo, lo, lo
-    elif FMT == 1 and NS == 4:
+    elif FMT == FP8 and NS == 4:
         j = tl.arange(0, D // 4)
         wp = base.to(tl.pointer_type(tl.int32), bitcast=True)
         w = tl.load(wp + t_off[:, None] * (sd_t // 4) + j[None, :], mask=mask[:, None], other=0)
@@ -262,12 +258,7 @@ def _msa_decode_kernel(
             sc = tl.dot(q6, tl.trans(k6), sc)
             sc = tl.dot(q7, tl.trans(k7), sc)
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
         v0, v1, v2, v3, v4, v5, v6, v7 = _tile_slots(v_ptr, vs_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
                                                      ss_p, ss_h, ss_t, BN, D, FMT, NS_V, DOT_DT, ASM)
         pd = p.to(v0.dtype)
@@ -351,49 +342,37 @@ def _slots(fmt: int, D: int, words):
     return 1, 1, 1.0, 1.0, False
 
 
-def _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks):
-    if fmt == FMT_NVFP4:
-        return k_scale_blocks, v_scale_blocks
-    return k_data, v_data
+def _kv_operands(cache: LayerCache):
+    """(format, K and V block scales, k_scale, v_scale) as the kernels take them: the data again as unused
+    placeholders where a format has no block scales; the per-layer scales apply to quantized caches only."""
+    fmt = cache_format(cache.k)
+    ks, vs = (cache.k_scale_blocks, cache.v_scale_blocks) if fmt == FMT_NVFP4 else (cache.k, cache.v)
+    k_scale, v_scale = (1.0, 1.0) if fmt == FMT_PLAIN else (cache.k_scale, cache.v_scale)
+    return fmt, ks, vs, k_scale, v_scale
 
 
-def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables, seq_lens,
-               scale: float, block_ids=None, num_splits=None, block_n=None, num_warps=4, num_stages=None,
-               out=None, words=None, split_target=None, block_pages=None, asm=None, mma=None, mma_kmode=None):
+def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block_ids=None, block_pages=None,
+               out=None) -> torch.Tensor:
     """Triton version of :func:`msa_decode_ref`: grid (sequence, KV head, split); the G = H_q / H_kv query
     heads of a KV head share each loaded tile; split-K over the selected blocks (or, ``block_ids=None``, over
-    the whole context) with a log-sum-exp merge. NVFP4 at M3's shapes on sm_89/sm_90 runs `nvfp4_mma`'s
-    kernel (``mma=False``: the portable one)."""
+    the whole context) with a log-sum-exp merge. ``block_pages``: the page of every selected block (the
+    indexer's, else looked up here). NVFP4 at M3's shapes on sm_89/sm_90 runs `nvfp4_mma`'s kernel
+    (`dispatch.use_mma_decode_attention`); tile sizes, splits and decoders: `dispatch.Tuning`."""
     S, H_q, D = q.shape
+    k_data = cache.k
     _, H_kv, B, _ = k_data.shape
     G = H_q // H_kv
-    fmt = cache_format(k_data)
     out = torch.empty_like(q) if out is None else out
     if S == 0:
         return out
+    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
     sparse = block_ids is not None
-    fast = nvfp4_mma_kernels() if fmt == FMT_NVFP4 and mma is not False else None
-    use_mma = fast is not None and fast.attention_supported(q, k_data, v_data, k_scale_blocks, v_scale_blocks)
-    if use_mma:
-        block_n = fast.ATT_SPLIT_UNIT
-    if words is None:  # measured on the H200 (docs/performance.md, decoder rows): nvfp4 sparse -> byte
-        words = fmt != FMT_NVFP4 or not sparse  # decoder; nvfp4 dense and fp8 (V) -> int32-word decoders
-    if block_n is None:
-        block_n = 32 if interpreting() else (128 if fmt == FMT_NVFP4 and not sparse else 64)
-    block_n = min(B, block_n)
+    on_mma = dispatch.use_mma_decode_attention(q, cache)
+    block_n = dispatch.decode_block_n(fmt, sparse, on_mma, B)
     tpb = B // block_n
     topk = block_ids.shape[-1] if sparse else 1
     max_tiles = topk * tpb if sparse else block_tables.shape[1] * tpb
-    if num_splits is None:
-        if split_target is None:  # programs per SM, measured on the H200 (docs/performance.md, decoder rows)
-            split_target = (1 if sparse else 8) if use_mma else 2
-        want = -(-split_target * num_sms(q.device) // (S * H_kv))
-        num_splits = max(1, min(max_tiles, want))
-    tiles_per_split = -(-max_tiles // num_splits)
-    num_splits = -(-max_tiles // tiles_per_split)
-    ks, vs = _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks)
-    if fmt == FMT_PLAIN:  # per-layer scales apply to quantized caches only
-        k_scale = v_scale = 1.0
+    num_splits, tiles_per_split = dispatch.decode_splits(max_tiles, S * H_kv, sparse, on_mma, q.device)
     if num_splits > 1:
         op = torch.empty(S, H_q, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(S, H_q, num_splits, dtype=torch.float32, device=q.device)
@@ -406,16 +385,17 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
         bid, pg = block_ids.contiguous(), block_pages.to(torch.int32).contiguous()
     else:
         bid = pg = seq_lens
-    if use_mma:
-        fast.msa_decode_launch(q, k_data, v_data, k_scale_blocks, v_scale_blocks, scale * k_scale * LOG2E, v_scale,
-                               block_tables, seq_lens, bid, pg, sparse, topk, num_splits, tiles_per_split, out, op,
-                               lse, mma_kmode)
+    t = dispatch.tuning()
+    if on_mma:
+        dispatch.mma_kernels().msa_decode_launch(q, cache, scale * k_scale * LOG2E, block_tables, seq_lens, bid, pg,
+                                                 sparse, topk, num_splits, tiles_per_split, out, op, lse,
+                                                 t.decode_mma_kmode)
         return _merge(out, op, lse, num_splits)
-    ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, words)
-    kwargs = {} if num_stages is None else {"num_stages": num_stages}
+    ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.decode_words(fmt, sparse))
+    kwargs = {} if t.decode_num_stages is None else {"num_stages": t.decode_num_stages}
     _msa_decode_kernel[(S, H_kv, num_splits)](
         q, q.stride(0), q.stride(1),
-        k_data, v_data, k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        k_data, cache.v, k_data.stride(0), k_data.stride(1), k_data.stride(2),
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables, block_tables.stride(0), seq_lens,
         bid, pg, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
@@ -423,10 +403,10 @@ def msa_decode(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sca
         op, lse,
         float(scale * k_scale * LOG2E * qk_s), float(v_scale * v_s), tiles_per_split, num_splits,
         G, B,
-        G_PAD=max(16, next_pow2(G)), D=D, BN=block_n, TOPK=topk, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
+        G_PAD=max(16, dispatch.next_pow2(G)), D=D, BN=block_n, TOPK=topk, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
         DOT_DT=dot_dtype(fmt, k_data.dtype), SPLIT=num_splits > 1, PERM=perm,
-        ASM=perm and (asm if asm is not None else nvfp4_asm_ok(q.device)),
-        num_warps=num_warps, **kwargs,
+        ASM=perm and dispatch.asm(q.device),
+        num_warps=t.decode_num_warps, **kwargs,
     )
     return _merge(out, op, lse, num_splits)
 
@@ -436,7 +416,8 @@ def _merge(out, op, lse, num_splits: int):
     if num_splits > 1:
         S, H_q, D = out.shape
         _merge_splits_kernel[(S, H_q)](op, lse, out, out.stride(0), out.stride(1), H_q, num_splits,
-                                       NS_PAD=max(8, next_pow2(num_splits)), D=D, num_warps=2)
+                                       NS_PAD=max(8, dispatch.next_pow2(num_splits)), D=D,
+                                       num_warps=dispatch.tuning().merge_num_warps)
     return out
 
 
@@ -460,6 +441,7 @@ def _msa_prefill_kernel(
     tile = tl.program_id(0)
     h = tl.program_id(1)
     R: tl.constexpr = BLOCK_T * G_PAD
+    NS: tl.constexpr = 2 if FMT == NVFP4 else 1  # K / V tiles: nvfp4 bytes (even, odd elements), else whole rows
     seq = tl.load(tiles_ptr + tile * 3)
     t0 = tl.load(tiles_ptr + tile * 3 + 1)
     t1 = tl.load(tiles_ptr + tile * 3 + 2)
@@ -470,7 +452,7 @@ def _msa_prefill_kernel(
     qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
     n_blk = tl.max(qpos, axis=0) // B + 1
     qrow = q_ptr + tok.to(tl.int64)[:, None] * sq_t + (h * G + g)[:, None] * sq_h
-    if FMT == 2:
+    if FMT == NVFP4:  # even / odd elements, as the byte decoder gives them
         c = tl.arange(0, D // 2)
         q_a = tl.load(qrow + 2 * c[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
         q_b = tl.load(qrow + 2 * c[None, :] + 1, mask=row_ok[:, None], other=0.0).to(DOT_DT)
@@ -505,28 +487,23 @@ def _msa_prefill_kernel(
                 t_off = sub * BN + n
                 kpos = blk * B + t_off
                 kv_ok = kpos <= tl.max(qpos, axis=0)
-                k_a, k_b = _load_kv_tile(k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h,
-                                         ss_t, BN, D, FMT, DOT_DT)
+                k_a, k_b, _, _, _, _, _, _ = _tile_slots(k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t,
+                                                         ss_p, ss_h, ss_t, BN, D, FMT, NS, DOT_DT)
                 sc = tl.dot(q_a, tl.trans(k_a))
-                if FMT == 2:
+                if FMT == NVFP4:
                     sc = tl.dot(q_b, tl.trans(k_b), sc)
                 keep = (kpos[None, :] <= qpos[:, None]) & row_sel[:, None]
                 sc = tl.where(keep, sc * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(sc - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
-                v_a, v_b = _load_kv_tile(v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h,
-                                         ss_t, BN, D, FMT, DOT_DT)
+                p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
+                v_a, v_b, _, _, _, _, _, _ = _tile_slots(v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t,
+                                                         ss_p, ss_h, ss_t, BN, D, FMT, NS, DOT_DT)
                 pd = p.to(DOT_DT)
                 acc_a = tl.dot(pd, v_a, acc_a * alpha[:, None])
-                if FMT == 2:
+                if FMT == NVFP4:
                     acc_b = tl.dot(pd, v_b, acc_b * alpha[:, None])
     inv = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
     orow = out_ptr + tok.to(tl.int64)[:, None] * so_t + (h * G + g)[:, None] * so_h
-    if FMT == 2:
+    if FMT == NVFP4:
         tl.store(orow + 2 * c[None, :], cast_to(acc_a * inv[:, None], out_ptr.dtype.element_ty), mask=row_ok[:, None])
         tl.store(orow + 2 * c[None, :] + 1, cast_to(acc_b * inv[:, None], out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -534,40 +511,30 @@ def _msa_prefill_kernel(
         tl.store(orow + c[None, :], cast_to(acc_a * inv[:, None], out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def prefill_block_t(G: int) -> int:
-    """Query tokens per prefill tile: rows = tokens x next_pow2(G) >= 16 (tl.dot), ~64 on GPU."""
-    g_pad = next_pow2(G)
-    return max(1, (32 if interpreting() else 64) // g_pad, 16 // g_pad)
-
-
-def msa_prefill(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale, block_tables,
-                query_start_loc, positions, scale: float, block_ids=None, block_t=None, tiles=None,
-                block_n=None, num_warps=4, out=None) -> torch.Tensor:
-    """Triton version of :func:`msa_prefill_ref`: grid (token tile, KV head), keys from pages."""
+def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, scale: float, block_ids=None,
+                tiles=None, out=None) -> torch.Tensor:
+    """Triton version of :func:`msa_prefill_ref`: grid (token tile, KV head), keys from pages. ``tiles``: the step's
+    tile map (`dispatch.prefill_tiles` of `dispatch.attention_block_t`, made under the same tuning), else made
+    here."""
     T, H_q, D = q.shape
+    k_data = cache.k
     _, H_kv, B, _ = k_data.shape
     G = H_q // H_kv
-    fmt = cache_format(k_data)
     out = torch.empty_like(q) if out is None else out
     if T == 0:
         return out
-    if block_t is None:
-        block_t = prefill_block_t(G)
+    block_t = dispatch.attention_block_t(G)
     if tiles is None:
-        tiles = prefill_tiles(query_start_loc, block_t, q.device)
+        tiles = dispatch.prefill_tiles(query_start_loc, block_t, q.device)
     if tiles.shape[0] == 0:
         return out
-    if block_n is None:
-        block_n = min(B, 32 if interpreting() else 64)
-    if fmt == FMT_PLAIN:
-        k_scale = v_scale = 1.0
-    ks, vs = _plain_dummies(fmt, k_data, v_data, k_scale_blocks, v_scale_blocks)
+    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
     sparse = block_ids is not None
     bid = block_ids if sparse else positions
     un = NVFP4_UNSCALE if fmt == FMT_NVFP4 else 1.0
     _msa_prefill_kernel[(tiles.shape[0], H_kv)](
         q, q.stride(0), q.stride(1),
-        k_data, v_data, k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        k_data, cache.v, k_data.stride(0), k_data.stride(1), k_data.stride(2),
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables, block_tables.stride(0),
         tiles, positions,
@@ -575,8 +542,8 @@ def msa_prefill(q, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_sc
         out, out.stride(0), out.stride(1),
         float(scale * k_scale * LOG2E * un), float(v_scale * un),
         G, B,
-        G_PAD=next_pow2(G), BLOCK_T=block_t, D=D, BN=block_n, TOPK=block_ids.shape[-1] if sparse else 1,
-        SPARSE=sparse, FMT=fmt, DOT_DT=dot_dtype(fmt, k_data.dtype),
-        num_warps=num_warps,
+        G_PAD=dispatch.next_pow2(G), BLOCK_T=block_t, D=D, BN=dispatch.prefill_block_n(B),
+        TOPK=block_ids.shape[-1] if sparse else 1, SPARSE=sparse, FMT=fmt, DOT_DT=dot_dtype(fmt, k_data.dtype),
+        num_warps=dispatch.tuning().prefill_num_warps,
     )
     return out

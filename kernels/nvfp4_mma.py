@@ -22,40 +22,23 @@ Kernels: the indexer's decode scan (block max scores; `indexer.indexer_block_sco
 decode attention over selected or all blocks (`msa_attention.msa_decode`). Their references are the portable
 kernels' (``indexer_decode_ref``, ``msa_decode_ref``); tests/gpu/test_nvfp4_mma_gpu.py checks them on the H200,
 tests/kernels/test_nvfp4_mma_compile.py compiles them for sm_90 in CI. CUDA only (Gluon has no interpreter);
-elsewhere, and for other shapes, the portable kernels serve (`available`, `*_shapes_ok`).
+elsewhere, and for other shapes, the portable kernels serve: `dispatch` chooses (`use_mma_index_scan`,
+`use_mma_decode_attention`) and holds the launch defaults (`dispatch.Tuning`).
 """
 from __future__ import annotations
 
-import functools
-import os
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .triton_utils import interpreting
+from .codecs import CVT, INT, MODE_CVT, e4m3_high_nibbles_ptx, e4m3_low_nibbles_ptx
 
 PAGE, HEAD_DIM = 128, 128  # M3's index block (= cache page) and head dims, both models
+MAX_INDEX_HEADS = 8  # the index scan's mma n: index heads padded to 8
+ATT_GROUP = 16  # query heads per KV head of the decode attention (M3: 64 / 4; per rank under TP alike)
 ROWS = gl.constexpr(PAGE)  # key rows (tokens) per indexer tile: one page
 D = gl.constexpr(HEAD_DIM)
 NUM_WARPS = 4
-
-
-def available(device: torch.device) -> bool:
-    """CUDA (not ROCm, not the interpreter), compute capability 8.9 or 9.x (e4m3 converts, mma.sync; measured on
-    the H200), and not switched off with ``M3SERVE_NVFP4_MMA=0``."""
-    if device.type != "cuda" or interpreting() or getattr(torch.version, "hip", None):
-        return False
-    if os.environ.get("M3SERVE_NVFP4_MMA", "1") == "0":
-        return False
-    return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_ok(index: int) -> bool:
-    cap = torch.cuda.get_device_capability(index)
-    return cap == (8, 9) or cap[0] == 9
 
 
 # Bytes of a page as [128 rows, 8 groups of 16 elements, 8 bytes]: lanes 0-1 = which 16-byte quarter of the row
@@ -77,10 +60,8 @@ KEY_BYTES_2D = gl.constexpr(gl.DistributedLinearLayout(  # the same as [128, 64]
 IDX_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8]))
 IDX_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=IDX_MMA.value, k_width=2))
 IDX_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=IDX_MMA.value, k_width=2))
-IDX_N = gl.constexpr(8)  # mma n: index heads padded to 8
-
-
-MODE_CVT, MODE_INT = 0, 1  # decoders: through the hardware e4m3 -> f16x2 convert, or integer ops alone
+IDX_N = gl.constexpr(MAX_INDEX_HEADS)
+# decoders (codecs.MODE_CVT / MODE_INT): through the hardware e4m3 -> f16x2 convert, or integer ops alone
 
 
 @gluon.jit
@@ -92,7 +73,7 @@ def logical_to_element(c, MODE: gl.constexpr):
     t = (c >> 1) & 3
     b = (c >> 3) & 1
     s = c >> 4
-    if MODE == 0:
+    if MODE == CVT:
         e = 4 * s + 2 * b + a
     else:
         e = 16 * (s >> 2) + 8 * ((s >> 1) & 1) + 4 * a + 2 * (s & 1) + b
@@ -107,10 +88,8 @@ def logical_to_element(c, MODE: gl.constexpr):
 # elements (2i, 2i + 1); without (V: bytes (t, b) (t+1, b) (t, b+1) (t+1, b+1) of two tokens), o0 holds the low
 # nibbles and o1 the high ones, each register a token pair.
 def _cvt_asm(interleave: bool) -> str:
-    lines = ["{", ".reg .b32 a, b, lo, hi;", ".reg .b16 h0, h1, h2, h3;", ".reg .b32 f0, f1, f2, f3;",
-             "and.b32 a, $4, 0x07070707;", "shl.b32 a, a, 2;", "and.b32 b, $4, 0x08080808;", "shl.b32 b, b, 4;",
-             "or.b32 lo, a, b;", "shr.b32 a, $4, 2;", "and.b32 a, a, 0x1C1C1C1C;", "and.b32 b, $4, 0x80808080;",
-             "or.b32 hi, a, b;"]
+    lines = ["{", ".reg .b32 a, b, lo, hi;", ".reg .b16 h0, h1, h2, h3;", ".reg .b32 f0, f1, f2, f3;"]
+    lines += e4m3_low_nibbles_ptx("$4", "lo", "a", "b") + e4m3_high_nibbles_ptx("$4", "hi", "a", "b")
     if interleave:
         lines += ["prmt.b32 a, lo, hi, 0x5140;", "prmt.b32 b, lo, hi, 0x7362;", "mov.b32 {h0, h1}, a;",
                   "mov.b32 {h2, h3}, b;"]
@@ -146,7 +125,7 @@ UNSCALE = (64.0, 128.0)
 def decode_rows(x, sc, R: gl.constexpr, MODE: gl.constexpr):
     """Packed NVFP4 bytes [R, D/16, 8] (16 contiguous bytes per thread, as KEY_BYTES) and their fp16 block scales
     [R, D/16] (as KEY_SCALES, from `prescale`) -> fp16 [R, D] in element order."""
-    if MODE == 0:
+    if MODE == CVT:
         o0, o1 = gl.inline_asm_elementwise(_CVT_ASM, "=r,=r,=r,=r,r,r,r", [x, gl.expand_dims(sc, 2)],
                                            dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
         # o_k[r, g, 4 hi + i] = element 16 g + 8 hi + 4 k + i
@@ -166,7 +145,7 @@ def logical_cols(f, R: gl.constexpr, MODE: gl.constexpr):
     """[R, D] in element order -> logical column order (see logical_to_element). With the rows as the mma wants
     them, that is the mma fragment as the registers stand: callers convert_layout(..., assert_trivial=True), so
     the compiler proves no instruction moves data."""
-    if MODE == 0:  # element 32 t + 4 s + 2 b + a
+    if MODE == CVT:  # element 32 t + 4 s + 2 b + a
         f = gl.permute(gl.reshape(f, [R, 4, 8, 2, 2]), [0, 2, 3, 1, 4])
     else:  # element 32 t + 16 s2 + 8 s1 + 4 a + 2 s0 + b
         f = gl.permute(gl.reshape(f, [R, 4, 2, 2, 2, 2, 2]), [0, 2, 3, 5, 6, 1, 4])
@@ -186,7 +165,7 @@ def load_key_page(kd_ptr, ks_ptr, page, boff, soff, ok, MODE: gl.constexpr):
 def prescale(sc, MODE: gl.constexpr):
     """e4m3 block scales -> the fp16 multiplier of the decoder (S, or S * 2^7 for MODE_INT; exact)."""
     sc = sc.to(gl.float16)
-    if MODE == 1:
+    if MODE == INT:
         sc = sc * 128.0
     return sc
 
@@ -248,35 +227,15 @@ def _indexer_decode_kernel(
             gl.store(out_row + blk, neg, mask=hh < H)
 
 
-def indexer_decode_shapes_ok(iq: torch.Tensor, idx_data: torch.Tensor, idx_scale_blocks) -> bool:
-    """Shapes this file's indexer handles: uint8 (NVFP4) index keys, D = 128, 128-token pages, <= 8 heads."""
-    return (idx_data.dtype == torch.uint8 and tuple(idx_data.shape[1:]) == (PAGE, HEAD_DIM // 2)
-            and iq.shape[-1] == HEAD_DIM and iq.shape[1] <= 8 and _contiguous_pool(idx_data, idx_scale_blocks))
-
-
-def indexer_decode_supported(iq: torch.Tensor, idx_data: torch.Tensor, idx_scale_blocks) -> bool:
-    return indexer_decode_shapes_ok(iq, idx_data, idx_scale_blocks) and available(iq.device)
-
-
-def _contiguous_pool(data: torch.Tensor, scales: torch.Tensor | None) -> bool:
-    """Pages of codes and of block scales contiguous, codes 16-byte aligned (16-byte loads, constant strides)."""
-    return (scales is not None and data.is_contiguous() and scales.is_contiguous() and data.data_ptr() % 16 == 0
-            and scales.shape[:-1] == data.shape[:-1] and scales.shape[-1] * 8 == data.shape[-1])
-
-
-def indexer_decode_scores(iq, idx_data, idx_scale_blocks, idx_scale: float, block_tables, seq_lens, out, fill: bool,
-                          num_chunks: int, bpp: int, local_blocks: int, mode: int | None = None,
-                          unroll: int | None = None):
-    """Launch for ``indexer.indexer_block_scores`` (decode): same arguments, already resolved there; ``idx_scale``
-    is the layer's per-tensor scale of the index keys. Defaults measured on the H200 (docs/performance.md):
-    the integer decoder, 3 pages in flight per program."""
-    mode = MODE_INT if mode is None else mode
-    unroll = 3 if unroll is None else unroll
+def indexer_decode_scores(iq, cache, block_tables, seq_lens, out, fill: bool, num_chunks: int, bpp: int,
+                          local_blocks: int, mode: int, unroll: int):
+    """Launch for ``indexer.indexer_block_scores`` (decode): same arguments, already resolved there (``cache``: the
+    layer's index pages); ``mode`` the decoder, ``unroll`` pages in flight per program (`dispatch.Tuning`)."""
     S, H, _ = iq.shape
     _indexer_decode_kernel[(S, num_chunks)](
         iq, iq.stride(0), iq.stride(1),
-        idx_data, idx_scale_blocks,
-        float(idx_scale) * UNSCALE[mode],
+        cache.index, cache.index_scale_blocks,
+        float(cache.index_scale) * UNSCALE[mode],
         block_tables, block_tables.stride(0), seq_lens,
         out, out.stride(0), out.stride(1),
         bpp, block_tables.shape[1], H,
@@ -360,7 +319,11 @@ def _att_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, page, h, sd_p, ss_p, t0: gl.constex
 
 @gluon.jit
 def _att_step(q, tile, lim, ctok, acc, m_i, l_i, qk_scale, KMODE: gl.constexpr):
-    """Online softmax over one tile of 64 tokens (16 per warp): tokens at or past ``lim`` are masked."""
+    """Online softmax over one tile of 64 tokens (16 per warp): tokens at or past ``lim`` are masked.
+
+    The softmax update is the same math as `msa_attention._online_softmax` (the portable kernels' one helper), written
+    again in ``gl`` ops: a Gluon kernel can call only ``@gluon.jit`` functions, and its tensors carry explicit
+    layouts (here the mma accumulator's) that a ``@triton.jit`` helper could not keep."""
     kx, ksc, vx, vsc = tile
     # S = Q K^T: K decoded as [warp * token, dims] rows, then transposed to the B operand [warp, dim, token]
     kx = gl.convert_layout(gl.reshape(kx, [64, 8, 8]), KEY_BYTES_64, assert_trivial=True)
@@ -482,36 +445,22 @@ def _msa_decode_kernel(
                  o.to(out_ptr.dtype.element_ty))
 
 
-def attention_shapes_ok(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_scale_blocks,
-                        v_scale_blocks) -> bool:
-    """Shapes this file's decode attention handles: NVFP4 K/V pages [P, H_kv, 128, 64], D = 128, 16 query heads
-    per KV head."""
-    return (k_data.dtype == torch.uint8 and tuple(k_data.shape[2:]) == (PAGE, HEAD_DIM // 2)
-            and q.shape[-1] == HEAD_DIM and q.shape[1] == 16 * k_data.shape[1] and v_data.shape == k_data.shape
-            and _contiguous_pool(k_data, k_scale_blocks) and _contiguous_pool(v_data, v_scale_blocks))
-
-
-def attention_supported(q, k_data, v_data, k_scale_blocks, v_scale_blocks) -> bool:
-    return attention_shapes_ok(q, k_data, v_data, k_scale_blocks, v_scale_blocks) and available(q.device)
-
-
-def msa_decode_launch(q, k_data, v_data, k_scale_blocks, v_scale_blocks, qk_scale: float, v_scale: float,
-                      block_tables, seq_lens, bid, pg, sparse: bool, topk: int, num_splits: int, blocks_per_split: int,
-                      out, op, lse, kmode: int | None = None):
+def msa_decode_launch(q, cache, qk_scale: float, block_tables, seq_lens, bid, pg, sparse: bool, topk: int,
+                      num_splits: int, blocks_per_split: int, out, op, lse, kmode: int):
     """Launch for ``msa_attention.msa_decode`` (its arguments resolved there; splits of whole blocks). K's decoder:
-    ``kmode`` (default the integer one; V always uses the convert).
-    ``qk_scale`` = softmax scale * k_scale * log2(e), ``v_scale`` = the layer's V scale."""
+    ``kmode`` (V always uses the convert). ``qk_scale`` = softmax scale * k_scale * log2(e); the V scale is the
+    cache's."""
     S, _, _ = q.shape
+    k_data = cache.k
     n_kv = k_data.shape[1]
-    kmode = MODE_INT if kmode is None else kmode
     _msa_decode_kernel[(S, n_kv, num_splits)](
         q, q.stride(0), q.stride(1),
-        k_data, v_data, k_data.stride(0), k_scale_blocks, v_scale_blocks, k_scale_blocks.stride(0),
+        k_data, cache.v, k_data.stride(0), cache.k_scale_blocks, cache.v_scale_blocks, cache.k_scale_blocks.stride(0),
         block_tables, block_tables.stride(0), seq_lens,
         bid, pg, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
         out, out.stride(0), out.stride(1),
         op, lse,
-        float(qk_scale) * UNSCALE[kmode], float(v_scale) * UNSCALE[MODE_CVT], blocks_per_split, num_splits, n_kv,
+        float(qk_scale) * UNSCALE[kmode], float(cache.v_scale) * UNSCALE[MODE_CVT], blocks_per_split, num_splits, n_kv,
         TOPK=topk, SPARSE=sparse, SPLIT=num_splits > 1, KMODE=kmode, num_warps=NUM_WARPS,
     )
     return out

@@ -28,8 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_insert import kv_insert_ref
-from .triton_utils import FMT_NVFP4, cache_format, cast_to, fp8_encode, next_pow2, nvfp4_encode, u8_view
+from . import dispatch
+from .cache import LayerCache
+from .codecs import FP8, NVFP4, PLAIN, cast_to, fp8_encode, nvfp4_encode
+from .kv_insert import kv_insert_ref, paged_operands
 
 __all__ = ["QKVLayout", "qkv_insert_ref", "qkv_insert"]
 
@@ -69,11 +71,11 @@ def _norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, 
     return torch.cat((xr * c + rotated * s, x[..., rot:]), dim=-1)
 
 
-def qkv_insert_ref(qkv, layout: QKVLayout, norms, eps: float, cos, sin, slot_mapping, k_data, v_data,
-                   k_scale_blocks=None, v_scale_blocks=None, k_scale: float = 1.0, v_scale: float = 1.0,
-                   idx_data=None, idx_scale_blocks=None, idx_scale: float = 1.0, out_dtype=None):
+def qkv_insert_ref(qkv, layout: QKVLayout, norms, eps: float, cos, sin, slot_mapping, cache: LayerCache,
+                   out_dtype=None):
     """qkv ``[T, layout.width]``; norms = (q_w, k_w, iq_w, ik_w) (the last two None on dense layers);
-    cos/sin ``[T, rot]``. Writes K/V/index-key pages; returns ``(q [T, H_q, D], iq [T, H_i, D_i] or None)``."""
+    cos/sin ``[T, rot]``. Writes the layer's K/V/index-key pages; returns ``(q [T, H_q, D], iq [T, H_i, D_i] or
+    None)``."""
     t = qkv.shape[0]
     out_dtype = out_dtype or qkv.dtype
     parts = torch.split(qkv, layout.sizes, dim=-1)
@@ -86,9 +88,7 @@ def qkv_insert_ref(qkv, layout: QKVLayout, norms, eps: float, cos, sin, slot_map
         di = layout.index_dim
         iq = _norm_rope(parts[3].view(t, layout.n_idx, di), norms[2], eps, cos, sin)
         ik = _norm_rope(parts[4].view(t, 1, di), norms[3], eps, cos, sin)[:, 0]
-    kv_insert_ref(k, v, slot_mapping, k_data, v_data, k_scale_blocks, v_scale_blocks, k_scale, v_scale,
-                  ik=ik, idx_data=idx_data if layout.n_idx else None, idx_scale_blocks=idx_scale_blocks,
-                  idx_scale=idx_scale)
+    kv_insert_ref(k, v, slot_mapping, cache, ik=ik)
     return q.to(out_dtype), None if iq is None else iq.to(out_dtype)
 
 
@@ -139,7 +139,7 @@ def _head_rows(src_ptr, s_t, col0, t0, T, w_ptr, eps, cos_ptr, sin_ptr, cs_t,
         dd = tl.arange(0, D)[None, None, :]
         x = tl.load(src_ptr + row + dd, mask=ok & (dd >= 0), other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=2) / D + eps)[:, :, None]  # [TB, 1, 1]
-    if FMT == 2:
+    if FMT == NVFP4:
         gg = tl.arange(0, D // 16)[None, :, None]
         ii = tl.arange(0, 8)[None, None, :]
         xe = _values(src_ptr, row, ok, gg * 16 + ii * 2, rstd, w_ptr, cos_ptr, sin_ptr, cs_row, NORM, ROPE, ROT)
@@ -153,7 +153,7 @@ def _head_rows(src_ptr, s_t, col0, t0, T, w_ptr, eps, cos_ptr, sin_ptr, cs_t,
         dd = tl.arange(0, D)[None, None, :]
         y = _values(src_ptr, row, ok, dd, rstd, w_ptr, cos_ptr, sin_ptr, cs_row, NORM, ROPE, ROT)
         m = ok & (dd >= 0)
-        if FMT == 1:
+        if FMT == FP8:
             tl.store(dst_ptr + dst_row[:, None, None] + dd, fp8_encode(y, scale), mask=m)
         else:
             tl.store(dst_ptr + dst_row[:, None, None] + dd, cast_to(y, dst_ptr.dtype.element_ty), mask=m)
@@ -174,7 +174,7 @@ def _qkv_insert_kernel(
     if j < HQ:
         _head_rows(qkv_ptr, s_t, j * D, t0, T, qw_ptr, eps, cos_ptr, sin_ptr, cs_t,
                    q_ptr, 0, sq_t, j * sq_h, q_ptr, 0, 0, 0, 1.0, slot_ptr, B,
-                   D, ROT, TB, True, True, False, 0)
+                   D, ROT, TB, True, True, False, PLAIN)
     elif j < HQ + HKV:
         h = j - HQ
         _head_rows(qkv_ptr, s_t, (HQ + h) * D, t0, T, kw_ptr, eps, cos_ptr, sin_ptr, cs_t,
@@ -189,16 +189,15 @@ def _qkv_insert_kernel(
         h = j - HQ - 2 * HKV
         _head_rows(qkv_ptr, s_t, (HQ + 2 * HKV) * D + h * DI, t0, T, iqw_ptr, eps, cos_ptr, sin_ptr, cs_t,
                    iq_ptr, 0, siq_t, h * siq_h, iq_ptr, 0, 0, 0, 1.0, slot_ptr, B,
-                   DI, ROT, TB, True, True, False, 0)
+                   DI, ROT, TB, True, True, False, PLAIN)
     else:
         _head_rows(qkv_ptr, s_t, (HQ + 2 * HKV) * D + HI * DI, t0, T, ikw_ptr, eps, cos_ptr, sin_ptr, cs_t,
                    id_ptr, sid_p, sid_t, 0, is_ptr, sis_p, sis_t, 0, idx_scale, slot_ptr, B,
                    DI, ROT, TB, True, True, True, IFMT)
 
 
-def qkv_insert(qkv, layout: QKVLayout, norms, eps: float, cos, sin, slot_mapping, k_data, v_data,
-               k_scale_blocks=None, v_scale_blocks=None, k_scale: float = 1.0, v_scale: float = 1.0,
-               idx_data=None, idx_scale_blocks=None, idx_scale: float = 1.0, out_dtype=None):
+def qkv_insert(qkv, layout: QKVLayout, norms, eps: float, cos, sin, slot_mapping, cache: LayerCache,
+               out_dtype=None):
     """Triton version of :func:`qkv_insert_ref` (same signature and contract), one launch."""
     T = qkv.shape[0]
     if qkv.shape[-1] != layout.width:
@@ -207,7 +206,7 @@ def qkv_insert(qkv, layout: QKVLayout, norms, eps: float, cos, sin, slot_mapping
     if rot % 2 or rot > d or (layout.n_idx and rot > di) or cos.shape[-1] != rot:
         raise ValueError(f"rotary dim {rot} (cos has {cos.shape[-1]}) must be even and fit every head")
     for dim in (d, di) if layout.n_idx else (d,):
-        if dim != next_pow2(dim) or dim < 16:
+        if dim != dispatch.next_pow2(dim) or dim < 16:
             raise ValueError(f"head dims must be powers of two >= 16, got {dim}")
     out_dtype = out_dtype or qkv.dtype
     dev = qkv.device
@@ -218,33 +217,23 @@ def qkv_insert(qkv, layout: QKVLayout, norms, eps: float, cos, sin, slot_mapping
     qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     slot_mapping = slot_mapping.contiguous()
-    fmt = cache_format(k_data)
-    B = k_data.shape[2]
-    kd, vd = u8_view(k_data), u8_view(v_data)
-    if fmt != FMT_NVFP4:
-        k_scale_blocks = v_scale_blocks = kd  # unused placeholders
-    ks, vs = u8_view(k_scale_blocks), u8_view(v_scale_blocks)
+    fmt, ifmt, B, (kd, vd, ks, vs), (idd, isb) = paged_operands(cache, bool(layout.n_idx))
     qw, kw = norms[0], norms[1]
     if layout.n_idx:
-        if idx_data is None or idx_data.shape[1] != B:
-            raise ValueError("a sparse layer needs index-key pages with the K/V block size")
-        ifmt = cache_format(idx_data)
-        idd = u8_view(idx_data)
-        isb = u8_view(idx_scale_blocks) if ifmt == FMT_NVFP4 else idd
-        iqw, ikw = norms[2], norms[3]
-        iq_t = iq
-    else:
-        ifmt, idd, isb, iqw, ikw, iq_t, di = fmt, kd, kd, qw, kw, q, 16
-    tb = 16
+        iqw, ikw, iq_t = norms[2], norms[3], iq
+    else:  # unused placeholders
+        iqw, ikw, iq_t, di = qw, kw, q, 16
+    t = dispatch.tuning()
+    tb = t.qkv_insert_tokens
     rows = layout.n_q + 2 * layout.n_kv + (layout.n_idx + 1 if layout.n_idx else 0)
     _qkv_insert_kernel[(triton.cdiv(T, tb), rows)](
         qkv, qkv.stride(0), T, cos, sin, cos.stride(0), float(eps), slot_mapping, B,
         qw, kw, iqw, ikw,
         q, q.stride(0), q.stride(1), iq_t, iq_t.stride(0), iq_t.stride(1),
         kd, vd, kd.stride(0), kd.stride(1), kd.stride(2), ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
-        float(k_scale), float(v_scale),
-        idd, idd.stride(0), idd.stride(1), isb, isb.stride(0), isb.stride(1), float(idx_scale or 1.0),
+        float(cache.k_scale), float(cache.v_scale),
+        idd, idd.stride(0), idd.stride(1), isb, isb.stride(0), isb.stride(1), float(cache.index_scale or 1.0),
         HQ=layout.n_q, HKV=layout.n_kv, HI=layout.n_idx, D=d, DI=di, ROT=rot, TB=tb, FMT=fmt, IFMT=ifmt,
-        num_warps=4,
+        num_warps=t.insert_num_warps,
     )
     return q, iq

@@ -3,14 +3,15 @@ compiled for real (not the interpreter), against the torch references on the sam
 import pytest
 import torch
 
-from m3serve.kernels.indexer import (indexer_decode, indexer_decode_ref, indexer_prefill,
-                                     indexer_prefill_ref)
+from m3serve.kernels.dispatch import tuned
+from m3serve.kernels.indexer import indexer_decode, indexer_decode_ref, indexer_prefill, indexer_prefill_ref
 from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref
 from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref, msa_prefill, msa_prefill_ref
-from m3serve.kernels.triton_utils import interpreting
-from support.paged import KV_DTYPES, alloc, build, chunk_positions, rel_err
-from support.qkv import check_qkv_insert
+from m3serve.kernels.platform import interpreting
 from m3serve.kernels.qkv_insert import QKVLayout
+from support.paged import (KV_DTYPES, build, chunk_positions, clone_cache, layer_cache, rel_err,
+                           run_attention_scenario)
+from support.qkv import check_qkv_insert
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET is set: these test compiled kernels")]
@@ -32,10 +33,6 @@ def setup(request):
     return request.param, st, g
 
 
-def _kv(st):
-    return st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale
-
-
 def _same_sets(got, ref, max_bad_frac=0.01):
     """Equal sets of block ids; allow a tiny fraction of near-tie swaps (fp32 accumulation order)."""
     bad = (got.sort(-1).values != ref.sort(-1).values).any(-1)
@@ -46,29 +43,25 @@ def _same_sets(got, ref, max_bad_frac=0.01):
 def test_kv_insert_bit_exact_gpu(kv_dtype):
     g = torch.Generator().manual_seed(7)
     P, T = 40, 3000
-    caches = [alloc(kv_dtype, (P, H_KV, B), D, DEV) for _ in range(2)] + [alloc(kv_dtype, (P, B), DI, DEV)]
+    cache = layer_cache(kv_dtype, P, H_KV, B, D, kv_dtype, DI, (0.01, 0.003, 0.02), DEV)
     mag = torch.exp2(torch.randint(-12, 8, (T, 1, 1), generator=g).float())
     k = (torch.randn(T, H_KV, D, generator=g) * mag).to(DEV, torch.bfloat16)
     v = (torch.randn(T, H_KV, D, generator=g) * mag).to(DEV, torch.bfloat16)
     ik = (torch.randn(T, DI, generator=g) * mag[:, 0]).to(DEV, torch.bfloat16)
     slots = torch.randperm(P * B, generator=g)[:T].to(DEV)
-    flat = [t for c in caches for t in c]
-    ref = [t.clone() if t is not None else None for t in flat]
-    got = [t.clone() if t is not None else None for t in flat]
-    args = lambda c: (c[0], c[2], c[1], c[3], 0.01, 0.003, ik, c[4], c[5], 0.02)  # noqa: E731
-    kv_insert_ref(k, v, slots, *args(ref))
-    kv_insert(k, v, slots, *args(got))
+    ref, got = clone_cache(cache), clone_cache(cache)
+    kv_insert_ref(k, v, slots, ref, ik)
+    kv_insert(k, v, slots, got, ik)
     torch.cuda.synchronize()
-    for r, o in zip(ref, got):
-        if r is not None:
-            assert torch.equal(_bytes(r), _bytes(o))
+    for r, o in zip(ref.tensors(), got.tensors(), strict=True):
+        assert torch.equal(_bytes(r), _bytes(o))
 
 
 def test_indexer_decode_gpu(setup):
     kv_dtype, st, g = setup
     iq = torch.randn(len(SEQ_LENS), H_KV, DI, generator=g).to(DEV, torch.bfloat16)
-    ref = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
-    got = indexer_decode(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
+    ref = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, TOPK)
+    got = indexer_decode(iq, st.cache, st.bt, st.seq_lens, TOPK)
     _same_sets(got, ref, 0.0)
     assert ((got[0] >= 0).sum(-1) == TOPK).all()  # 41 blocks -> 16 kept
 
@@ -78,8 +71,8 @@ def test_indexer_prefill_gpu(setup):
     qsl, pos = chunk_positions(SEQ_LENS, CHUNKS)
     iq = torch.randn(qsl[-1], H_KV, DI, generator=g).to(DEV, torch.bfloat16)
     pos = pos.to(DEV)
-    ref = indexer_prefill_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, qsl, pos, TOPK)
-    got = indexer_prefill(iq, st.idx, st.isb, st.idx_scale, st.bt, qsl, pos, TOPK)
+    ref = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK)
+    got = indexer_prefill(iq, st.cache, st.bt, qsl, pos, TOPK)
     _same_sets(got, ref)
 
 
@@ -91,11 +84,12 @@ def test_msa_decode_gpu(setup, mode):
     bids = None
     if mode == "sparse":
         iq = torch.randn(S, H_KV, DI, generator=g).to(DEV, torch.bfloat16)
-        bids = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
-    ref = msa_decode_ref(q, *_kv(st), st.bt, st.seq_lens, D ** -0.5, bids)
+        bids = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, TOPK)
+    ref = msa_decode_ref(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids)
     for splits, words in ((None, None), (1, None), (5, None), (None, True), (None, False)):
         out = torch.full_like(q, float("nan"))
-        msa_decode(q, *_kv(st), st.bt, st.seq_lens, D ** -0.5, bids, num_splits=splits, out=out, words=words)
+        with tuned(decode_splits=splits, decode_words=words):
+            msa_decode(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids, out=out)
         assert rel_err(out, ref) < 1e-2, (splits, words, rel_err(out, ref))
 
 
@@ -109,23 +103,23 @@ def test_msa_prefill_gpu(setup, mode):
     bids = None
     if mode == "sparse":
         iq = torch.randn(T, H_KV, DI, generator=g).to(DEV, torch.bfloat16)
-        bids = indexer_prefill_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, qsl, pos, TOPK)
-    ref = msa_prefill_ref(q, *_kv(st), st.bt, qsl, pos, D ** -0.5, bids)
+        bids = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK)
+    ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids)
     out = torch.full_like(q, float("nan"))
-    msa_prefill(q, *_kv(st), st.bt, qsl, pos, D ** -0.5, bids, out=out)
+    msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids, out=out)
     assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("kv_dtype,index_dtype", [("nvfp4", "nvfp4"), ("fp8", "fp8"), ("bfloat16", "bfloat16")])
 def test_triton_attention_gpu(kv_dtype, index_dtype):
-    from test_kernel_attention import run_scenario
     steps = [{0: 1500, 1: 700}, {0: 900, 1: 1, 2: 300}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
-    run_scenario(kv_dtype, index_dtype, device=DEV, h_q=H_Q, h_kv=H_KV, d=D, di=DI, b=B, topk=TOPK, steps=steps)
+    run_attention_scenario(kv_dtype, index_dtype, device=DEV, h_q=H_Q, h_kv=H_KV, d=D, di=DI, b=B, topk=TOPK,
+                           steps=steps)
 
 
 def test_nvfp4_inline_ptx_decoder_selfcheck():
     """The CUDA fast NVFP4 decoder (inline PTX) decodes exactly like the portable one on this GPU."""
-    from m3serve.kernels.triton_utils import nvfp4_asm_ok
+    from m3serve.kernels.codecs import nvfp4_asm_ok
     assert nvfp4_asm_ok(torch.device(DEV))
 
 
@@ -138,11 +132,12 @@ def test_msa_decode_small_head_dims_gpu(kv_dtype, head_dim):
     st = build([150, 20, 90], 2, head_dim, 16, kv_dtype, kv_dtype, 32, gen=g, device=DEV)
     q = torch.randn(3, 4, head_dim, generator=g).float().to(DEV)
     iq = torch.randn(3, 2, 32, generator=g).to(DEV, torch.bfloat16)
-    bids = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 4)
+    bids = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, 4)
     for b in (bids, None):
-        ref = msa_decode_ref(q, *_kv(st), st.bt, st.seq_lens, head_dim ** -0.5, b)
+        ref = msa_decode_ref(q, st.cache, st.bt, st.seq_lens, head_dim ** -0.5, b)
         for words in (None, False, True):
-            out = msa_decode(q, *_kv(st), st.bt, st.seq_lens, head_dim ** -0.5, b, words=words)
+            with tuned(decode_words=words):
+                out = msa_decode(q, st.cache, st.bt, st.seq_lens, head_dim ** -0.5, b)
             assert rel_err(out, ref) < 1e-2, (b is None, words, rel_err(out, ref))
 
 

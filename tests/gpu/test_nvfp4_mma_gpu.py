@@ -4,10 +4,12 @@ Both decoders (hardware convert, integer ops) and every launch variant the bench
 import pytest
 import torch
 
-from m3serve.kernels import nvfp4_mma
+from m3serve.kernels import dispatch, platform
+from m3serve.kernels.codecs import MODE_CVT, MODE_INT
+from m3serve.kernels.dispatch import tuned
 from m3serve.kernels.indexer import indexer_block_scores, indexer_decode, indexer_decode_ref
 from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref
-from m3serve.kernels.triton_utils import interpreting
+from m3serve.kernels.platform import interpreting
 from support.paged import build, rel_err
 
 pytestmark = [pytest.mark.gpu,
@@ -19,7 +21,7 @@ SEQ_LENS = [128 * 40 + 17, 300, 128 * 16, 1, 128 * 23 + 100, 128 * 90 + 64]
 
 
 def _need_mma():
-    if not nvfp4_mma.available(torch.device(DEV)):
+    if not platform.nvfp4_mma_ok(torch.device(DEV)):
         pytest.skip("no sm_89 / sm_90 GPU: the mma.sync NVFP4 kernels are not used here")
 
 
@@ -32,20 +34,21 @@ def setup(request):
     return h_q, h_kv, st, g
 
 
-@pytest.mark.parametrize("mode", [nvfp4_mma.MODE_CVT, nvfp4_mma.MODE_INT])
+@pytest.mark.parametrize("mode", [MODE_CVT, MODE_INT])
 @pytest.mark.parametrize("unroll", [1, 3])
 def test_index_scan_matches_portable_and_reference(setup, mode, unroll):
     h_q, h_kv, st, g = setup
     for _ in range(2):  # fresh queries each check
         iq = torch.randn(len(SEQ_LENS), h_kv, D, generator=g).to(DEV, torch.bfloat16)
-        args = (iq, st.idx, st.isb, st.idx_scale, st.bt)
-        assert nvfp4_mma.indexer_decode_supported(iq, st.idx, st.isb)
+        args = (iq, st.cache, st.bt)
+        assert dispatch.use_mma_index_scan(iq, st.cache)
         nb = st.bt.shape[1]
         for chunks in (None, 1, 7):
             out = torch.full((iq.shape[0], h_kv, nb), float("nan"), device=DEV)
-            got = indexer_block_scores(*args, seq_lens=st.seq_lens, num_chunks=chunks, mma_mode=mode,
-                                       mma_unroll=unroll, out=out)
-            ref = indexer_block_scores(*args, seq_lens=st.seq_lens, num_chunks=chunks, mma=False)
+            with tuned(index_chunks=chunks, index_mma_mode=mode, index_mma_unroll=unroll):
+                got = indexer_block_scores(*args, seq_lens=st.seq_lens, out=out)
+            with tuned(index_chunks=chunks, mma=False):
+                ref = indexer_block_scores(*args, seq_lens=st.seq_lens)
             n_blk = (st.seq_lens.long() + B - 1) // B
             scored = torch.arange(nb, device=DEV)[None, :] < n_blk[:, None]  # [S, nb]
             assert not torch.isnan(got[scored[:, None, :].expand_as(got)]).any()
@@ -53,30 +56,31 @@ def test_index_scan_matches_portable_and_reference(setup, mode, unroll):
             assert torch.equal(torch.isinf(got) & scored[:, None, :], torch.isinf(ref) & scored[:, None, :])
             # both fp32 accumulations of exact fp16 products; q rounded to fp16 alike
             assert torch.allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-4 * ref[fin].abs().max().item())
-        ids = indexer_decode(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK, mma_mode=mode,
-                             mma_unroll=unroll)
-        ref_ids = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
+        with tuned(index_mma_mode=mode, index_mma_unroll=unroll):
+            ids = indexer_decode(iq, st.cache, st.bt, st.seq_lens, TOPK)
+        ref_ids = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, TOPK)
         assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
 
 
-@pytest.mark.parametrize("kmode", [nvfp4_mma.MODE_CVT, nvfp4_mma.MODE_INT])
+@pytest.mark.parametrize("kmode", [MODE_CVT, MODE_INT])
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_decode_attention_matches_reference(setup, kmode, sparse):
     h_q, h_kv, st, g = setup
     S = len(SEQ_LENS)
     for _ in range(2):
         q = torch.randn(S, h_q, D, generator=g).to(DEV, torch.bfloat16)
-        assert nvfp4_mma.attention_supported(q, st.kd, st.vd, st.ksb, st.vsb)
+        assert dispatch.use_mma_decode_attention(q, st.cache)
         bids = None
         if sparse:
             iq = torch.randn(S, h_kv, D, generator=g).to(DEV, torch.bfloat16)
-            bids = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
-        kv = (st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale)
-        ref = msa_decode_ref(q, *kv, st.bt, st.seq_lens, D ** -0.5, bids)
-        portable = msa_decode(q, *kv, st.bt, st.seq_lens, D ** -0.5, bids, mma=False)
+            bids = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, TOPK)
+        ref = msa_decode_ref(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids)
+        with tuned(mma=False):
+            portable = msa_decode(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids)
         for splits in (None, 1, 3):
             out = torch.full_like(q, float("nan"))
-            msa_decode(q, *kv, st.bt, st.seq_lens, D ** -0.5, bids, num_splits=splits, out=out, mma_kmode=kmode)
+            with tuned(decode_splits=splits, decode_mma_kmode=kmode):
+                msa_decode(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids, out=out)
             err = rel_err(out, ref)
             assert err < 1e-2, (splits, err)
             assert err < 2 * rel_err(portable, ref) + 1e-3, (splits, err, rel_err(portable, ref))
@@ -88,17 +92,17 @@ def test_shapes_outside_the_fast_path_use_the_portable_kernels():
     st = build([300, 40], 2, 64, 16, "nvfp4", "nvfp4", 32, gen=g, device=DEV)  # tiny-model shapes
     iq = torch.randn(2, 2, 32, generator=g).to(DEV, torch.bfloat16)
     q = torch.randn(2, 4, 64, generator=g).to(DEV, torch.bfloat16)
-    assert not nvfp4_mma.indexer_decode_supported(iq, st.idx, st.isb)
-    assert not nvfp4_mma.attention_supported(q, st.kd, st.vd, st.ksb, st.vsb)
-    ids = indexer_decode(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 4)
-    ref = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 4)
+    assert not dispatch.use_mma_index_scan(iq, st.cache)
+    assert not dispatch.use_mma_decode_attention(q, st.cache)
+    ids = indexer_decode(iq, st.cache, st.bt, st.seq_lens, 4)
+    ref = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, 4)
     assert torch.equal(ids.sort(-1).values, ref.sort(-1).values)
 
 
 def test_engine_uses_the_mma_kernels_and_matches_the_reference(tmp_path):
     """A small model with M3's attention shapes (16 query heads per KV head, D = 128, index D = 128, 128-token
     blocks, top-16), an NVFP4 cache, prompts past 16 blocks: the engine's decode steps run the mma.sync kernels,
-    shadowed at every layer by the torch reference on the same cache (tests/kernels/shadow.py)."""
+    shadowed at every layer by the torch reference on the same cache (tests/support/shadow.py)."""
     _need_mma()
     from support.shadow import shadow_of
 
@@ -122,9 +126,8 @@ def test_engine_uses_the_mma_kernels_and_matches_the_reference(tmp_path):
     assert isinstance(runner.backend, TritonAttention)
     cache = runner.cache
     lc = cache.layers[1]
-    assert nvfp4_mma.indexer_decode_supported(torch.zeros(1, 1, 128, device=DEV), lc.index, lc.index_scale_blocks)
-    assert nvfp4_mma.attention_supported(torch.zeros(1, 16, 128, device=DEV), lc.k, lc.v, lc.k_scale_blocks,
-                                         lc.v_scale_blocks)
+    assert dispatch.use_mma_index_scan(torch.zeros(1, 1, 128, device=DEV), lc)
+    assert dispatch.use_mma_decode_attention(torch.zeros(1, 16, 128, device=DEV), lc)
     shadow = shadow_of(runner.backend, tol=0.05)
     runner.backend = shadow
     g = torch.Generator().manual_seed(11)

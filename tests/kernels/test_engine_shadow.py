@@ -1,5 +1,5 @@
 """The engine with the Triton kernels (interpreter) shadowed by the reference at every layer of every step
-(tests/kernels/shadow.py): the tiny model, nvfp4 cache, chunked prefill mixed with decodes. And the shadow
+(tests/support/shadow.py): the tiny model, nvfp4 cache, chunked prefill mixed with decodes. And the shadow
 check itself: a backend that is wrong on one token is caught."""
 import pytest
 

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
+from m3serve.kernels.cache import gather_part_ref
+from m3serve.kernels.dispatch import tuned
 from m3serve.kernels.indexer import (indexer_block_scores, indexer_decode, indexer_decode_ref, indexer_prefill,
                                      indexer_prefill_ref, indexer_topk_ref)
-from m3serve.kernels.kv_insert import gather_pages_ref
 from m3serve.model.kv_codec import KVCodec
 from support.paged import KV_DTYPES, build, chunk_positions
 
@@ -43,17 +44,17 @@ def _assert_same_selection(got, ref, scores, tol):
 @pytest.mark.parametrize("index_dtype", KV_DTYPES)
 def test_paged_refs_equal_dense_ref(index_dtype):
     st, g = _setup(index_dtype, 11)
-    codec = KVCodec(index_dtype, st.idx_scale)
+    codec = KVCodec(index_dtype, st.cache.index_scale)
     iq = torch.randn(len(SEQ_LENS), H, DI, generator=g).to(torch.bfloat16)
-    got = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
+    got = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, TOPK)
     for s, n in enumerate(SEQ_LENS):
         keys = codec.roundtrip(st.ik_dense[s].float())
-        assert torch.equal(gather_pages_ref(st.idx, st.isb, st.idx_scale, st.bt[s], n), keys)
+        assert torch.equal(gather_part_ref(st.cache, "index", st.bt[s], n), keys)
         want = indexer_topk_ref(iq[s:s + 1], keys, torch.tensor([n - 1]), B, TOPK)[:, 0]
         assert torch.equal(got[s], want)
     qsl, pos = chunk_positions(SEQ_LENS, [20, 7, 1, 16])
     iq = torch.randn(qsl[-1], H, DI, generator=g).to(torch.bfloat16)
-    got = indexer_prefill_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, qsl, pos, TOPK)
+    got = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK)
     for s, n in enumerate(SEQ_LENS):
         keys = codec.roundtrip(st.ik_dense[s].float())
         a, b = qsl[s], qsl[s + 1]
@@ -68,11 +69,11 @@ def test_indexer_decode_kernel(index_dtype):
     iq = torch.randn(S, H, DI, generator=g).to(torch.bfloat16)
     nb = st.bt.shape[1]
     poisoned = torch.full((S, H, nb), float("nan"))
-    scores = indexer_block_scores(iq, st.idx, st.isb, st.idx_scale, st.bt, seq_lens=st.seq_lens, num_chunks=3,
-                                  out=poisoned)
+    with tuned(index_chunks=3):
+        scores = indexer_block_scores(iq, st.cache, st.bt, seq_lens=st.seq_lens, out=poisoned)
     dense = []
     for s, n in enumerate(SEQ_LENS):
-        keys = gather_pages_ref(st.idx, st.isb, st.idx_scale, st.bt[s], n)
+        keys = gather_part_ref(st.cache, "index", st.bt[s], n)
         ref = _dense_block_scores(iq[s:s + 1], keys, torch.tensor([n - 1]))[0]  # [H, nb_s]
         k = ref.shape[-1]
         got = scores[s, :, :k]
@@ -82,8 +83,8 @@ def test_indexer_decode_kernel(index_dtype):
         torch.testing.assert_close(got[:, mask].double(), ref[:, mask], rtol=2e-3, atol=2e-3)
         dense.append(torch.nn.functional.pad(ref, (0, nb - k), value=float("-inf")))
     dense = torch.stack(dense)
-    ref_ids = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
-    got_ids = indexer_decode(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
+    ref_ids = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, TOPK)
+    got_ids = indexer_decode(iq, st.cache, st.bt, st.seq_lens, TOPK)
     assert got_ids.dtype == torch.int32 and got_ids.shape == (S, H, TOPK)
     _assert_same_selection(got_ids, ref_ids, dense, tol=5e-3)
     # contexts long enough that top-k drops blocks; short ones are -1 padded
@@ -98,13 +99,14 @@ def test_indexer_prefill_kernel(index_dtype):
     qsl, pos = chunk_positions(SEQ_LENS, [21, 7, 1, 16])  # chunk starts mid-block, whole-sequence, single token
     T = qsl[-1]
     iq = torch.randn(T, H, DI, generator=g).to(torch.bfloat16)
-    ref_ids = indexer_prefill_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, qsl, pos, TOPK)
-    got_ids = indexer_prefill(iq, st.idx, st.isb, st.idx_scale, st.bt, qsl, pos, TOPK, num_chunks=2)
+    ref_ids = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK)
+    with tuned(index_chunks=2):
+        got_ids = indexer_prefill(iq, st.cache, st.bt, qsl, pos, TOPK)
     nb = st.bt.shape[1]
     dense = torch.full((T, H, nb), float("-inf"), dtype=torch.float64)
     for s, n in enumerate(SEQ_LENS):
         a, b = qsl[s], qsl[s + 1]
-        keys = gather_pages_ref(st.idx, st.isb, st.idx_scale, st.bt[s], n)
+        keys = gather_part_ref(st.cache, "index", st.bt[s], n)
         d = _dense_block_scores(iq[a:b], keys, pos[a:b])
         dense[a:b, :, :d.shape[-1]] = d
     _assert_same_selection(got_ids, ref_ids, dense, tol=5e-3)

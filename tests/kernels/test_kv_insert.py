@@ -5,19 +5,26 @@ import triton
 import triton.language as tl
 
 from m3serve.kernels import fp8, nvfp4
-from m3serve.kernels.kv_insert import gather_pages_ref, kv_insert, kv_insert_ref
-from m3serve.kernels.triton_utils import e2m1_to_f16, e4m3_bits_to_f32, f32_to_e4m3_bits
+from m3serve.kernels.cache import gather_part_ref
+from m3serve.kernels.codecs import e4m3_bits_to_f32, f32_to_e4m3_bits, nvfp4_tile_f16
+from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref
 from m3serve.model.kv_codec import KVCodec
-from support.paged import KV_DTYPES, alloc, page_tables, slots_of
+from support.paged import KV_DTYPES, clone_cache, layer_cache, page_tables, slots_of
 
 
 @triton.jit
-def _codec_kernel(x_ptr, bits_ptr, back_ptr, nib_ptr, N: tl.constexpr):
+def _codec_kernel(x_ptr, bits_ptr, back_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     bits = f32_to_e4m3_bits(tl.load(x_ptr + i))
     tl.store(bits_ptr + i, bits)
     tl.store(back_ptr + i, e4m3_bits_to_f32(bits))
-    tl.store(nib_ptr + i, e2m1_to_f16((i % 16).to(tl.uint8)).to(tl.float32))
+    # every byte (two E2M1 codes) through the byte decoder, block scale 1: values E2M1 * 2^-7
+    r = tl.arange(0, 16)
+    c = tl.arange(0, 16)
+    byte = (r[:, None] * 16 + c[None, :]).to(tl.uint8)
+    lo, hi = nvfp4_tile_f16(byte, tl.full((16, 2), 1.0, tl.float32), 16, 16)
+    tl.store(lo_ptr + r[:, None] * 16 + c[None, :], lo.to(tl.float32))
+    tl.store(hi_ptr + r[:, None] * 16 + c[None, :], hi.to(tl.float32))
 
 
 def test_e4m3_codec_matches_torch():
@@ -35,16 +42,13 @@ def test_e4m3_codec_matches_torch():
     x = torch.nn.functional.pad(x, (0, n - x.numel()))
     bits = torch.empty(n, dtype=torch.uint8)
     back = torch.empty(n)
-    nib = torch.empty(n)
-    _codec_kernel[(1,)](x, bits, back, nib, N=n)
+    lo, hi = torch.empty(256), torch.empty(256)
+    _codec_kernel[(1,)](x, bits, back, lo, hi, N=n)
     ref = x.to(torch.float8_e4m3fn)
     assert torch.equal(bits, ref.view(torch.uint8))
     assert torch.equal(back, ref.float())
-    assert torch.equal(nib[:16], nvfp4.E2M1_VALUES)
-
-
-def _cache(dtype, P, H, B, D, device="cpu"):
-    return alloc(dtype, (P, H, B) if H else (P, B), D, device)
+    byte = torch.arange(256)
+    assert torch.equal(lo * 128, nvfp4.E2M1_VALUES[byte & 15]) and torch.equal(hi * 128, nvfp4.E2M1_VALUES[byte >> 4])
 
 
 def _bytes(t):
@@ -56,9 +60,8 @@ def _bytes(t):
 def test_kv_insert_bit_exact(kv_dtype, index_dtype):
     g = torch.Generator().manual_seed(hash((kv_dtype, index_dtype)) % 1000)
     P, H, B, D, DI, T = 7, 2, 16, 64, 32, 24
-    kd, ksb = _cache(kv_dtype, P, H, B, D)
-    vd, vsb = _cache(kv_dtype, P, H, B, D)
-    idd, isb = _cache(index_dtype, P, 0, B, DI) if index_dtype else (None, None)
+    k_scale, v_scale, i_scale = 0.01, 0.0031, 0.5
+    cache = layer_cache(kv_dtype, P, H, B, D, index_dtype, DI, (k_scale, v_scale, i_scale))
     # magnitudes from tiny (subnormal / zero e4m3 block scales) to saturating, bf16 and fp32 inputs
     mag = torch.exp2(torch.randint(-14, 10, (24, 1, 1), generator=g).float())
     k = (torch.randn(T, H, D, generator=g) * mag).to(torch.bfloat16)
@@ -67,22 +70,19 @@ def test_kv_insert_bit_exact(kv_dtype, index_dtype):
     ik = (torch.randn(T, DI, generator=g) * mag[:, 0]).to(torch.bfloat16) if index_dtype else None
     slots = torch.randperm(P * B, generator=g)[:T]
     slots[5] = -1  # padding token: skipped
-    k_scale, v_scale, i_scale = 0.01, 0.0031, 0.5
-    ref = [x.clone() if x is not None else None for x in (kd, vd, ksb, vsb, idd, isb)]
-    got = [x.clone() if x is not None else None for x in (kd, vd, ksb, vsb, idd, isb)]
-    kv_insert_ref(k, v, slots, *ref[:4], k_scale, v_scale, ik, ref[4], ref[5], i_scale)
-    kv_insert(k, v, slots, *got[:4], k_scale, v_scale, ik, got[4], got[5], i_scale)
-    for r, o in zip(ref, got):
-        if r is not None:
-            assert torch.equal(_bytes(r), _bytes(o))
+    ref, got = clone_cache(cache), clone_cache(cache)
+    kv_insert_ref(k, v, slots, ref, ik)
+    kv_insert(k, v, slots, got, ik)
+    for r, o in zip(ref.tensors(), got.tensors(), strict=True):
+        assert torch.equal(_bytes(r), _bytes(o))
     # the reference wrote exactly the K/V/IK that KVCodec (the engine's torch path) would produce
+    sl = slots[1]
     if kv_dtype == "nvfp4":
         p, s, _ = nvfp4.quantize_nvfp4(k[1], k_scale)
-        sl = slots[1]
-        assert torch.equal(ref[0][sl // B, :, sl % B], p) and torch.equal(_bytes(ref[2][sl // B, :, sl % B]), _bytes(s))
+        assert torch.equal(ref.k[sl // B, :, sl % B], p) and torch.equal(_bytes(ref.k_scale_blocks[sl // B, :, sl % B]),
+                                                                        _bytes(s))
     elif kv_dtype == "fp8":
-        sl = slots[1]
-        assert torch.equal(_bytes(ref[0][sl // B, :, sl % B]), _bytes(fp8.quantize_fp8(k[1], k_scale)[0]))
+        assert torch.equal(_bytes(ref.k[sl // B, :, sl % B]), _bytes(fp8.quantize_fp8(k[1], k_scale)[0]))
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -91,11 +91,10 @@ def test_gather_pages_roundtrip(kv_dtype):
     g = torch.Generator().manual_seed(3)
     B, H, D, n = 16, 2, 32, 45
     bt, P = page_tables([n, 20], B, gen=g)
-    kd, ksb = _cache(kv_dtype, P, H, B, D)
-    vd, vsb = _cache(kv_dtype, P, H, B, D)
-    k = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
     scale = 1.0 if kv_dtype == "bfloat16" else 0.01
-    kv_insert(k, k, slots_of(bt[0], torch.arange(n), B), kd, vd, ksb, vsb, scale, scale)
-    got = gather_pages_ref(kd, ksb, scale, bt[0], n)
+    cache = layer_cache(kv_dtype, P, H, B, D, scales=(scale, scale, 1.0))
+    k = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
+    kv_insert(k, k, slots_of(bt[0], torch.arange(n), B), cache)
+    got = gather_part_ref(cache, "k", bt[0], n)
     want = KVCodec(kv_dtype, scale).roundtrip(k.float())
     assert torch.equal(got, want)

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+from m3serve.kernels.cache import gather_part_ref
+from m3serve.kernels.dispatch import tuned
 from m3serve.kernels.indexer import indexer_decode_ref, indexer_prefill_ref
-from m3serve.kernels.kv_insert import gather_pages_ref
 from m3serve.kernels.msa_attention import msa_attention_ref, msa_decode, msa_decode_ref, msa_prefill, msa_prefill_ref
 from m3serve.model.kv_codec import KVCodec
 from support.paged import KV_DTYPES, build, chunk_positions, rel_err
@@ -18,31 +19,27 @@ def _setup(kv_dtype, seed, seq_lens=SEQ_LENS):
     return build(seq_lens, H_KV, D, B, kv_dtype, "bfloat16", DI, gen=g), g
 
 
-def _kv(st):
-    return st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale
-
-
 def _decode_block_ids(st, g):
     iq = torch.randn(len(st.seq_lens), H_KV, DI, generator=g).to(torch.bfloat16)
-    return indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, TOPK)
+    return indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, TOPK)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_paged_refs_equal_dense_ref(kv_dtype):
     st, g = _setup(kv_dtype, 5)
-    codec = KVCodec(kv_dtype, st.k_scale)
+    codec = KVCodec(kv_dtype, st.cache.k_scale)
     S = len(SEQ_LENS)
     q = torch.randn(S, H_KV * G, D, generator=g).to(torch.bfloat16)
     bids = _decode_block_ids(st, g)
-    got = msa_decode_ref(q, *_kv(st), st.bt, st.seq_lens, D ** -0.5, bids)
+    got = msa_decode_ref(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids)
     for s, n in enumerate(SEQ_LENS):
         k, v = codec.roundtrip(st.k_dense[s].float()), codec.roundtrip(st.v_dense[s].float())
-        assert torch.equal(gather_pages_ref(st.kd, st.ksb, st.k_scale, st.bt[s], n), k)
+        assert torch.equal(gather_part_ref(st.cache, "k", st.bt[s], n), k)
         want = msa_attention_ref(q[s:s + 1], k, v, torch.tensor([n - 1]), D ** -0.5, bids[s][:, None], B)
         assert torch.equal(got[s:s + 1], want)
     qsl, pos = chunk_positions(SEQ_LENS, [20, 7, 1, 16])
     q = torch.randn(qsl[-1], H_KV * G, D, generator=g).to(torch.bfloat16)
-    got = msa_prefill_ref(q, *_kv(st), st.bt, qsl, pos, D ** -0.5, None)
+    got = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, None)
     for s, n in enumerate(SEQ_LENS):
         k, v = codec.roundtrip(st.k_dense[s].float()), codec.roundtrip(st.v_dense[s].float())
         a, b = qsl[s], qsl[s + 1]
@@ -58,10 +55,11 @@ def test_msa_decode_kernel(kv_dtype, mode):
     bids = _decode_block_ids(st, g) if mode == "sparse" else None
     if bids is not None:  # top-k really drops blocks of the long sequences
         assert ((bids[0] >= 0).sum(-1) == TOPK).all() and -(-SEQ_LENS[0] // B) > TOPK
-    ref = msa_decode_ref(q, *_kv(st), st.bt, st.seq_lens, D ** -0.5, bids)
+    ref = msa_decode_ref(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids)
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
-        msa_decode(q, *_kv(st), st.bt, st.seq_lens, D ** -0.5, bids, num_splits=splits, out=out)
+        with tuned(decode_splits=splits):
+            msa_decode(q, st.cache, st.bt, st.seq_lens, D ** -0.5, bids, out=out)
         assert rel_err(out, ref) < TOL[kv_dtype], (splits, rel_err(out, ref))
 
 
@@ -75,11 +73,11 @@ def test_msa_prefill_kernel(kv_dtype, mode):
     bids = None
     if mode == "sparse":
         iq = torch.randn(T, H_KV, DI, generator=g).to(torch.bfloat16)
-        bids = indexer_prefill_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, qsl, pos, TOPK)
+        bids = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK)
         assert ((bids[:qsl[1]] >= 0).sum(-1) == TOPK).all()
-    ref = msa_prefill_ref(q, *_kv(st), st.bt, qsl, pos, D ** -0.5, bids)
+    ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids)
     out = torch.full_like(q, float("nan"))
-    msa_prefill(q, *_kv(st), st.bt, qsl, pos, D ** -0.5, bids, out=out)
+    msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids, out=out)
     assert rel_err(out, ref) < TOL[kv_dtype]
 
 
@@ -89,10 +87,11 @@ def test_msa_decode_gqa16_fp32_query():
     st = build([300, 40], 1, 32, 64, "nvfp4", "bfloat16", DI, gen=g)
     q = torch.randn(2, 16, 32, generator=g)
     iq = torch.randn(2, 1, DI, generator=g).to(torch.bfloat16)
-    bids = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 2)
+    bids = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, 2)
     for b in (bids, None):
-        ref = msa_decode_ref(q, *_kv(st), st.bt, st.seq_lens, 0.2, b)
-        out = msa_decode(q, *_kv(st), st.bt, st.seq_lens, 0.2, b, block_n=32)
+        ref = msa_decode_ref(q, st.cache, st.bt, st.seq_lens, 0.2, b)
+        with tuned(decode_block_n=32):
+            out = msa_decode(q, st.cache, st.bt, st.seq_lens, 0.2, b)
         assert out.dtype == torch.float32 and rel_err(out, ref) < 3e-3
 
 
@@ -103,10 +102,11 @@ def test_msa_decode_word_decoders(kv_dtype):
     st = build([70, 33], 1, 128, 16, kv_dtype, "bfloat16", DI, gen=g)
     q = torch.randn(2, 16, 128, generator=g).to(torch.bfloat16)
     iq = torch.randn(2, 1, DI, generator=g).to(torch.bfloat16)
-    bids = indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 2)
+    bids = indexer_decode_ref(iq, st.cache, st.bt, st.seq_lens, 2)
     for b in (bids, None):
-        ref = msa_decode_ref(q, *_kv(st), st.bt, st.seq_lens, 128 ** -0.5, b)
+        ref = msa_decode_ref(q, st.cache, st.bt, st.seq_lens, 128 ** -0.5, b)
         for words in ((True, "split", False, None) if kv_dtype == "nvfp4" else (True, False, None)):
             out = torch.full_like(q, float("nan"))
-            msa_decode(q, *_kv(st), st.bt, st.seq_lens, 128 ** -0.5, b, num_splits=2, words=words, out=out)
+            with tuned(decode_splits=2, decode_words=words):
+                msa_decode(q, st.cache, st.bt, st.seq_lens, 128 ** -0.5, b, out=out)
             assert rel_err(out, ref) < 1e-2, (words, rel_err(out, ref))

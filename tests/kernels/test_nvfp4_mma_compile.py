@@ -3,6 +3,7 @@ interpreter), so CI checks what can be checked on the CPU: they compile for sm_9
 ``convert_layout(..., assert_trivial=True)``, that the decoded registers are the mma fragments as they stand:
 no data moves between threads), the SASS has the instructions the design relies on, and the dispatch never picks
 them where they cannot run. Their numbers are checked on the H200 (tests/gpu/test_nvfp4_mma_gpu.py)."""
+import dataclasses
 import os
 import re
 import subprocess
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from m3serve.kernels import nvfp4_mma
-from m3serve.kernels.indexer import indexer_decode, indexer_decode_ref
+from m3serve.kernels import dispatch, nvfp4_mma, platform
+from m3serve.kernels.codecs import MODE_CVT, MODE_INT
+from m3serve.kernels.dispatch import tuned
+from m3serve.kernels.indexer import indexer_block_scores, indexer_decode, indexer_decode_ref
 from m3serve.kernels.msa_attention import msa_decode, msa_decode_ref
 from support.paged import build, rel_err
 
@@ -43,21 +46,21 @@ def _sass(kernel, signature, constexprs, tmp_path):
     return ops, usage
 
 
-@pytest.mark.parametrize("mode", [nvfp4_mma.MODE_CVT, nvfp4_mma.MODE_INT])
+@pytest.mark.parametrize("mode", [MODE_CVT, MODE_INT])
 def test_index_scan_compiles_to_register_mma(mode, tmp_path):
     ops, usage = _sass("_indexer_decode_kernel", IDX_SIG, {"LOCAL": 1, "FILL": True, "MODE": mode,
                                                                    "UNROLL": 2}, tmp_path)
     assert ops.count("HMMA") == 2 * 16  # 2 pages x (2 m-tiles of 16 rows per warp x 8 k-steps)
     assert "LDS" in ops  # only the block max crosses warps (through shared memory) ...
     assert ops.count("STS") <= 8  # ... not the decoded tiles (those would be hundreds of stores)
-    assert ops.count("F2FP") >= (64 if mode == nvfp4_mma.MODE_CVT else 0)  # the e4m3x2 -> f16x2 converts
+    assert ops.count("F2FP") >= (64 if mode == MODE_CVT else 0)  # the e4m3x2 -> f16x2 converts
     assert "LOCAL:0" in usage.replace(" ", "")  # no spills
 
 
 def test_decode_attention_compiles_without_spills(tmp_path):
     ops, usage = _sass("_msa_decode_kernel", ATT_SIG, {"TOPK": 16, "SPARSE": True, "SPLIT": True,
-                                                               "KMODE": nvfp4_mma.MODE_INT}, tmp_path)
-    assert ops.count("HMMA") >= 2 * 32  # one block per iteration: 2 tiles x (16 for QK^T + 16 for PV)
+                                                               "KMODE": MODE_INT}, tmp_path)
+    assert ops.count("HMMA") == 2 * 32  # one block per iteration: 2 tiles x (16 for QK^T + 16 for PV)
     assert "LOCAL:0" in usage.replace(" ", "")
 
 
@@ -66,17 +69,19 @@ def test_dispatch_checks_shapes_and_never_picks_the_fast_path_here():
     st = build([300, 40], 1, 128, 128, "nvfp4", "nvfp4", 128, gen=g)  # M3 page / head dims, TP4 head counts
     iq = torch.randn(2, 1, 128, generator=g)
     q = torch.randn(2, 16, 128, generator=g)
-    assert nvfp4_mma.indexer_decode_shapes_ok(iq, st.idx, st.isb)
-    assert nvfp4_mma.attention_shapes_ok(q, st.kd, st.vd, st.ksb, st.vsb)
-    assert not nvfp4_mma.attention_shapes_ok(q[:, :8], st.kd, st.vd, st.ksb, st.vsb)  # 8 query heads per KV head
-    assert not nvfp4_mma.indexer_decode_shapes_ok(iq, st.idx[:, :, :32], st.isb)  # not a whole contiguous row
-    assert not nvfp4_mma.available(q.device)
+    c = st.cache
+    assert dispatch.mma_index_shapes_ok(iq, c)
+    assert dispatch.mma_attention_shapes_ok(q, c)
+    assert not dispatch.mma_attention_shapes_ok(q[:, :8], c)  # 8 query heads per KV head
+    assert not dispatch.mma_index_shapes_ok(iq, dataclasses.replace(c, index=c.index[:, :, :32]))  # not whole rows
+    assert not dispatch.mma_index_shapes_ok(iq, dataclasses.replace(c, index=c.index.view(torch.float8_e4m3fn)))
+    assert not platform.nvfp4_mma_ok(q.device)
+    assert not dispatch.use_mma_index_scan(iq, c) and not dispatch.use_mma_decode_attention(q, c)
     # so the portable kernels serve, and match their references (interpreter)
-    ids = indexer_decode(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 2)
-    assert torch.equal(ids, indexer_decode_ref(iq, st.idx, st.isb, st.idx_scale, st.bt, st.seq_lens, 2))
-    kv = (st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale)
-    out = msa_decode(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)
-    assert rel_err(out, msa_decode_ref(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)) < 1e-2
+    ids = indexer_decode(iq, c, st.bt, st.seq_lens, 2)
+    assert torch.equal(ids, indexer_decode_ref(iq, c, st.bt, st.seq_lens, 2))
+    out = msa_decode(q, c, st.bt, st.seq_lens, 128 ** -0.5, ids)
+    assert rel_err(out, msa_decode_ref(q, c, st.bt, st.seq_lens, 128 ** -0.5, ids)) < 1e-2
 
 
 class _Launch:
@@ -89,30 +94,45 @@ class _Launch:
         return lambda *args, **kw: self.calls.append((grid, args, kw))
 
 
+# the recorded (not run) Gluon attention leaves its split partials unwritten, and the real merge kernel reads them
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy overflow / invalid value on those bytes
 def test_dispatch_launches_the_fast_kernels_with_the_measured_defaults(monkeypatch):
-    """Where `available` holds (sm_89/sm_90), M3-shaped NVFP4 decode goes to these kernels: the Python glue (grid,
-    strides, scales, defaults) is checked here with the launches recorded; the kernels' numbers on the H200."""
+    """Where `platform.nvfp4_mma_ok` holds (sm_89/sm_90), M3-shaped NVFP4 decode goes to these kernels: the Python
+    glue (grid, strides, scales, the tuning table's defaults and variants) is checked here with the launches
+    recorded; the kernels' numbers on the H200."""
     g = torch.Generator().manual_seed(1)
     st = build([128 * 20 + 5, 40], 4, 128, 128, "nvfp4", "nvfp4", 128, gen=g)
     iq = torch.randn(2, 4, 128, generator=g)
     q = torch.randn(2, 64, 128, generator=g)
     scan, attn = _Launch(), _Launch()
-    monkeypatch.setattr(nvfp4_mma, "available", lambda device: True)
+    monkeypatch.setattr(platform, "nvfp4_mma_ok", lambda device: True)
     monkeypatch.setattr(nvfp4_mma, "_indexer_decode_kernel", scan)
     monkeypatch.setattr(nvfp4_mma, "_msa_decode_kernel", attn)
-    from m3serve.kernels.indexer import indexer_block_scores
-    out = indexer_block_scores(iq, st.idx, st.isb, st.idx_scale, st.bt, seq_lens=st.seq_lens)
+    c = st.cache
+    out = indexer_block_scores(iq, c, st.bt, seq_lens=st.seq_lens)
     (grid, args, kw), = scan.calls
     assert grid[0] == 2 and out.shape == (2, 4, st.bt.shape[1])
-    assert kw["MODE"] == nvfp4_mma.MODE_INT and kw["UNROLL"] == 3 and kw["FILL"] and kw["LOCAL"] == 1
-    assert args[5] == pytest.approx(st.idx_scale * nvfp4_mma.UNSCALE[nvfp4_mma.MODE_INT])  # the decoder's unscale
+    assert kw["MODE"] == MODE_INT and kw["UNROLL"] == 3 and kw["FILL"] and kw["LOCAL"] == 1
+    assert args[5] == pytest.approx(c.index_scale * nvfp4_mma.UNSCALE[MODE_INT])  # the decoder's unscale
+    with tuned(index_mma_mode=MODE_CVT, index_mma_unroll=1):  # a benchmark's variant
+        indexer_block_scores(iq, c, st.bt, seq_lens=st.seq_lens)
+    kw = scan.calls[1][2]
+    assert kw["MODE"] == MODE_CVT and kw["UNROLL"] == 1 and scan.calls[1][1][5] == pytest.approx(
+        c.index_scale * nvfp4_mma.UNSCALE[MODE_CVT])
     ids = torch.tensor([[[0, 3, -1, -1]] * 4, [[0, -1, -1, -1]] * 4], dtype=torch.int32)
-    kv = (st.kd, st.vd, st.ksb, st.vsb, st.k_scale, st.v_scale)
-    msa_decode(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, ids)
+    msa_decode(q, c, st.bt, st.seq_lens, 128 ** -0.5, ids)
     (grid, args, kw), = attn.calls
     assert grid == (2, 4, 1)  # sparse: one program per (sequence, KV head) when there are fewer than SMs x 1 ...
-    assert kw["SPARSE"] and not kw["SPLIT"] and kw["TOPK"] == 4 and kw["KMODE"] == nvfp4_mma.MODE_INT
-    msa_decode(q, *kv, st.bt, st.seq_lens, 128 ** -0.5, None)
+    assert kw["SPARSE"] and not kw["SPLIT"] and kw["TOPK"] == 4 and kw["KMODE"] == MODE_INT
+    msa_decode(q, c, st.bt, st.seq_lens, 128 ** -0.5, None)
     grid, args, kw = attn.calls[1]
     assert not kw["SPARSE"] and kw["SPLIT"] and grid[2] > 1  # ... dense-mode splits whole blocks 8 per SM
-    assert not nvfp4_mma.attention_supported(q[:, :32], *kv[:4])  # not 16 query heads per KV head
+    with tuned(decode_mma_kmode=MODE_CVT, decode_splits=3):
+        msa_decode(q, c, st.bt, st.seq_lens, 128 ** -0.5, None)
+    grid, args, kw = attn.calls[2]
+    assert kw["KMODE"] == MODE_CVT and grid[2] == 3
+    with tuned(mma=False):  # the portable kernels (interpreter), no Gluon launch
+        msa_decode(q, c, st.bt, st.seq_lens, 128 ** -0.5, ids)
+        indexer_block_scores(iq, c, st.bt, seq_lens=st.seq_lens)
+    assert len(attn.calls) == 3 and len(scan.calls) == 2
+    assert not dispatch.use_mma_decode_attention(q[:, :32], c)  # not 16 query heads per KV head

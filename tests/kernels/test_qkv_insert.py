@@ -1,5 +1,7 @@
 """qkv_insert (one launch: QK RMSNorm + partial RoPE + K/V/index-key insert from the fused projection output)
 against its torch reference and against the model's own unfused path, under the interpreter."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from m3serve.kernels.kv_insert import kv_insert_ref
 from m3serve.kernels.qkv_insert import QKVLayout, qkv_insert
 from m3serve.model.m3 import Attention, Rotary
 from support.paged import rel_err
-from support.qkv import B, call_insert, qkv_caches, qkv_inputs, check_qkv_insert
+from support.qkv import B, call_insert, check_qkv_insert, qkv_cache, qkv_inputs
 
 LAYOUTS = [QKVLayout(4, 2, 32, 16, 2, 32), QKVLayout(8, 2, 64, 64, 0, 0), QKVLayout(2, 1, 32, 32, 1, 64)]
 
@@ -38,17 +40,17 @@ def test_qkv_insert_matches_the_models_unfused_path():
     qkv = torch.nn.functional.linear(x, attn.qkv_weight)
     layout = QKVLayout(4, 2, 32, cfg.rotary_dim, 2, 32)
     slots = torch.arange(21) + 5
-    k, v, i = qkv_caches(layout, "bfloat16", "bfloat16")
-    k = (k[0].float(), None); v = (v[0].float(), None); i = (i[0].float(), None)
-    q, iq = call_insert(qkv_insert, qkv, layout, attn.norm_weights, cos, sin, slots, k, v, i)
-    k2, v2, i2 = (torch.zeros_like(k[0]), None), (torch.zeros_like(v[0]), None), (torch.zeros_like(i[0]), None)
-    kv_insert_ref(k_m, v_m, slots, k2[0], v2[0], ik=ik_m, idx_data=i2[0])
+    c = qkv_cache(layout, "bfloat16", "bfloat16")
+    c = dataclasses.replace(c, k=c.k.float(), v=c.v.float(), index=c.index.float())  # fp32 pages
+    q, iq = call_insert(qkv_insert, qkv, layout, attn.norm_weights, cos, sin, slots, c)
+    c2 = dataclasses.replace(c, k=torch.zeros_like(c.k), v=torch.zeros_like(c.v), index=torch.zeros_like(c.index))
+    kv_insert_ref(k_m, v_m, slots, c2, ik=ik_m)
     assert rel_err(q, q_m) < 1e-5 and rel_err(iq, iq_m) < 1e-5
-    for a, b in ((k, k2), (v, v2), (i, i2)):
-        if a[0].dim() == 4:
-            got, want = a[0][slots // B, :, slots % B], b[0][slots // B, :, slots % B]
+    for a, b in ((c.k, c2.k), (c.v, c2.v), (c.index, c2.index)):
+        if a.dim() == 4:
+            got, want = a[slots // B, :, slots % B], b[slots // B, :, slots % B]
         else:
-            got, want = a[0][slots // B, slots % B], b[0][slots // B, slots % B]
+            got, want = a[slots // B, slots % B], b[slots // B, slots % B]
         assert rel_err(got, want) < 1e-5
 
 
@@ -56,8 +58,10 @@ def test_qkv_insert_rejects_bad_layouts():
     g = torch.Generator().manual_seed(0)
     layout = QKVLayout(2, 1, 32, 16, 1, 32)
     qkv, norms, cos, sin, slots = qkv_inputs(layout, 5, g)
-    k, v, i = qkv_caches(layout, "bfloat16", "bfloat16")
+    c = qkv_cache(layout, "bfloat16", "bfloat16")
     with pytest.raises(ValueError, match="columns"):
-        call_insert(qkv_insert, qkv[:, :-1], layout, norms, cos, sin, slots, k, v, i)
+        call_insert(qkv_insert, qkv[:, :-1], layout, norms, cos, sin, slots, c)
     with pytest.raises(ValueError, match="rotary"):
-        call_insert(qkv_insert, qkv, QKVLayout(2, 1, 32, 24, 1, 32), norms, cos, sin, slots, k, v, i)
+        call_insert(qkv_insert, qkv, QKVLayout(2, 1, 32, 24, 1, 32), norms, cos, sin, slots, c)
+    with pytest.raises(ValueError, match="index-key pages"):  # a sparse layout over a layer without index pages
+        call_insert(qkv_insert, qkv, layout, norms, cos, sin, slots, dataclasses.replace(c, index=None))

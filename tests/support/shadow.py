@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from m3serve.kernels.cache import gather_part_ref
 from m3serve.kernels.indexer import indexer_decode, indexer_prefill, indexer_prefill_ref
-from m3serve.kernels.kv_insert import gather_pages_ref
 from m3serve.model.layers.attention import TorchAttention
 
 
@@ -79,18 +79,17 @@ class ShadowAttention:
         cache = self.kernel.cache.layers[layer]
         assert iq is not None and cache.has_index, (
             f"layer {layer} (dense) tokens {bad}: kernel vs reference error {err[bad].tolist()} > {self.tol}")
-        idx = (cache.index, cache.index_scale_blocks, cache.index_scale)
         qsl, pos, sp = step.query_start_loc_cpu, step.positions, self.kernel.spec
         bt, topk, local, B = step.block_tables, sp.topk, sp.local_blocks, sp.block_size
         if step.is_decode:  # what TritonAttention ran
-            sel_k = indexer_decode(iq.contiguous(), *idx, bt, step.seq_lens, topk, local)
+            sel_k = indexer_decode(iq.contiguous(), cache, bt, step.seq_lens, topk, local)
         else:
-            sel_k = indexer_prefill(iq.contiguous(), *idx, bt, qsl, pos, topk, local)
-        sel_r = indexer_prefill_ref(iq, *idx, bt, qsl, pos, topk, local)
+            sel_k = indexer_prefill(iq.contiguous(), cache, bt, qsl, pos, topk, local)
+        sel_r = indexer_prefill_ref(iq, cache, bt, qsl, pos, topk, local)
         for t in bad:
             s = max(i for i in range(len(qsl) - 1) if qsl[i] <= t)
             p = int(pos[t])
-            keys = gather_pages_ref(*idx, bt[s], int(step.seq_lens_cpu[s]))
+            keys = gather_part_ref(cache, "index", bt[s], int(step.seq_lens_cpu[s]))
             scores = _block_scores(iq[t], keys, p, B)
             flipped = False
             for h in range(iq.shape[1]):

@@ -7,7 +7,8 @@ and quantizes K, V and the index key into their pages (`qkv_insert`). `forward` 
 (`kv_insert`). Then on sparse layers the indexer (block scores + top-k), then block-sparse attention. Decode
 steps (every sequence has exactly one new token) use the decode kernels (split-K); any other step uses the
 prefill kernels (query tiles, causal by position), which also cover decode sequences mixed into a prefill
-step. `plan(step)` makes the prefill tile maps once per step (every layer shares them).
+step. `plan(step)` makes the prefill tile maps once per step (every layer shares them). Which kernel runs, and
+its launch parameters, is the kernels' own choice (`m3serve.kernels.dispatch`).
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch
 
 from m3serve.engine.step import StepInput
 from m3serve.executor.kv_cache import LayerKVCache, PagedKVCache
-from m3serve.kernels.indexer import indexer_block_t, indexer_decode, indexer_prefill
+from m3serve.kernels.dispatch import attention_block_t, index_block_t, prefill_tiles
+from m3serve.kernels.indexer import indexer_decode, indexer_prefill
 from m3serve.kernels.kv_insert import kv_insert
-from m3serve.kernels.msa_attention import msa_decode, msa_prefill, prefill_block_t
+from m3serve.kernels.msa_attention import msa_decode, msa_prefill
 from m3serve.kernels.qkv_insert import QKVLayout, qkv_insert
-from m3serve.kernels.triton_utils import prefill_tiles
 from m3serve.model.layers.attention import AttentionSpec
 
 
@@ -30,18 +31,17 @@ class TritonAttention:
         if cache.block_size != spec.block_size:
             raise ValueError(f"cache pages hold {cache.block_size} tokens, the indexer block is {spec.block_size}")
         self.spec, self.cache = spec, cache
-        kv_heads = cache.layers[0].k.shape[1]
-        self.attn_block_t = prefill_block_t(num_q_heads // kv_heads)
-        self.index_block_t = indexer_block_t(num_index_heads) if num_index_heads else None
+        self.group = num_q_heads // cache.layers[0].k.shape[1]  # query heads per KV head
+        self.index_heads = num_index_heads
 
     def plan(self, step: StepInput) -> None:
         """The prefill tile maps of this step (decode steps need none)."""
         if step.is_decode:
             return
         qsl, dev = step.query_start_loc_cpu, step.positions.device
-        step.attn_tiles = prefill_tiles(qsl, self.attn_block_t, dev)
-        if self.index_block_t is not None:
-            step.index_tiles = prefill_tiles(qsl, self.index_block_t, dev)
+        step.attn_tiles = prefill_tiles(qsl, attention_block_t(self.group), dev)
+        if self.index_heads:
+            step.index_tiles = prefill_tiles(qsl, index_block_t(self.index_heads), dev)
 
     def _layer(self, layer: int, has_indexer: bool) -> tuple[LayerKVCache, bool]:
         c = self.cache.layers[layer]
@@ -50,10 +50,7 @@ class TritonAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 iq: torch.Tensor | None, ik: torch.Tensor | None, step: StepInput) -> torch.Tensor:
         c, sparse = self._layer(layer, iq is not None)
-        kv_insert(k, v, step.slot_mapping, c.k, c.v, c.k_scale_blocks, c.v_scale_blocks, c.k_scale, c.v_scale,
-                  ik=ik if sparse else None, idx_data=c.index if sparse else None,
-                  idx_scale_blocks=c.index_scale_blocks if sparse else None,
-                  idx_scale=c.index_scale if sparse else 1.0)
+        kv_insert(k, v, step.slot_mapping, c, ik=ik if sparse else None)
         return self._attend(c, q, iq if sparse else None, step)
 
     def forward_packed(self, layer: int, qkv: torch.Tensor, attn, cos: torch.Tensor, sin: torch.Tensor,
@@ -65,9 +62,7 @@ class TritonAttention:
                            ix.n_heads if sparse else 0, ix.head_dim if sparse else 0)
         if not sparse and ix is not None:
             qkv = qkv[:, :layout.width]  # a cache without index pages: the index columns go unused
-        q, iq = qkv_insert(qkv, layout, attn.norm_weights, attn.eps, cos, sin, step.slot_mapping,
-                           c.k, c.v, c.k_scale_blocks, c.v_scale_blocks, c.k_scale, c.v_scale,
-                           idx_data=c.index, idx_scale_blocks=c.index_scale_blocks, idx_scale=c.index_scale)
+        q, iq = qkv_insert(qkv, layout, attn.norm_weights, attn.eps, cos, sin, step.slot_mapping, c)
         return self._attend(c, q, iq, step)
 
     def _attend(self, c: LayerKVCache, q: torch.Tensor, iq: torch.Tensor | None, step: StepInput) -> torch.Tensor:
@@ -78,15 +73,13 @@ class TritonAttention:
         block_ids = pages = None
         if step.is_decode:
             if iq is not None:
-                block_ids, pages = indexer_decode(iq.contiguous(), c.index, c.index_scale_blocks, c.index_scale, bt,
-                                                  seq_lens, sp.topk, sp.local_blocks, return_pages=True)
-            return msa_decode(q, c.k, c.v, c.k_scale_blocks, c.v_scale_blocks, c.k_scale, c.v_scale, bt, seq_lens,
-                              sp.scale, block_ids, block_pages=pages)
+                block_ids, pages = indexer_decode(iq.contiguous(), c, bt, seq_lens, sp.topk, sp.local_blocks,
+                                                  return_pages=True)
+            return msa_decode(q, c, bt, seq_lens, sp.scale, block_ids, block_pages=pages)
         if step.attn_tiles is None:
             self.plan(step)
         qsl, pos = step.query_start_loc_cpu, step.positions
         if iq is not None:
-            block_ids = indexer_prefill(iq.contiguous(), c.index, c.index_scale_blocks, c.index_scale, bt, qsl, pos,
-                                        sp.topk, sp.local_blocks, block_t=self.index_block_t, tiles=step.index_tiles)
-        return msa_prefill(q, c.k, c.v, c.k_scale_blocks, c.v_scale_blocks, c.k_scale, c.v_scale, bt, qsl, pos,
-                           sp.scale, block_ids, block_t=self.attn_block_t, tiles=step.attn_tiles)
+            block_ids = indexer_prefill(iq.contiguous(), c, bt, qsl, pos, sp.topk, sp.local_blocks,
+                                        tiles=step.index_tiles)
+        return msa_prefill(q, c, bt, qsl, pos, sp.scale, block_ids, tiles=step.attn_tiles)

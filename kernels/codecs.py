@@ -1,35 +1,40 @@
-"""Shared helpers for the Triton kernels: cache-format detection, dot dtypes, in-kernel NVFP4/FP8 codecs.
+"""Cache formats as the kernels see them, and the in-kernel codecs (NVFP4 / FP8 encode and decode in ``tl``).
 
 Formats of a paged cache tensor are told apart by dtype: ``uint8`` = NVFP4 (packed E2M1, even element in
 the low nibble, with an ``float8_e4m3fn`` block-scale tensor beside it), ``float8_e4m3fn`` = FP8 with a
-per-layer scale, any float dtype = plain (bf16 on GPU).
+per-layer scale, any float dtype = plain (bf16 on GPU). ``cache_format`` gives the code (``FMT_*``) that the
+kernels take as their ``FMT`` constexpr; jitted code compares it with the constexpr twins ``PLAIN`` / ``FP8`` /
+``NVFP4`` (a jitted function may read a global only if it is a constexpr).
 
 In-kernel codecs are plain ``tl`` integer/float ops (portable to ROCm and to the interpreter):
 
-* ``e2m1_to_f16``: a 4-bit code -> fp16 by placing the sign in bit 15 and the 3 magnitude bits in bits
-  11..9 (exponent low bits + top mantissa bit), which is the value times 2^-14; one multiply restores it.
+* ``nvfp4_tile_f16``: 4-bit codes -> fp16 by placing the sign in bit 15 and the 3 magnitude bits in bits
+  11..9 (exponent low bits + top mantissa bit), which is the value times 2^-14; one multiply by the block scale
+  restores it (pre-scaled, see NVFP4_UNSCALE).
 * ``f32_to_e4m3_bits``: fp32 -> e4m3fn bits, round-to-nearest-even, saturating at 448 (integer ops, so
   the result is identical on every backend and matches torch's ``.to(torch.float8_e4m3fn)``).
 * ``e4m3_bits_to_f32``: the exact inverse (bits into an fp16, times 2^8).
 * ``f32_to_e2m1_codes``: the threshold chain of ``nvfp4.cast_to_e2m1_codes``.
+* ``nvfp4_words_f16`` / ``fp8_words_f16``: two codes per 32-bit op from int32 words; ``nvfp4_words_f16_asm``:
+  the CUDA inline-PTX variant (hardware e4m3x2 -> f16x2 convert), used where ``nvfp4_asm_ok`` holds.
 
 Interpreter pitfall: under ``TRITON_INTERPRET=1`` ``tl.dot`` on bf16 operands returns garbage, so the
 Python wrappers pick fp32 dot operands for bf16 caches there (``dot_dtype``).
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-FMT_PLAIN, FMT_FP8, FMT_NVFP4 = 0, 1, 2
+from . import platform
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+FMT_PLAIN, FMT_FP8, FMT_NVFP4 = 0, 1, 2  # cache formats: cache_format's values, the kernels' FMT constexpr
+PLAIN, FP8, NVFP4 = tl.constexpr(FMT_PLAIN), tl.constexpr(FMT_FP8), tl.constexpr(FMT_NVFP4)  # in jitted code
+# The two NVFP4 decoders of the Gluon mma kernels (`nvfp4_mma`): the hardware e4m3 -> f16x2 convert, or integer
+# ops alone; constexpr twins for jitted code as above.
+MODE_CVT, MODE_INT = 0, 1
+CVT, INT = tl.constexpr(MODE_CVT), tl.constexpr(MODE_INT)
 
 
 def cache_format(data: torch.Tensor) -> int:
@@ -42,10 +47,6 @@ def cache_format(data: torch.Tensor) -> int:
     return FMT_PLAIN
 
 
-def format_name(data: torch.Tensor) -> str:
-    return {FMT_PLAIN: "bfloat16", FMT_FP8: "fp8", FMT_NVFP4: "nvfp4"}[cache_format(data)]
-
-
 def dot_dtype(fmt: int, data_dtype: torch.dtype):
     """tl dtype of the dot operands for a cache of this format.
 
@@ -54,43 +55,9 @@ def dot_dtype(fmt: int, data_dtype: torch.dtype):
     """
     if fmt != FMT_PLAIN:
         return tl.float16
-    if interpreting() or data_dtype == torch.float32:
+    if platform.interpreting() or data_dtype == torch.float32:
         return tl.float32
     return tl.float16 if data_dtype == torch.float16 else tl.bfloat16
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 4
-
-
-def prefill_tiles(query_start_loc, block_t: int, device) -> torch.Tensor:
-    """int32 [n_tiles, 3] = (sequence, first token, end token): <= block_t consecutive tokens of one sequence."""
-    qsl = [int(x) for x in query_start_loc]
-    rows = [(s, t, min(t + block_t, qsl[s + 1])) for s in range(len(qsl) - 1)
-            for t in range(qsl[s], qsl[s + 1], block_t)]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 3)
-
-
-@functools.lru_cache(maxsize=None)
-def nvfp4_mma_kernels():
-    """The module ``nvfp4_mma`` (Gluon kernels for sm_89/sm_90), or None where this Triton has no Gluon (older or
-    some ROCm builds): then the portable kernels serve everywhere."""
-    try:
-        from . import nvfp4_mma
-    except ImportError:
-        return None
-    return nvfp4_mma
 
 
 def u8_view(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,14 +65,6 @@ def u8_view(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-@triton.jit
-def e2m1_to_f16(nib):
-    """E2M1 codes (uint8 values 0..15) -> float16, exact."""
-    n = nib.to(tl.uint16)
-    bits = ((n & 8) << 12) | ((n & 7) << 9)
-    return bits.to(tl.float16, bitcast=True) * 16384.0
 
 
 @triton.jit
@@ -245,45 +204,35 @@ def fp8_words_f16(w):
 
 
 # CUDA fast path (sm_89+): each E2M1 code c becomes the e4m3 byte ((c & 7) << 2) | ((c & 8) << 4), whose value
-# is exactly E2M1(c) * 2^-6, four codes per 32-bit op; the hardware cvt turns two e4m3 into an f16x2.
-_NVFP4_ASM = tl.constexpr("""
-{
-.reg .b32 x, y, lo, hi, t;
-.reg .b16 a, b;
-prmt.b32 x, $8, $9, 0x6240;
-prmt.b32 y, $8, $9, 0x7351;
-and.b32 lo, x, 0x07070707;
-shl.b32 lo, lo, 2;
-and.b32 t, x, 0x08080808;
-shl.b32 t, t, 4;
-or.b32 lo, lo, t;
-mov.b32 {a, b}, lo;
-cvt.rn.f16x2.e4m3x2 $0, a;
-cvt.rn.f16x2.e4m3x2 $4, b;
-shr.b32 hi, x, 2;
-and.b32 hi, hi, 0x1C1C1C1C;
-and.b32 t, x, 0x80808080;
-or.b32 hi, hi, t;
-mov.b32 {a, b}, hi;
-cvt.rn.f16x2.e4m3x2 $1, a;
-cvt.rn.f16x2.e4m3x2 $5, b;
-and.b32 lo, y, 0x07070707;
-shl.b32 lo, lo, 2;
-and.b32 t, y, 0x08080808;
-shl.b32 t, t, 4;
-or.b32 lo, lo, t;
-mov.b32 {a, b}, lo;
-cvt.rn.f16x2.e4m3x2 $2, a;
-cvt.rn.f16x2.e4m3x2 $6, b;
-shr.b32 hi, y, 2;
-and.b32 hi, hi, 0x1C1C1C1C;
-and.b32 t, y, 0x80808080;
-or.b32 hi, hi, t;
-mov.b32 {a, b}, hi;
-cvt.rn.f16x2.e4m3x2 $3, a;
-cvt.rn.f16x2.e4m3x2 $7, b;
-}
-""")
+# is exactly E2M1(c) * 2^-6, four codes per 32-bit op; the hardware cvt turns two e4m3 into an f16x2. The PTX lines
+# of that byte trick serve this decoder and the Gluon ones (`nvfp4_mma`): e4m3_low_nibbles_ptx puts the four low
+# nibbles of the 32-bit register `src` into e4m3 bytes in `dst`, e4m3_high_nibbles_ptx the four high ones
+# (t1, t2: scratch registers; t1 may be dst).
+def e4m3_low_nibbles_ptx(src: str, dst: str, t1: str, t2: str) -> list[str]:
+    return [f"and.b32 {t1}, {src}, 0x07070707;", f"shl.b32 {t1}, {t1}, 2;", f"and.b32 {t2}, {src}, 0x08080808;",
+            f"shl.b32 {t2}, {t2}, 4;", f"or.b32 {dst}, {t1}, {t2};"]
+
+
+def e4m3_high_nibbles_ptx(src: str, dst: str, t1: str, t2: str) -> list[str]:
+    return [f"shr.b32 {t1}, {src}, 2;", f"and.b32 {t1}, {t1}, 0x1C1C1C1C;", f"and.b32 {t2}, {src}, 0x80808080;",
+            f"or.b32 {dst}, {t1}, {t2};"]
+
+
+def _nvfp4_words_asm() -> str:
+    """Inputs $8 $9: two adjacent int32 words; output $k (k < 4): the f16x2 of code k of both words, $k+4 of
+    code k + 4 (byte-permuted first so that each register holds one code position of the two words)."""
+    lines = ["", "{", ".reg .b32 x, y, lo, hi, t;", ".reg .b16 a, b;", "prmt.b32 x, $8, $9, 0x6240;",
+             "prmt.b32 y, $8, $9, 0x7351;"]
+    for src, out_lo, out_hi in (("x", 0, 1), ("y", 2, 3)):
+        for out, nibbles in ((out_lo, e4m3_low_nibbles_ptx), (out_hi, e4m3_high_nibbles_ptx)):
+            reg = "lo" if out == out_lo else "hi"
+            lines += nibbles(src, reg, reg, "t")
+            lines += [f"mov.b32 {{a, b}}, {reg};", f"cvt.rn.f16x2.e4m3x2 ${out}, a;",
+                      f"cvt.rn.f16x2.e4m3x2 ${out + 4}, b;"]
+    return "\n".join(lines + ["}", ""])
+
+
+_NVFP4_ASM = tl.constexpr(_nvfp4_words_asm())
 
 
 @triton.jit
@@ -325,31 +274,26 @@ _ASM_OK: dict = {}
 
 
 def nvfp4_asm_ok(device: torch.device) -> bool:
-    """Use the inline-PTX NVFP4 decoder? CUDA (not ROCm, not the interpreter), sm_89+, and a one-time check
-    that it decodes every code and scale exactly like the portable decoder (else the portable one is used)."""
-    if device.type != "cuda" or interpreting() or getattr(torch.version, "hip", None):
+    """Use the inline-PTX NVFP4 decoder? Where the platform allows it (`platform.nvfp4_asm_allowed`) and a one-time
+    check on the device shows that it decodes every code and scale exactly like the portable decoder."""
+    if not platform.nvfp4_asm_allowed(device):
         return False
-    if os.environ.get("M3SERVE_NVFP4_ASM", "1") == "0":
-        return False
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    key = platform.device_index(device)
     if key not in _ASM_OK:
-        ok = False
         try:
-            if torch.cuda.get_device_capability(device) >= (8, 9):
-                g = torch.Generator(device="cpu").manual_seed(0)
-                w = torch.randint(0, 256, (16, 64), dtype=torch.uint8, generator=g)
-                w[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) | torch.arange(8, dtype=torch.uint8)
-                sc = torch.rand(16, 8, generator=g).mul(300).to(torch.float8_e4m3fn)
-                w, sc = w.to(device).view(torch.int32), sc.to(device)
-                outs = []
-                for asm in (True, False):
-                    o = torch.empty(16, 128, device=device)
-                    _asm_check_kernel[(1,)](w, sc, o, N=128, ASM=asm)
-                    outs.append(o)
-                ok = bool(torch.equal(outs[0], outs[1]))
+            g = torch.Generator(device="cpu").manual_seed(0)
+            w = torch.randint(0, 256, (16, 64), dtype=torch.uint8, generator=g)
+            w[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) | torch.arange(8, dtype=torch.uint8)
+            sc = torch.rand(16, 8, generator=g).mul(300).to(torch.float8_e4m3fn)
+            w, sc = w.to(device).view(torch.int32), sc.to(device)
+            outs = []
+            for asm in (True, False):
+                o = torch.empty(16, 128, device=device)
+                _asm_check_kernel[(1,)](w, sc, o, N=128, ASM=asm)
+                outs.append(o)
+            _ASM_OK[key] = bool(torch.equal(outs[0], outs[1]))
         except Exception:  # noqa: BLE001  (no PTX support for the cvt: use the portable decoder)
-            ok = False
-        _ASM_OK[key] = ok
+            _ASM_OK[key] = False
     return _ASM_OK[key]
 
 

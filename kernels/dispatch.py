@@ -1,0 +1,235 @@
+"""Which kernel runs each op, and with which launch parameters: the one table.
+
+* **Portable or mma.** NVFP4 decode at M3's shapes (128-token pages, head dim 128; 16 query heads per KV head for
+  attention, <= 8 index heads for the scan) on sm_89 / sm_90 runs the Gluon ``mma.sync`` kernels of `nvfp4_mma`
+  (`use_mma_index_scan`, `use_mma_decode_attention`); every other op, format, shape and device runs the portable
+  ``tl`` kernels (`indexer`, `msa_attention`), which serve NVIDIA, AMD and the interpreter alike.
+* **Tuning.** `Tuning` holds every launch choice that was measured or can be varied: tile sizes, warps, stages,
+  split-K targets, the decoders. Its defaults are the ones measured on the H200 (docs/performance.md: the
+  decoder, tune and NVFP4 variant tables); ``None`` means the rule written beside the field. The kernels' public
+  functions take no such switches: a benchmark or a test selects a variant for a block of calls::
+
+      with tuned(decode_words=False, decode_block_n=128):
+          msa_decode(q, cache, block_tables, seq_lens, scale, block_ids)
+
+  (`tuned` sets a context variable, so it holds for the calls of this thread / task only.)
+* **Launch geometry** shared by the wrappers and the step planner: `next_pow2`, `prefill_tiles` and the query
+  tokens per prefill tile (`attention_block_t`, `index_block_t`). A step's tile maps must be made under the same
+  tuning as the kernels that read them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import codecs, platform
+from .codecs import FMT_NVFP4, FMT_PLAIN, MODE_INT, cache_format
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch choices of the attention-side kernels (``None``: the rule in the comment)."""
+
+    # which kernels
+    mma: bool = True  # the Gluon mma.sync kernels where they apply (False: the portable kernels everywhere)
+    asm: bool | None = None  # the inline-PTX NVFP4 word decoder in the portable kernels (None: where it self-checks)
+    # MSA decode attention (msa_decode)
+    decode_words: bool | str | None = None  # portable decoder: True int32 words (nvfp4: one joined tile), "split"
+    #   (nvfp4: 8 sub-tiles), False bytes / native cast; None: nvfp4 sparse -> bytes, else words
+    decode_block_n: int | None = None  # tokens per key tile; None: 128 nvfp4 dense-mode, else 64 (interpreter 32);
+    #   the mma kernel always takes whole 128-token blocks
+    decode_splits: int | None = None  # split-K partitions; None: from decode_split_target
+    decode_split_target: int | None = None  # programs per SM; None: portable 2, mma 1 sparse / 8 dense-mode
+    decode_num_warps: int = 4
+    decode_num_stages: int | None = None  # None: Triton's default
+    decode_mma_kmode: int = MODE_INT  # K decoder of the mma attention (V always uses the convert)
+    # MSA prefill attention (msa_prefill)
+    prefill_block_t: int | None = None  # query tokens per tile; None: 64 rows (interpreter 32) / next_pow2(G)
+    prefill_block_n: int | None = None  # tokens per key tile; None: 64 (interpreter 32)
+    prefill_num_warps: int = 4
+    # indexer block scores (indexer_block_scores, indexer_decode, indexer_prefill)
+    index_chunks: int | None = None  # block chunks per query tile; None: 4 programs per SM
+    index_block_t: int | None = None  # prefill query tokens per tile; None: 64 rows (interpreter 16) / next_pow2(H)
+    index_num_warps: int | None = None  # None: 8 for plain keys, 4 for fp8 / nvfp4
+    index_num_stages: int = 3
+    index_mma_mode: int = MODE_INT  # decoder of the mma scan
+    index_mma_unroll: int = 3  # pages in flight per program of the mma scan
+    # inserts (kv_insert, qkv_insert; not tuned)
+    insert_rows: int | None = None  # kv_insert (token, head) rows per program; None: 16 (interpreter 64)
+    qkv_insert_tokens: int = 16  # tokens per qkv_insert program
+    insert_num_warps: int = 4
+    # the small kernels (not tuned)
+    merge_num_warps: int = 2  # split-K merge
+
+
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("m3serve_kernel_tuning", default=Tuning())
+
+
+def tuning() -> Tuning:
+    """The launch choices in force (`Tuning()` unless a `tuned` block says otherwise)."""
+    return _TUNING.get()
+
+
+@contextlib.contextmanager
+def tuned(base: Tuning | None = None, **changes):
+    """Run a block's kernel calls with other launch choices: ``base`` (default: those in force) with ``changes``
+    (`Tuning` field names; a wrong name raises TypeError). Yields the `Tuning` in force inside."""
+    t = replace(base or _TUNING.get(), **changes)
+    token = _TUNING.set(t)
+    try:
+        yield t
+    finally:
+        _TUNING.reset(token)
+
+
+# ----------------------------------------------------------------------------------------------- launch geometry
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def prefill_tiles(query_start_loc, block_t: int, device) -> torch.Tensor:
+    """int32 [n_tiles, 3] = (sequence, first token, end token): <= block_t consecutive tokens of one sequence."""
+    qsl = [int(x) for x in query_start_loc]
+    rows = [(s, t, min(t + block_t, qsl[s + 1])) for s in range(len(qsl) - 1)
+            for t in range(qsl[s], qsl[s + 1], block_t)]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 3)
+
+
+def _rows_per_tile(rows: int, pad: int) -> int:
+    """Query tokens per tile: ~``rows`` rows of ``pad`` heads each, at least the 16 rows that tl.dot needs."""
+    return max(1, rows // pad, 16 // pad)
+
+
+def attention_block_t(group: int) -> int:
+    """Query tokens per MSA prefill tile for ``group`` query heads per KV head."""
+    t = tuning().prefill_block_t
+    return t if t is not None else _rows_per_tile(32 if platform.interpreting() else 64, next_pow2(group))
+
+
+def index_block_t(heads: int) -> int:
+    """Query tokens per indexer prefill tile for ``heads`` index heads."""
+    t = tuning().index_block_t
+    return t if t is not None else _rows_per_tile(16 if platform.interpreting() else 64, next_pow2(heads))
+
+
+# ----------------------------------------------------------------------------------------------- portable or mma
+@functools.lru_cache(maxsize=None)
+def mma_kernels():
+    """The module `nvfp4_mma` (Gluon kernels), or None where this Triton has no Gluon: the portable kernels serve."""
+    if not platform.gluon_present():
+        return None
+    from . import nvfp4_mma
+    return nvfp4_mma
+
+
+def _contiguous_pool(data: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Pages of codes and of block scales contiguous, codes 16-byte aligned (16-byte loads, constant strides)."""
+    return (scales is not None and data.is_contiguous() and scales.is_contiguous() and data.data_ptr() % 16 == 0
+            and scales.shape[:-1] == data.shape[:-1] and scales.shape[-1] * 8 == data.shape[-1])
+
+
+def mma_index_shapes_ok(iq: torch.Tensor, cache) -> bool:
+    """Shapes the mma index scan handles: NVFP4 index keys, D = 128, 128-token pages, <= 8 heads."""
+    mma = mma_kernels()
+    data = cache.index
+    return (mma is not None and data is not None and data.dtype == torch.uint8
+            and tuple(data.shape[1:]) == (mma.PAGE, mma.HEAD_DIM // 2) and iq.shape[-1] == mma.HEAD_DIM
+            and iq.shape[1] <= mma.MAX_INDEX_HEADS and _contiguous_pool(data, cache.index_scale_blocks))
+
+
+def mma_attention_shapes_ok(q: torch.Tensor, cache) -> bool:
+    """Shapes the mma decode attention handles: NVFP4 K/V pages [P, H_kv, 128, 64], D = 128, 16 query heads per
+    KV head."""
+    mma = mma_kernels()
+    k, v = cache.k, cache.v
+    return (mma is not None and k.dtype == torch.uint8 and tuple(k.shape[2:]) == (mma.PAGE, mma.HEAD_DIM // 2)
+            and q.shape[-1] == mma.HEAD_DIM and q.shape[1] == mma.ATT_GROUP * k.shape[1] and v.shape == k.shape
+            and _contiguous_pool(k, cache.k_scale_blocks) and _contiguous_pool(v, cache.v_scale_blocks))
+
+
+def use_mma_index_scan(iq: torch.Tensor, cache) -> bool:
+    """The decode index scan on the mma kernel? (Prefill scans are always portable.)"""
+    return (tuning().mma and cache_format(cache.index) == FMT_NVFP4 and mma_index_shapes_ok(iq, cache)
+            and platform.nvfp4_mma_ok(iq.device))
+
+
+def use_mma_decode_attention(q: torch.Tensor, cache) -> bool:
+    return (tuning().mma and cache_format(cache.k) == FMT_NVFP4 and mma_attention_shapes_ok(q, cache)
+            and platform.nvfp4_mma_ok(q.device))
+
+
+def asm(device: torch.device) -> bool:
+    """The portable kernels' NVFP4 word decoder in inline PTX (vs plain tl ops)?"""
+    t = tuning().asm
+    return t if t is not None else codecs.nvfp4_asm_ok(device)
+
+
+# ----------------------------------------------------------------------------------------------- decode attention
+def decode_block_n(fmt: int, sparse: bool, on_mma: bool, block_size: int) -> int:
+    """Tokens per key tile of the decode attention (a split is made of whole tiles)."""
+    t = tuning().decode_block_n
+    if on_mma:
+        bn = mma_kernels().ATT_SPLIT_UNIT
+    elif t is not None:
+        bn = t
+    else:  # docs/performance.md, tune rows: 128 for nvfp4 dense-mode, 64 else
+        bn = 32 if platform.interpreting() else (128 if fmt == FMT_NVFP4 and not sparse else 64)
+    return min(block_size, bn)
+
+
+def decode_words(fmt: int, sparse: bool):
+    """The portable decode attention's decoder (see `Tuning.decode_words`); measured on the H200
+    (docs/performance.md, decoder rows): nvfp4 sparse -> bytes, nvfp4 dense-mode and fp8 (V) -> int32 words."""
+    t = tuning().decode_words
+    return t if t is not None else (fmt != FMT_NVFP4 or not sparse)
+
+
+def decode_splits(max_tiles: int, programs: int, sparse: bool, on_mma: bool, device: torch.device) -> tuple[int, int]:
+    """(splits, tiles per split) of the decode attention: split-K until about split_target programs per SM run
+    (``programs`` = sequences x KV heads), every split non-empty."""
+    t = tuning()
+    num_splits = t.decode_splits
+    if num_splits is None:
+        target = t.decode_split_target
+        if target is None:  # programs per SM, measured on the H200 (docs/performance.md, decoder rows)
+            target = (1 if sparse else 8) if on_mma else 2
+        want = -(-target * platform.num_sms(device) // programs)
+        num_splits = max(1, min(max_tiles, want))
+    tiles_per_split = -(-max_tiles // num_splits)
+    return -(-max_tiles // tiles_per_split), tiles_per_split
+
+
+# ----------------------------------------------------------------------------------------------- the others
+def prefill_block_n(block_size: int) -> int:
+    t = tuning().prefill_block_n
+    return min(block_size, t if t is not None else (32 if platform.interpreting() else 64))
+
+
+def index_chunks(num_blocks: int, tiles: int, device: torch.device) -> tuple[int, int]:
+    """(chunks, blocks per chunk) of the index scan: the blocks of each query tile split until about 4 programs
+    per SM run."""
+    n = tuning().index_chunks
+    if n is None:
+        n = max(1, min(num_blocks, -(-4 * platform.num_sms(device) // tiles)))
+    per_chunk = -(-num_blocks // n)
+    return -(-num_blocks // per_chunk), per_chunk
+
+
+def index_num_warps(fmt: int) -> int:
+    t = tuning().index_num_warps  # measured on the H200 (docs/performance.md, tune rows)
+    return t if t is not None else (8 if fmt == FMT_PLAIN else 4)
+
+
+def insert_tokens(heads_pad: int) -> int:
+    """Tokens per kv_insert program (rows = tokens x padded heads)."""
+    rows = tuning().insert_rows
+    rows = rows if rows is not None else (64 if platform.interpreting() else 16)
+    return max(1, rows // heads_pad)
+
+
+def topk_num_warps(num_blocks: int) -> int:
+    return 4 if num_blocks > 512 else 1
