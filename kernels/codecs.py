@@ -68,6 +68,15 @@ def u8_view(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @triton.jit
+def e2m1_to_f16(nib):
+    """E2M1 codes (uint8 values 0..15) -> float16, exact: the sign to bit 15 and the 3 magnitude bits to bits 11..9
+    (the value times 2^-14), then one multiply."""
+    n = nib.to(tl.uint16)
+    bits = ((n & 8) << 12) | ((n & 7) << 9)
+    return bits.to(tl.float16, bitcast=True) * 16384.0
+
+
+@triton.jit
 def e4m3_bits_to_f32(b):
     """e4m3fn bits (uint8) -> float32, exact for every finite code (NaN codes decode to +-480)."""
     n = b.to(tl.uint16)

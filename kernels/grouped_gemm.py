@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import cast_to, e2m1_to_f16, e4m3_bits_to_f32, interpreting
+from .codecs import cast_to, e2m1_to_f16, e4m3_bits_to_f32
+from .platform import gluon_present, interpreting
 from .weight_layout import CHUNK_K, TILE_N, PackedWeight, unpack
 
 MODE_GATE_UP, MODE_DOWN, MODE_LINEAR = 0, 1, 2
@@ -174,10 +175,9 @@ def _grouped_gemm_kernel(
 @functools.lru_cache(maxsize=None)
 def mma_kernels():
     """The module `grouped_gemm_mma` (Gluon, sm_89 / sm_90), or None where this Triton has no Gluon."""
-    try:
-        from . import grouped_gemm_mma
-    except ImportError:
+    if not gluon_present():
         return None
+    from . import grouped_gemm_mma
     return grouped_gemm_mma
 
 

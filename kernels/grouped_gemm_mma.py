@@ -27,7 +27,6 @@ order above, fp16, for the down projection to read).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -37,8 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .grouped_gemm import MODE_GATE_UP, launch_grid
-from .nvfp4_mma import _INT_ASM, _capability_ok
-from .triton_utils import interpreting
+from . import platform
+from .nvfp4_mma import _INT_ASM
 from .weight_layout import CHUNK_K, FMT_FP8, FMT_MXFP8, FMT_NVFP4, TILE_N, PackedWeight
 
 NUM_WARPS = 4
@@ -64,11 +63,8 @@ mul.rn.f16x2 $1, a, $3;
 
 
 def available(device: torch.device) -> bool:
-    """CUDA (not ROCm, not the interpreter), sm_89 or sm_9x (as `nvfp4_mma`), not switched off with
-    ``M3SERVE_MOE_MMA=0``."""
-    off = os.environ.get("M3SERVE_MOE_MMA", "1") == "0" or getattr(torch.version, "hip", None)
-    return device.type == "cuda" and not (off or interpreting()) and _capability_ok(
-        device.index if device.index is not None else torch.cuda.current_device())
+    """The platform gate `platform.moe_mma_ok`."""
+    return platform.moe_mma_ok(device)
 
 
 def supported(w: PackedWeight) -> bool:

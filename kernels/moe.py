@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
 from .moe_router import Routing, route, route_ref
-from .triton_utils import cast_to
+from .codecs import cast_to
 from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
 
 # Token-count thresholds -> path and tile shapes (measured on the H200: docs/performance.md, NOTES-moe.md).

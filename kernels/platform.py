@@ -81,6 +81,15 @@ def nvfp4_mma_ok(device: torch.device) -> bool:
     return cap == (8, 9) or cap[0] == 9
 
 
+def moe_mma_ok(device: torch.device) -> bool:
+    """May the Gluon mma.sync grouped-GEMM kernels (`grouped_gemm_mma`: the MoE layer, quantized linears) run here?
+    As `nvfp4_mma_ok`, switched off with ``M3SERVE_MOE_MMA=0``."""
+    if not compiled_cuda(device) or not _switched_on("M3SERVE_MOE_MMA") or not gluon_present():
+        return False
+    cap = capability(device)
+    return cap == (8, 9) or cap[0] == 9
+
+
 def nvfp4_asm_allowed(device: torch.device) -> bool:
     """May the portable kernels use the inline-PTX NVFP4 decoder here (before its self-check)?"""
     return compiled_cuda(device) and _switched_on("M3SERVE_NVFP4_ASM") and capability(device) >= (8, 9)
