@@ -18,6 +18,7 @@ import torch
 
 from m3serve.config import ConfigError, EngineConfig, ModelConfig, normalize_kv_dtype
 from m3serve.engine.block_manager import BlockManager
+from m3serve.engine.faults import FailedOutput, contained, describe
 from m3serve.engine.kv_cache import PagedKVCache, determine_num_pages
 from m3serve.engine.model_runner import ModelRunner, select_attention_backend
 from m3serve.engine.outputs import RequestOutput
@@ -138,6 +139,8 @@ class LLMEngine:
             elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
                 try:
                     prompt_token_ids = self.tokenizer.apply_chat_template(prompt, tokenize=True, **kwargs)
+                except TypeError as e:  # a keyword the renderer cannot take ("tokenize", "messages", ...)
+                    raise InvalidRequest("chat_template_kwargs", f"not accepted by the chat template: {e}") from None
                 except ValueError as e:
                     raise InvalidRequest("prompt", f"chat template failed: {e}") from None
             else:
@@ -157,6 +160,9 @@ class LLMEngine:
         if max_tokens > room:
             raise InvalidRequest("max_tokens", f"{len(ids)} prompt tokens + max_tokens={max_tokens} exceed "
                                  f"max_model_len={self.max_model_len}")
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequest("stop_token_ids", f"token id {bad[0]} is not in [0, {vocab})")
         if sp.stop and self.tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer")
         parser = reasoning_parser if reasoning_parser is not None else self.config.reasoning_parser
@@ -203,10 +209,33 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        results = self.runner.step(batch)
+        try:
+            results = self.runner.step(batch)
+        except Exception as e:  # forward or sampler: this step's requests fail, their pages are freed
+            if not contained(e):
+                raise
+            log.exception("engine step failed: failing its %d requests", len(batch.seqs))
+            return [self._fail(seq, e) for seq in batch.seqs]
         self.scheduler.update(batch)
         self.num_steps += 1
-        return [self._append(seq, st) for seq, st in results]
+        outputs = []
+        for seq, st in results:
+            try:
+                outputs.append(self._append(seq, st))
+            except Exception as e:  # this request's text state (detokenizer, stop strings, parser)
+                if not contained(e):
+                    raise
+                log.exception("request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, e))
+        return outputs
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> FailedOutput:
+        """End `seq` with finish_reason "error" (its pages are freed now)."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        return FailedOutput(request_id=seq.request_id, new_token_ids=[], finished=True, finish_reason="error",
+                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                            cumulative_logprob=seq.cumulative_logprob, error=describe(exc))
 
     def _append(self, seq: Sequence, st: SampledToken) -> RequestOutput:
         tok, sp = st.token_id, seq.sampling_params
