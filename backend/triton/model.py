@@ -196,8 +196,9 @@ class TritonPythonModel:
         self.engine_config = cfg
         self.engine = self._build_engine(cfg)
         from m3serve.engine.async_engine import EngineDeadError
+        from m3serve.engine.faults import RequestFailed
         from m3serve.engine.sampling_params import InvalidRequest
-        self._EngineDeadError, self._InvalidRequest = EngineDeadError, InvalidRequest
+        self._EngineDeadError, self._InvalidRequest, self._RequestFailed = EngineDeadError, InvalidRequest, RequestFailed
         self.tokenizer = self.engine.tokenizer
         defaults = Defaults(
             max_tokens=int(self.params.get("default_max_tokens") or 16),
@@ -360,7 +361,7 @@ class TritonPythonModel:
             return INVALID_ARG, str(self.contract.client_error(r, e))
         if isinstance(e, self._EngineDeadError):
             return UNAVAILABLE, f"the engine is not healthy; the model is unavailable ({e})"
-        if type(e).__name__ != "RequestFailed":  # the engine logged those
+        if not isinstance(e, self._RequestFailed):  # the engine logged those
             log(f"request failed: {''.join(traceback.format_exception(e))}")
         return INTERNAL, f"{type(e).__name__}: {e}"
 
@@ -379,7 +380,11 @@ class TritonPythonModel:
         config["parameters"] = {**(config.get("parameters") or {}), FAILED_PARAMETER: {"string_value": reason}}
         try:
             pb_utils.unload_model(self.name)
-            log(f"engine of model '{self.name}' dead ({reason}): unloading it")
+        except Exception as e:
+            log(f"engine of model '{self.name}' dead ({reason}); cannot unload the model: {e}")
+            return
+        log(f"engine of model '{self.name}' dead ({reason}): unloaded, marking it unavailable")
+        try:
             pb_utils.load_model(self.name, config=json.dumps(config))
             log(f"model '{self.name}': the marking load unexpectedly succeeded")
         except Exception as e:
