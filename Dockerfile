@@ -39,6 +39,9 @@ COPY clients /opt/m3serve/clients
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
   CMD curl -fs localhost:8000/v2/health/ready || exit 1
-# the default repository serves the tiny model (CPU); mount a repository + weights for a real model
+# the default repository serves the tiny model (CPU); mount a repository + weights for a real model.
+# Explicit model control: a model whose engine dies turns itself (and /v2/health/ready) unready; restrict the
+# repository API to operators with --http-restricted-api / --grpc-restricted-protocol=model-repository:KEY=VALUE.
 CMD ["tritonserver", "--model-repository=/opt/m3serve/model_repository", \
+     "--model-control-mode=explicit", "--load-model=*", \
      "--backend-config=python,shm-default-byte-size=16777216"]

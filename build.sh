@@ -2,7 +2,9 @@
 # m3serve build and run entry point.
 #   ./build.sh setup   create .venv with pinned packages and assemble the Triton backend dir (idempotent)
 #   ./build.sh serve [--model-repository DIR] [--grpc-port N --http-port N --metrics-port N] [tritonserver args]
-#                      the real tritonserver in the foreground (default: model_repository/ on the tiny model)
+#                      the real tritonserver in the foreground (default: model_repository/ on the tiny model;
+#                      --model-control-mode=explicit --load-model=* unless a control mode is given: a model
+#                      whose engine dies can then turn itself, and the server, unready)
 #   ./build.sh demo    setup, make the tiny model, start the server, stream one chat reply, stop the server
 #   ./build.sh test    setup, run the whole test suite
 #   ./build.sh assemble                   only assemble the backend dir (with $M3SERVE_PYTHON: no venv; Docker)
@@ -110,10 +112,12 @@ prepare() {
 
 serve() {
   prepare
-  local repo="$ROOT/model_repository" grpc=8001 http=8000 metrics=8002
+  local repo="$ROOT/model_repository" grpc=8001 http=8000 metrics=8002 mode="" load=""
   local extra=()
   while [ $# -gt 0 ]; do
     case "$1" in
+      --model-control-mode|--model-control-mode=*) mode=1; extra+=("$1"); shift ;;
+      --load-model|--load-model=*) load=1; extra+=("$1"); shift ;;
       --model-repository|--model-store) repo="$2"; shift 2 ;;
       --model-repository=*|--model-store=*) repo="${1#*=}"; shift ;;
       --grpc-port) grpc="$2"; shift 2 ;;
@@ -125,6 +129,10 @@ serve() {
       *) extra+=("$1"); shift ;;
     esac
   done
+  if [ -z "$mode" ]; then
+    extra+=("--model-control-mode=explicit")
+    [ -n "$load" ] || extra+=("--load-model=*")
+  fi
   default_model_dir
   server_env
   log "tritonserver: repository $repo, gRPC :$grpc, HTTP :$http, metrics :$metrics (models under $M3SERVE_MODEL_DIR)"

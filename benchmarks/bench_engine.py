@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from geometry import flash_geometry, make_engine, random_model, step_bytes, weight_bytes  # noqa: E402
+from geometry import SMOKE, flash_geometry, make_engine, random_model, step_bytes, weight_bytes  # noqa: E402
 
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from m3serve.engine.sequence import SequenceStatus  # noqa: E402
@@ -204,10 +204,7 @@ def main(argv=None) -> int:
     a.geometry_over = {}
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if a.smoke:
-        a.geometry_over = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                               num_local_experts=8, intermediate_size=128, shared_intermediate_size=128,
-                               dense_intermediate_size=256, vocab_size=4096, index_n_heads=2, index_head_dim=64,
-                               index_block_size=16, index_topk_blocks=2)
+        a.geometry_over = SMOKE
         a.batches, a.contexts, a.ttft, a.steps, a.chunk, a.scaling_context = [1, 2], [40], [48], 2, 64, 40
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -11,6 +11,9 @@ every request --max-tokens tokens with ignore_eos, greedy):
   server   the same engine behind tritonserver: model `m3`, gRPC streaming, clients/bench.py's client
   null     tritonserver with a zero-cost engine (model `m3null`, engine_factory=this file:null_engine):
            what the server path alone can carry -> responses/s and microseconds per response
+With --geometry N: the M3.1-Flash geometry cut to N layers (random weights, benchmarks/geometry.py) engine-direct
+and behind tritonserver's `m3_ids` (token ids in and out, the engine built by the `engine_factory` parameter), at
+real speed on the GPU; no null engine.
 Writes OUT_DIR/bench_server.json and OUT_DIR/bench_server.md. The server runs through `build.sh serve`
 (with $M3SERVE_PYTHON when there is no .venv), in its own process group, killed at the end.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -96,7 +100,7 @@ def engine_options(a) -> dict:
             "num_gpu_blocks_override": a.num_pages}
 
 
-async def _engine_level(engine, c, n_per_user, max_tokens):
+async def _engine_level(engine, c, n_per_user, max_tokens, prompt_ids=None):
     from m3serve.engine.sampling_params import SamplingParams
 
     ttfts, rates, total = [], [], 0
@@ -109,7 +113,8 @@ async def _engine_level(engine, c, n_per_user, max_tokens):
             t0 = time.perf_counter()
             first = last = None
             n = 0
-            async for out in engine.generate(f"e{u}-{i}", prompt=PROMPT, sampling_params=sp):
+            async for out in engine.generate(f"e{u}-{i}", prompt=None if prompt_ids else PROMPT,
+                                             prompt_token_ids=prompt_ids, sampling_params=sp):
                 now = time.perf_counter()
                 if out.new_token_ids:
                     if first is None:
@@ -135,27 +140,46 @@ def run_engine_direct(a, model_dir) -> list[dict]:
     from m3serve.config import EngineConfig
     from m3serve.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine(EngineConfig(model=model_dir, **engine_options(a)))
+    cfg = EngineConfig(model=model_dir, **engine_options(a))
+    ids = None
+    if a.geometry:
+        from geometry import async_engine
+        engine, ids = async_engine(cfg), a.prompt_ids
+    else:
+        engine = AsyncLLMEngine(cfg)
     try:
         async def go():
-            await _engine_level(engine, min(a.levels), 1, a.max_tokens)  # warm-up (kernel compiles)
+            await _engine_level(engine, min(a.levels), 1, a.max_tokens, ids)  # warm-up (kernel compiles)
             out = []
             for c in a.levels:
-                out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens))
+                out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids))
                 print(f"[engine] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s", file=sys.stderr, flush=True)
             return out
         return asyncio.run(go())
     finally:
         engine.shutdown()
+        engine = None
+        gc.collect()
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the server's stub takes the GPU next
 
 
 # ---- the server ------------------------------------------------------------------------------------------
 def write_repo(a, model_dir, repo) -> None:
     src = os.path.join(ROOT, "model_repository", "m3", "config.pbtxt")
     opts = dict(engine_options(a), model=model_dir, enable_prefix_caching=True)
-    for name, factory in (("m3", None), ("m3null", os.path.abspath(__file__) + ":null_engine")):
+    models = [("m3", None), ("m3null", os.path.abspath(__file__) + ":null_engine")]
+    if a.geometry:  # the token-id contract over the random M3.1-Flash geometry (no tokenizer: ids in, ids out)
+        src = os.path.join(ROOT, "model_repository", "m3_ids", "config.pbtxt")
+        models = [("m3_ids", os.path.join(ROOT, "benchmarks", "geometry.py") + ":async_engine")]
+    for name, factory in models:
         os.makedirs(os.path.join(repo, name, "1"), exist_ok=True)
         cfg = open(src).read().replace('name: "m3"', f'name: "{name}"')
+        if factory and a.geometry:
+            cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
+                                                f'"{factory}" }} }},\n')
+            factory = None
         if factory:  # one response per token: measures the per-response cost, no coalescing
             cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
                                                 f'"{factory}" }} }},\n  {{ key: "coalesce_responses" value: '
@@ -173,7 +197,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(repo, log_path, timeout=600):
+def start_server(repo, log_path, timeout=600, ready_model="m3null"):
     import tritonclient.grpc as grpcclient
 
     ports = [free_port() for _ in range(3)]
@@ -189,10 +213,10 @@ def start_server(repo, log_path, timeout=600):
         if proc.poll() is not None:
             raise RuntimeError(f"tritonserver exited ({proc.returncode}); see {log_path}")
         try:
-            if client.is_model_ready("m3null"):
+            if client.is_model_ready(ready_model):
                 states = {m["name"]: m.get("state") for m in client.get_model_repository_index(as_json=True)
                           .get("models", [])}
-                if client.is_model_ready("m3") or states.get("m3") == "UNAVAILABLE":
+                if ready_model != "m3null" or client.is_model_ready("m3") or states.get("m3") == "UNAVAILABLE":
                     return proc, url, ports[2]
         except Exception:
             pass
@@ -234,13 +258,15 @@ def server_counters(mport, model) -> dict:
 
 
 def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
+    kind, prompt = ("ids", a.prompt_ids) if model == "m3_ids" else ("text", PROMPT)
+
     async def go():
-        await bench.run_level(url, model, "text", min(a.levels), 2, PROMPT, max_tokens, True, 0.0, 600, False)
+        await bench.run_level(url, model, kind, min(a.levels), 2, prompt, max_tokens, True, 0.0, 600, False)
         out = []
         for c in a.levels:
             await asyncio.sleep(0.4)
             before = server_counters(mport, model)
-            lv = await bench.run_level(url, model, "text", c, c * a.requests_per_user, PROMPT, max_tokens, True,
+            lv = await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True,
                                        0.0, 600, False)
             await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
             after = server_counters(mport, model)
@@ -261,6 +287,15 @@ def summarize(res) -> str:
              "server resp/req | null-engine resp/s (1 token each) | us per response (end to end) | "
              "us per response in send() |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    if not res["null"]:  # --geometry: engine-direct vs the server only
+        lines = lines[:1] + ["|---|---|---|---|---|---|---|"]
+        lines[0] = ("| C | engine-direct tok/s | server tok/s | server / engine | server TTFT p50 ms | server ITL p50 ms | "
+                    "server resp/req |")
+        for e, s in zip(res["engine"], res["server"]):
+            lines.append(f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {s['tokens_per_s_total']:.0f} | "
+                         f"{s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | {s['ttft_ms'][50]:.1f} | "
+                         f"{s['itl_ms'][50]:.2f} | {s['responses_per_request_mean'] or 0:.0f} |")
+        return "\n".join(lines)
     for e, s, n in zip(res["engine"], res["server"], res["null"]):
         resp = n["requests"] * (n["responses_per_request_mean"] or 0)
         rps = resp / n["wall_s"] if n["wall_s"] else 0
@@ -286,8 +321,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--num-pages", type=int, default=4096)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--geometry", type=int, default=0, metavar="LAYERS",
+                   help="the M3.1-Flash geometry cut to LAYERS layers, random weights (benchmarks/geometry.py), "
+                        "served through m3_ids with random prompt ids; no null engine")
+    p.add_argument("--prompt-len", type=int, default=128, help="--geometry: prompt length in token ids")
     a = p.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",")]
+    a.prompt_ids = [3 + (7919 * i) % 497 for i in range(a.prompt_len)]
     os.makedirs(a.out, exist_ok=True)
     work = os.path.join(a.out, "work") if not os.environ.get("M3SERVE_BENCH_WORK") else os.environ["M3SERVE_BENCH_WORK"]
     shutil.rmtree(work, ignore_errors=True)
@@ -314,16 +354,17 @@ def main(argv=None) -> int:
     write_repo(a, model_dir, repo)
     log_path = os.path.join(a.out, "tritonserver.log")
     t0 = time.time()
-    proc, url, mport = start_server(repo, log_path)
+    proc, url, mport = start_server(repo, log_path, ready_model="m3_ids" if a.geometry else "m3null")
     res["server_start_s"] = time.time() - t0
     try:
         import tritonclient.grpc as grpcclient
         bench = load_bench_client()
-        if grpcclient.InferenceServerClient(url).is_model_ready("m3"):
-            res["server"] = run_server_levels(bench, url, mport, "m3", a, a.max_tokens)
+        served = "m3_ids" if a.geometry else "m3"
+        if grpcclient.InferenceServerClient(url).is_model_ready(served):
+            res["server"] = run_server_levels(bench, url, mport, served, a, a.max_tokens)
         else:
-            res["server_error"] = "model m3 failed to load (see tritonserver.log)"
-        res["null"] = run_server_levels(bench, url, mport, "m3null", a, a.null_max_tokens)
+            res["server_error"] = f"model {served} failed to load (see tritonserver.log)"
+        res["null"] = [] if a.geometry else run_server_levels(bench, url, mport, "m3null", a, a.null_max_tokens)
         import urllib.request
         with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
             res["metrics_tail"] = [ln for ln in f.read().decode().splitlines()

@@ -15,6 +15,12 @@ from m3serve.model.m3 import M3ForCausalLM, Rotary
 from m3serve.model.weights import QuantWeight
 
 
+# a toy of the same kinds (CPU smoke runs: the interpreter-free torch paths)
+SMOKE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=8,
+             intermediate_size=128, shared_intermediate_size=128, dense_intermediate_size=256, vocab_size=4096,
+             index_n_heads=2, index_head_dim=64, index_block_size=16, index_topk_blocks=2)
+
+
 def flash_geometry(num_layers: int, dense_layers: int = 1, **over) -> ModelConfig:
     """M3.1-Flash's shapes with `num_layers` layers, the first `dense_layers` full-attention + dense MLP (as M3's
     first three are), the rest MSA + MoE."""
@@ -72,6 +78,24 @@ def make_engine(model: M3ForCausalLM, **options):
                 attention_config={"indexer_kv_dtype": "nvfp4"}, enable_prefix_caching=False, max_num_seqs=64)
     opts.update(options)
     return LLMEngine(EngineConfig(**opts), model=model)
+
+
+def async_engine(config: EngineConfig):
+    """Engine factory for the Triton model (`engine_factory` = "benchmarks/geometry.py:async_engine") and the
+    engine-direct benchmark: an `AsyncLLMEngine` over `random_model(flash_geometry($M3SERVE_GEOMETRY_LAYERS))` on the
+    GPU, with model.json's sizes (max_model_len, max_num_seqs, num_gpu_blocks_override, max_num_batched_tokens)."""
+    import os
+
+    from m3serve.engine.async_engine import AsyncLLMEngine
+
+    smoke = not torch.cuda.is_available()  # the CPU: the toy geometry (a smoke test of the serving path)
+    device = "cpu" if smoke else "cuda"
+    cfg = flash_geometry(int(os.environ.get("M3SERVE_GEOMETRY_LAYERS", "4")), **(SMOKE if smoke else {}))
+    model = random_model(cfg, device)
+    engine = make_engine(model, device=device, dtype="bfloat16", max_model_len=config.max_model_len,
+                         max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
+                         max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
+    return AsyncLLMEngine(engine.config, engine=engine)
 
 
 # ---- byte accounting --------------------------------------------------------------------------------------

@@ -40,15 +40,32 @@ def _t(name, value, dtype=None, shape=None):
     return t
 
 
-def build_inputs(model_kind: str, prompt: str, max_tokens: int, ignore_eos: bool, temperature: float):
+def _ids_input(ids: list[int]):
+    arr = np.array([ids], dtype=np.int32)
+    t = grpcclient.InferInput("input_ids", list(arr.shape), "INT32")
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def build_inputs(model_kind: str, prompt, max_tokens: int, ignore_eos: bool, temperature: float):
+    """The request tensors of one model kind: "text" (`m3`), "ensemble", or "ids" (`m3_ids`: `prompt` is a list of
+    token ids; with `ignore_eos`, end_id -1: only the length ends the request)."""
     if model_kind == "ensemble":
         return [_t("text_input", prompt, shape=[1, 1]), _t("max_tokens", max_tokens, np.int32, [1, 1]),
                 _t("stream", True, bool, [1, 1]), _t("temperature", temperature, np.float32, [1, 1])]
     if model_kind == "ids":
-        raise SystemExit("use --model m3 or ensemble")
+        ins = [_ids_input(prompt), _t("input_lengths", len(prompt), np.int32, [1, 1]),
+               _t("request_output_len", max_tokens, np.int32, [1, 1]), _t("streaming", True, bool, [1, 1]),
+               _t("temperature", temperature, np.float32, [1, 1])]
+        return ins + ([_t("end_id", -1, np.int32, [1, 1])] if ignore_eos else [])
     sp = {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
     return [_t("text_input", prompt), _t("stream", True, bool), _t("exclude_input_in_output", True, bool),
             _t("return_num_output_tokens", True, bool), _t("sampling_parameters", json.dumps(sp))]
+
+
+def random_ids(n: int, vocab: int = 500, seed: int = 0) -> list[int]:
+    """A prompt of n token ids (ids < 500: valid for the tiny model and every M3 vocabulary)."""
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 
 
 def pct(values, q):
@@ -70,8 +87,11 @@ async def one_request(client, model, inputs, rid, timeout):
             error = str(err)
             break
         now = time.perf_counter()
-        n = result.as_numpy("num_output_tokens")
-        k = int(n.sum()) if n is not None else (1 if result.as_numpy("text_output") is not None else 0)
+        n, ids = result.as_numpy("num_output_tokens"), result.as_numpy("output_ids")
+        if ids is not None:  # m3_ids: the new token ids of this response
+            k = int(ids.shape[-1])
+        else:
+            k = int(n.sum()) if n is not None else (1 if result.as_numpy("text_output") is not None else 0)
         if k:
             if ttft is None:
                 ttft = now - t0
@@ -153,6 +173,8 @@ async def sweep(a) -> dict:
     if a.wait_ready:
         await wait_ready(a.url, a.model, a.wait_ready)
     prompt = a.prompt if a.prompt else DEFAULT_PROMPT
+    if a.model_kind == "ids":
+        prompt = random_ids(a.prompt_ids)
     levels = [int(c) for c in a.concurrency.split(",") if c]
     out = {"url": a.url, "model": a.model, "max_tokens": a.max_tokens, "ignore_eos": a.ignore_eos,
            "prompt_chars": len(prompt), "levels": []}
@@ -179,7 +201,8 @@ def table(res: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="localhost:8001")
-    p.add_argument("--model", default="m3", help="m3 (text contract) or ensemble")
+    p.add_argument("--model", default="m3", help="m3 (text contract), ensemble, or m3_ids (random prompt ids)")
+    p.add_argument("--prompt-ids", type=int, default=128, help="m3_ids: prompt length (random token ids)")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     p.add_argument("--requests", type=int, default=0, help="requests per level (default: users x --requests-per-user)")
     p.add_argument("--requests-per-user", type=int, default=4)
@@ -194,7 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    a.model_kind = "ensemble" if a.model == "ensemble" else "text"
+    a.model_kind = {"ensemble": "ensemble", "m3_ids": "ids"}.get(a.model, "text")
     res = asyncio.run(sweep(a))
     print(table(res))
     if a.out:

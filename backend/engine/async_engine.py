@@ -5,24 +5,38 @@
         ...                      # RequestOutput deltas; the last one has finished=True
     engine.shutdown()
 
-Only the engine thread touches the `LLMEngine`; callers hand it commands (add, abort) through a locked
-queue, and outputs go back to each caller's own event loop with `call_soon_threadsafe`. A bad request
-raises `InvalidRequest` before the first yield and disturbs nothing else. An exception in the step loop
-marks the engine dead: every pending stream, and every later call, raises `EngineDeadError`.
+Only the engine thread touches the `LLMEngine`'s state; callers hand it commands (add, abort) through a
+locked queue, and outputs go back to each caller's own event loop with `call_soon_threadsafe`. Requests are
+validated and tokenized (chat templates rendered, under their time bound) on a small worker pool, so a slow
+prompt holds neither the caller's loop nor the step loop (it only shares the CPU with them).
+
+Failures stay as small as they can (see engine/faults.py):
+  * a bad request raises `InvalidRequest` before the first yield and disturbs nothing else;
+  * a request that fails inside the engine (adding it, or its step) raises `RequestFailed` in its own
+    stream; the other requests go on;
+  * an exception the step could not attribute fails every request in flight; if the page pool is then
+    whole again (every page free, nothing scheduled) the engine carries on;
+  * a device fault, or an inconsistent state after such a failure, marks the engine dead: every pending
+    stream, and every later call, raises `EngineDeadError`, and `is_healthy()` turns False.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from m3serve.config import EngineConfig
+from m3serve.engine.faults import FailedOutput, RequestFailed, describe, is_device_fault
 from m3serve.engine.llm_engine import LLMEngine, PreparedRequest
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
+
+PREPARE_WORKERS = 2
 
 
 class EngineDeadError(RuntimeError):
@@ -54,6 +68,8 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._stopping = False
         self._stats = self.engine.stats()
+        self.num_recovered_failures = 0  # step failures the engine carried on after
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="m3serve-prepare")
         self._thread = threading.Thread(target=self._run, name="m3serve-engine", daemon=True)
         self._thread.start()
 
@@ -64,13 +80,29 @@ class AsyncLLMEngine:
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
 
+    async def prepare(self, prompt=None, prompt_token_ids=None, sampling_params: SamplingParams | None = None,
+                      reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None
+                      ) -> PreparedRequest:
+        """Validate and tokenize a request on the worker pool (InvalidRequest naming the option)."""
+        self._check_alive()
+        prepare = functools.partial(self.engine.prepare_request, prompt, prompt_token_ids, sampling_params,
+                                    reasoning_parser, chat_template_kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
+        except RuntimeError as e:
+            if self._stopping or self._error is not None:  # the pool was shut down meanwhile
+                raise EngineDeadError(str(e)) from None
+            raise
+
     async def generate(self, request_id: str, prompt=None, prompt_token_ids=None,
                        sampling_params: SamplingParams | None = None, reasoning_parser: str | None = None,
-                       chat_template_kwargs: dict | None = None):
-        """Yield the request's `RequestOutput` deltas until one has `finished=True`."""
-        self._check_alive()
-        req: PreparedRequest = self.engine.prepare_request(prompt, prompt_token_ids, sampling_params,
-                                                           reasoning_parser, chat_template_kwargs)
+                       chat_template_kwargs: dict | None = None, prepared: PreparedRequest | None = None):
+        """Yield the request's `RequestOutput` deltas until one has `finished=True`.
+
+        `prompt` is a string or a list of chat messages (rendered with the model's chat template and
+        `chat_template_kwargs`, `tools` included); or pass what `prepare` returned as `prepared`."""
+        req = prepared if prepared is not None else await self.prepare(
+            prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs)
         stream = _Stream(request_id, asyncio.get_running_loop())
         with self._cv:
             self._check_alive()
@@ -128,6 +160,11 @@ class AsyncLLMEngine:
         return True
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine died (None while it lives or after a plain shutdown)."""
+        return None if self._error is None else describe(self._error)
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
@@ -136,6 +173,7 @@ class AsyncLLMEngine:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self.engine.shutdown()  # hook (issue #14): the executor's worker processes go with the engine
@@ -152,14 +190,15 @@ class AsyncLLMEngine:
                     commands = list(self._commands)
                     self._commands.clear()
                 for cmd in commands:
-                    self._apply(cmd)
+                    self._guarded(self._apply, cmd)
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    self._guarded(self._step)
                 with self._cv:
                     self._stats = self.engine.stats()
-        except BaseException as e:  # noqa: BLE001 - anything here kills the engine
+        except BaseException as e:  # noqa: BLE001 - a device fault or a state that cannot be trusted
             log.exception("engine step loop failed")
             self._fail_all(e, f"the engine step loop failed: {e!r}")
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
             return
         for rid in list(self.engine.scheduler.requests):
             self.engine.abort_request(rid)
@@ -167,12 +206,61 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
         self._fail_all(None, "the engine was shut down")
 
+    def _step(self) -> None:
+        self._deliver(self.engine.step())
+
+    def _guarded(self, fn, *args) -> None:
+        """Run one command or step; on an exception not attributable to one request, fail the requests in
+        flight and carry on if the engine's state is whole again; re-raise (the engine dies) otherwise."""
+        try:
+            fn(*args)
+        except Exception as e:
+            if is_device_fault(e) or not self._executor_ok():
+                raise  # a device fault, or a worker (tensor parallel) gone: nothing to recover
+            log.exception("engine step failed outside a request: failing the requests in flight")
+            if not self._recover(e):
+                raise
+
+    def _executor_ok(self) -> bool:
+        try:
+            self.engine.check_health()
+        except Exception:
+            return False
+        return True
+
+    def _recover(self, exc: BaseException) -> bool:
+        """Abort every request in flight; True (their streams get RequestFailed) when the pool is then whole."""
+        try:
+            failed = list(self.engine.scheduler.requests)
+            for rid in failed:
+                self.engine.abort_request(rid)
+            st = self.engine.stats()
+        except Exception:
+            log.exception("the engine state is inconsistent after a failed step")
+            return False
+        if not (st["num_running"] == st["num_waiting"] == 0 and st["num_free_pages"] == st["num_total_pages"]):
+            log.error("the page pool is not whole after a failed step: %s", st)
+            return False
+        self.num_recovered_failures += 1
+        error = RequestFailed(f"the engine step failed: {describe(exc)}")
+        for rid in failed:
+            with self._cv:
+                stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(error)
+        return True
+
     def _apply(self, cmd) -> None:
         kind, rid, arg = cmd
         if kind == "add":
             try:
                 self.engine.add_prepared(rid, arg)
-            except InvalidRequest as e:
+            except Exception as e:  # this request only (raised before it reached the scheduler)
+                if is_device_fault(e):
+                    raise
+                if not isinstance(e, InvalidRequest):
+                    log.exception("adding request %s failed", rid)
+                    e = RequestFailed(f"the engine could not add the request: {describe(e)}")
                 with self._cv:
                     stream = self._streams.pop(rid, None)
                 if stream is not None:
@@ -192,7 +280,10 @@ class AsyncLLMEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is not None and out.finished:
                     del self._streams[out.request_id]
-            if stream is not None and not stream.put(out) and not out.finished:
+            if stream is None:
+                continue
+            item = RequestFailed(out.error) if isinstance(out, FailedOutput) else out
+            if not stream.put(item) and not out.finished:
                 self.engine.abort_request(out.request_id)
                 with self._cv:
                     self._streams.pop(out.request_id, None)

@@ -20,6 +20,7 @@ import torch
 
 from m3serve.config import ConfigError, EngineConfig, ModelConfig
 from m3serve.engine.block_manager import BlockManager
+from m3serve.engine.faults import FailedOutput, contained, describe
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import Scheduler
@@ -108,6 +109,8 @@ class LLMEngine:
             elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
                 try:
                     prompt_token_ids = self.tokenizer.apply_chat_template(prompt, tokenize=True, **kwargs)
+                except TypeError as e:  # a keyword the renderer cannot take ("tokenize", "messages", ...)
+                    raise InvalidRequest("chat_template_kwargs", f"not accepted by the chat template: {e}") from None
                 except ValueError as e:
                     raise InvalidRequest("prompt", f"chat template failed: {e}") from None
             else:
@@ -127,6 +130,9 @@ class LLMEngine:
         if max_tokens > room:
             raise InvalidRequest("max_tokens", f"{len(ids)} prompt tokens + max_tokens={max_tokens} exceed "
                                  f"max_model_len={self.max_model_len}")
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequest("stop_token_ids", f"token id {bad[0]} is not in [0, {vocab})")
         if sp.stop and self.tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer")
         parser = reasoning_parser if reasoning_parser is not None else self.config.reasoning_parser
@@ -171,10 +177,40 @@ class LLMEngine:
         if not batch:
             return []
         step, seqs = self.step_builder.build(batch)
-        sampled = self.executor.execute(step)
+        try:
+            sampled = self.executor.execute(step)
+        except Exception as e:  # forward or sampler: this step's requests fail, their pages are freed
+            if not contained(e) or not self._executor_alive():
+                raise  # a device fault, or a worker (tensor parallel) gone: the engine is dead
+            log.exception("engine step failed: failing its %d requests", len(batch.seqs))
+            return [self._fail(seq, e) for seq in batch.seqs]
         self.scheduler.update(batch)
         self.num_steps += 1
-        return [self._append(seq, *row) for seq, row in zip(seqs, self._rows(sampled, seqs))]
+        outputs = []
+        for seq, row in zip(seqs, self._rows(sampled, seqs)):
+            try:
+                outputs.append(self._append(seq, *row))
+            except Exception as e:  # this request's text state (detokenizer, stop strings, parser)
+                if not contained(e):
+                    raise
+                log.exception("request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, e))
+        return outputs
+
+    def _executor_alive(self) -> bool:
+        try:
+            self.executor.check_health()
+        except Exception:
+            return False
+        return True
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> FailedOutput:
+        """End `seq` with finish_reason "error" (its pages are freed now)."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        return FailedOutput(request_id=seq.request_id, new_token_ids=[], finished=True, finish_reason="error",
+                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                            cumulative_logprob=seq.cumulative_logprob, error=describe(exc))
 
     @staticmethod
     def _rows(out: SamplerOutput | None, seqs: list[Sequence]):

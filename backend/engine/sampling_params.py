@@ -1,8 +1,21 @@
-"""Per-request sampling options, under vLLM's `SamplingParams` names."""
+"""Per-request sampling options, under vLLM's `SamplingParams` names, validated to what the engine can hold.
+
+`validate()` checks types and ranges (ints are Python ints, never bools or floats; floats are finite), so a
+request that passes cannot overflow a tensor or a generator later in the step. `from_dict` takes a JSON-like
+dict (Triton's `sampling_parameters`): integers stay exact (a seed is never rounded through a float), numeric
+strings are parsed by the field's type ("0.7", "16", "true"), anything else of the wrong type is an error
+naming the key, never a silent conversion.
+"""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+INT32_MAX = 2**31 - 1
+SEED_LIMIT = 2**64  # seeds are exact integers in [0, 2^64)
+MAX_LOGPROBS = 20
 
 
 class InvalidRequest(ValueError):
@@ -11,6 +24,7 @@ class InvalidRequest(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
 
 
 @dataclass
@@ -36,8 +50,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         self.validate()
 
     @property
@@ -45,34 +61,40 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
-        def need(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise InvalidRequest(name, msg)
-
-        need(self.n == 1, "n", f"only n=1 is supported, got {self.n}")
-        need(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
-        need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        need(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1, 0 or positive, got {self.top_k}")
-        need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-             f"must be in [-2, 2], got {self.frequency_penalty}")
-        need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-             f"must be in (0, 2], got {self.repetition_penalty}")
-        need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
-        need(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative integers")
-        need(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        """Raise InvalidRequest naming the first option of a wrong type or out of range."""
+        _int(self.n, "n", 1, 1, "only n=1 is supported")
+        _float(self.temperature, "temperature", 0.0, 100.0, "[0, 100]")
+        _float(self.top_p, "top_p", 0.0, 1.0, "(0, 1]", low_open=True)
+        if not (_is_int(self.top_k) and self.top_k == -1):
+            _int(self.top_k, "top_k", 0, INT32_MAX, f"must be -1, 0 or in [1, {INT32_MAX}]")
+        _float(self.min_p, "min_p", 0.0, 1.0, "[0, 1]")
+        if self.seed is not None:
+            _int(self.seed, "seed", 0, SEED_LIMIT - 1, "must be an integer in [0, 2^64)")
+        _float(self.presence_penalty, "presence_penalty", -2.0, 2.0, "[-2, 2]")
+        _float(self.frequency_penalty, "frequency_penalty", -2.0, 2.0, "[-2, 2]")
+        _float(self.repetition_penalty, "repetition_penalty", 0.0, 2.0, "(0, 2]", low_open=True)
+        if self.max_tokens is not None:
+            _int(self.max_tokens, "max_tokens", 1, INT32_MAX, f"must be in [1, {INT32_MAX}]")
+        if self.max_tokens is None:
+            _int(self.min_tokens, "min_tokens", 0, INT32_MAX, f"must be in [0, {INT32_MAX}]")
+        else:
+            _int(self.min_tokens, "min_tokens", 0, self.max_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None:
+            _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest("stop", f"must be a string or a list of non-empty strings, got {_show(self.stop)}")
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidRequest("stop_token_ids", f"must be a list of token ids, got {_show(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            _int(t, "stop_token_ids", 0, INT32_MAX, f"must hold token ids in [0, {INT32_MAX}]")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(name, f"must be true or false, got {_show(getattr(self, name))}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        """Build from a JSON-like dict; unknown keys raise InvalidRequest naming the key.
-        String-valued numbers (Triton clients often send "0.7") are converted by the field's type."""
+        """Build from a JSON-like dict; unknown keys and values of the wrong type raise InvalidRequest naming
+        the key. Numeric strings (Triton clients often send "0.7") are parsed by the field's type."""
         known = {f.name: f for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
@@ -82,43 +104,82 @@ class SamplingParams:
         return cls(**kwargs)
 
 
+def _show(v: Any, limit: int = 60) -> str:
+    """A value for an error message, cut short (a client may send a 10^6-digit number)."""
+    text = repr(v) if not _is_int(v) or v.bit_length() < 200 else f"<an integer of {v.bit_length()} bits>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(v: Any, name: str, lo: int, hi: int, rule: str) -> None:
+    if not _is_int(v):
+        raise InvalidRequest(name, f"must be an integer, got {_show(v)}")
+    if not lo <= v <= hi:
+        raise InvalidRequest(name, f"{rule}, got {_show(v)}")
+
+
+def _float(v: Any, name: str, lo: float, hi: float, interval: str, low_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidRequest(name, f"must be a number, got {_show(v)}")
+    if not math.isfinite(v) or v > hi or v < lo or (low_open and v == lo):
+        raise InvalidRequest(name, f"must be in {interval}, got {_show(v)}")
+
+
+_INT_TEXT = re.compile(r"^[+-]?\d+$")
+
+
+def _to_int(value: Any) -> int:
+    """An exact integer: an int, an integral float within 2^53 (JSON writers emit 3.0), or a decimal string."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        if abs(value) <= 2**53:
+            return int(value)
+        raise ValueError("a float above 2^53 is not an exact integer: send it as a JSON integer or a string")
+    if isinstance(value, str) and _INT_TEXT.match(value.strip()):
+        return int(value.strip())
+    raise ValueError("not an integer")
+
+
 def _coerce(name: str, type_str: str, value: Any) -> Any:
+    if value is None:
+        if "None" in type_str:
+            return None
+        raise InvalidRequest(name, "must not be null")
     try:
-        if type_str.startswith("list"):
-            if name == "stop":
-                return [value] if isinstance(value, str) else [str(v) for v in value]
+        if name == "stop":
+            if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                return value
+            raise ValueError("must be a string or a list of strings")
+        if type_str.startswith("list"):  # stop_token_ids: a list of ints, or "1, 2 3"
             if isinstance(value, str):
                 value = [v for v in value.replace(",", " ").split() if v]
-            return [int(v) for v in value]
-        if value is None:
-            if "None" in type_str:
-                return None
-            raise TypeError("null")
+            if not isinstance(value, list):
+                raise ValueError("must be a list of integers")
+            return [_to_int(v) for v in value]
         if type_str.startswith("bool"):
-            if isinstance(value, str):
-                low = value.strip().lower()
-                if low in ("true", "1", "yes"):
-                    return True
-                if low in ("false", "0", "no"):
-                    return False
-                raise ValueError(value)
-            if isinstance(value, (bool, int)):
-                return bool(value)
-            raise TypeError(type(value).__name__)
-        if type_str.startswith("int"):
             if isinstance(value, bool):
-                raise TypeError("bool")
-            f = float(value)
-            if not f.is_integer():
-                raise ValueError(value)
-            return int(f)
+                return value
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if _is_int(value) and value in (0, 1):
+                return bool(value)
+            raise ValueError("must be true or false")
+        if type_str.startswith("int"):
+            return _to_int(value)
         if type_str.startswith("float"):
             if isinstance(value, bool):
-                raise TypeError("bool")
-            f = float(value)
-            if f != f or f in (float("inf"), float("-inf")):
-                raise ValueError(value)
-            return f
-    except (TypeError, ValueError) as e:
-        raise InvalidRequest(name, f"invalid value {value!r} ({e})") from None
+                raise ValueError("must be a number")
+            if isinstance(value, str):
+                value = float(value.strip())
+            if not isinstance(value, (int, float)):
+                raise ValueError("must be a number")
+            if not math.isfinite(value):
+                raise ValueError("must be finite")
+            return float(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidRequest(name, f"invalid value {_show(value)} ({e})") from None
     return value

@@ -18,7 +18,7 @@ MODEL_JSON = "model.json"
 MODEL_DIR_ENV = "M3SERVE_MODEL_DIR"
 
 # vLLM engine arguments with no effect in m3serve (accepted so a vLLM model.json moves over)
-IGNORED_VLLM_KEYS = ("disable_log_requests", "disable_log_stats", "enforce_eager", "trust_remote_code",
+IGNORED_VLLM_KEYS = ("disable_log_requests", "disable_log_stats", "trust_remote_code",
                      "distributed_executor_backend", "disable_custom_all_reduce", "tokenizer_mode",
                      "swap_space")
 

@@ -1,7 +1,9 @@
 """m3serve: the Python-based Triton backend (`backend: "m3serve"`) serving MiniMax-M3.
 
 build.sh / the Dockerfile install this file as `<backend dir>/m3serve/model.py`, next to the python
-backend's stub; it imports the `m3serve` package from the server's Python environment.
+backend's stub; it imports the `m3serve` package from the server's Python environment. This file keeps the
+model's lifecycle; the request contracts live in text_contract.py / ids_contract.py, the ensemble steps in
+ensemble_steps.py, the wire schema in schema.py, the response thread in responder.py.
 
 One file, four roles (config parameter `m3serve_role`, else guessed from the declared inputs):
   text            `m3`: the vLLM backend's text contract (decoupled, max_batch_size 0)
@@ -11,22 +13,34 @@ One file, four roles (config parameter `m3serve_role`, else guessed from the dec
 
 Threads of an LLM instance (text / ids):
   stub main thread   initialize / execute / finalize: parse, validate, queue; never blocks on the engine
-  engine loop        asyncio loop running one coroutine per engine request (`engine.generate`)
-  engine step loop   owned by AsyncLLMEngine
-  responder          the only thread that calls send / is_cancelled / metrics (see responder.py)
+  engine loop        asyncio loop running one coroutine per Triton request (`engine.generate`)
+  engine threads     owned by AsyncLLMEngine (the step loop, a small pool preparing requests)
+  responder          the only thread that calls into the server: send / is_cancelled / metrics / model control
+
+A dead engine (a device fault: see engine/faults.py): the responder fails the open requests with UNAVAILABLE,
+new ones are refused, and, when the server runs with --model-control-mode=explicit, the responder unloads the
+model and loads it again with the parameter `m3serve_engine_failed`, which fails that load on purpose: the
+model is then UNAVAILABLE with the reason in the repository index, so `/v2/models/<m>/ready` and (strict
+readiness) `/v2/health/ready` answer not ready while the other models keep serving. Triton 2.51's python
+backend has no readiness hook (python_backend added `is_ready()` in r26.03), a stub that exits leaves the
+model READY, and an unloaded model counts as ready for the server: hence the failed load. An operator's
+`load` of the model (repository API) brings it back with a fresh engine. In the default control mode the
+server allows no model control: the model stays READY and answers UNAVAILABLE (logged at load time).
 
 Config parameters (all optional): m3serve_role, default_max_tokens (16), REPORT_CUSTOM_METRICS
 ("true"/"yes" default on), cancellation_check_period_ms (50), stats_period_ms (250), coalesce_responses
-("true": deltas queued for one stream go out as one response),
-utf8_stream_boundaries ("true": m3_ids streams whole UTF-8 characters), tokenizer_dir and
-skip_special_tokens (pre/postprocessing). Testing/benchmark hook: parameter engine_factory or
-$M3SERVE_ENGINE_FACTORY = "module:function" or "/path/file.py:function" builds the engine from the
-EngineConfig instead of AsyncLLMEngine.
+("true": deltas queued for one stream go out as one response), trust_request_chat_template ("false": a
+chat template sent in chat_template_kwargs is refused), utf8_stream_boundaries ("true": m3_ids streams whole
+UTF-8 characters), tokenizer_dir, skip_special_tokens and max_model_len (pre/postprocessing).
+Testing/benchmark hook: parameter engine_factory or $M3SERVE_ENGINE_FACTORY = "module:function" or
+"/path/file.py:function" builds the engine from the EngineConfig instead of AsyncLLMEngine.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -50,10 +64,12 @@ _fix_sys_path()
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from m3serve.triton import interface as I  # noqa: E402
+from m3serve.triton import schema  # noqa: E402
+from m3serve.triton.contract import Defaults, GenRequest, StopRequest  # noqa: E402
 from m3serve.triton.responder import Group, Item, Responder, log  # noqa: E402
+from m3serve.triton.schema import INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError  # noqa: E402
 
-ROLES = ("text", "ids", "preprocessing", "postprocessing")
+FAILED_PARAMETER = "m3serve_engine_failed"  # set on the load that marks a model whose engine died
 
 
 def _params(model_config: dict) -> dict[str, str]:
@@ -69,8 +85,8 @@ def _truthy(value: str | None, default: bool) -> bool:
 def _guess_role(model_config: dict, params: dict) -> str:
     role = params.get("m3serve_role")
     if role:
-        if role not in ROLES:
-            raise ValueError(f"parameter m3serve_role: {role!r} is not one of {list(ROLES)}")
+        if role not in schema.ROLES:
+            raise ValueError(f"parameter m3serve_role: {role!r} is not one of {list(schema.ROLES)}")
         return role
     names = {i["name"] for i in model_config.get("input", [])}
     if "input_ids" in names:
@@ -96,15 +112,32 @@ def _read_inputs(request) -> dict[str, np.ndarray]:
     return {t.name(): t.as_numpy() for t in request.inputs()}
 
 
+def server_model_control_mode(argv: list[str] | None = None) -> str | None:
+    """The server's --model-control-mode ("none", "poll", "explicit"), read from the command line of the
+    stub's parent (the tritonserver process); None when the parent is not a tritonserver we can read."""
+    if argv is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            return None
+    if not argv or "tritonserver" not in os.path.basename(argv[0]):
+        return None
+    mode = "none"
+    for i, a in enumerate(argv):
+        if a.startswith("--model-control-mode="):
+            mode = a.split("=", 1)[1]
+        elif a == "--model-control-mode" and i + 1 < len(argv):
+            mode = argv[i + 1]
+    return mode
+
+
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
         cfg = auto_complete_model_config.as_dict()
         role = _guess_role(cfg, _params(cfg))
-        ins, outs = {
-            "text": (I.TEXT_INPUTS, I.TEXT_OUTPUTS), "ids": (I.IDS_INPUTS, I.IDS_OUTPUTS),
-            "preprocessing": (I.PRE_INPUTS, I.PRE_OUTPUTS), "postprocessing": (I.POST_INPUTS, I.POST_OUTPUTS),
-        }[role]
+        ins, outs = schema.ROLES[role]
         have_in = {i["name"] for i in cfg.get("input", [])}
         have_out = {o["name"] for o in cfg.get("output", [])}
         for i in ins:
@@ -125,6 +158,10 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         self.name = args["model_name"]
         self.params = _params(self.model_config)
+        if self.params.get(FAILED_PARAMETER):  # the load that marks a dead engine: fail it, on purpose
+            raise pb_utils.TritonModelException(
+                f"m3serve model '{self.name}' is unavailable: its engine failed ({self.params[FAILED_PARAMETER]}); "
+                "load the model again (repository API) or restart the server")
         self.role = _guess_role(self.model_config, self.params)
         self.version_dir = _version_dir(args)
         try:
@@ -142,10 +179,12 @@ class TritonPythonModel:
     def _init_llm(self):
         from m3serve.triton import engine_args
         from m3serve.triton.engine_loop import EngineLoop
+        from m3serve.triton.ids_contract import IdsContract
         from m3serve.triton.metrics import Metrics
+        from m3serve.triton.text_contract import TextContract
 
         self.engine = self.loop = self.responder = self.metrics = None
-        self.accepting = False
+        self.accepting = self.closing = False
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise ValueError("m3serve LLM models must be decoupled: add "
                              "`model_transaction_policy { decoupled: true }` to config.pbtxt")
@@ -155,44 +194,32 @@ class TritonPythonModel:
         for n in notes:
             log(n)
         self.engine_config = cfg
-        factory = self.params.get("engine_factory") or os.environ.get("M3SERVE_ENGINE_FACTORY")
-        if factory:  # "package.module:function" or "/path/to/file.py:function"
-            mod, _, fn = factory.rpartition(":")
-            if mod.endswith(".py"):
-                import importlib.util
-                spec = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], mod)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-            else:
-                module = importlib.import_module(mod)
-            self.engine = getattr(module, fn)(cfg)
-        else:
-            from m3serve.engine.async_engine import AsyncLLMEngine
-            self.engine = AsyncLLMEngine(cfg)
+        self.engine = self._build_engine(cfg)
         from m3serve.engine.async_engine import EngineDeadError
+        from m3serve.engine.faults import RequestFailed
         from m3serve.engine.sampling_params import InvalidRequest
-        self._EngineDeadError, self._InvalidRequest = EngineDeadError, InvalidRequest
-        core = getattr(self.engine, "engine", None)
+        self._EngineDeadError, self._InvalidRequest, self._RequestFailed = EngineDeadError, InvalidRequest, RequestFailed
         self.tokenizer = self.engine.tokenizer
-        self.defaults = I.Defaults(
+        defaults = Defaults(
             max_tokens=int(self.params.get("default_max_tokens") or 16),
-            max_model_len=getattr(core, "max_model_len", None) or cfg.max_model_len,
-            vocab_size=getattr(getattr(core, "model_config", None), "vocab_size", None),
             reasoning_parser=cfg.reasoning_parser,
             utf8_stream_boundaries=_truthy(self.params.get("utf8_stream_boundaries"), True),
+            trust_request_chat_template=_truthy(self.params.get("trust_request_chat_template"), False),
         )
-        tok = self.tokenizer
-        self._decode_token = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None
-        self._decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok else None
-        self._hold = (I.utf8_incomplete(lambda ids: tok.decode(ids, skip_special_tokens=True))
-                      if tok is not None and self.defaults.utf8_stream_boundaries else None)
+        self.contract = (TextContract if self.role == "text" else IdsContract)(defaults, self.tokenizer)
+        self.control_mode = server_model_control_mode()
+        if self.control_mode != "explicit":
+            log(f"model '{self.name}': the server's model control mode is {self.control_mode or 'unknown'}: if "
+                "the engine dies the model stays ready (answering UNAVAILABLE); start tritonserver with "
+                "--model-control-mode=explicit --load-model=* to have a dead engine turn it unready")
+        core = getattr(self.engine, "engine", None)
         self.metrics = Metrics(pb_utils, {"model": self.name, "version": str(self.args["model_version"])},
-                               self.defaults.max_model_len,
+                               getattr(core, "max_model_len", None) or cfg.max_model_len,
                                enabled=_truthy(self.params.get("REPORT_CUSTOM_METRICS"), True))
         self.loop = EngineLoop(name=f"{self.name}-loop")
         self.responder = Responder(
             pb_utils, self.metrics, abort=self.engine.abort_sync, stats=self.engine.stats,
-            healthy=self.engine.is_healthy, on_unhealthy=self._unload_self,
+            healthy=self._engine_alive, on_unhealthy=self._on_engine_dead,
             cancel_period=float(self.params.get("cancellation_check_period_ms") or 50) / 1000.0,
             stats_period=float(self.params.get("stats_period_ms") or 250) / 1000.0, name=self.name,
             coalesce=_truthy(self.params.get("coalesce_responses"), True))
@@ -203,24 +230,41 @@ class TritonPythonModel:
         self._lock = threading.Lock()
         self.accepting = True
 
+    def _build_engine(self, cfg):
+        factory = self.params.get("engine_factory") or os.environ.get("M3SERVE_ENGINE_FACTORY")
+        if not factory:
+            from m3serve.engine.async_engine import AsyncLLMEngine
+            return AsyncLLMEngine(cfg)
+        mod, _, fn = factory.rpartition(":")  # "package.module:function" or "/path/to/file.py:function"
+        if mod.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], mod)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod)
+        return getattr(module, fn)(cfg)
+
     def _init_tokenizer_step(self):
         from m3serve.text.tokenizer import Tokenizer
         from m3serve.triton import engine_args
+        from m3serve.triton.ensemble_steps import Postprocessing, Preprocessing
 
         value = self.params.get("tokenizer_dir")
         if not value:
             raise ValueError("parameter tokenizer_dir (the model or tokenizer directory) is required")
         path = engine_args.resolve_path(value, self.version_dir, "tokenizer_dir")
-        self.tokenizer = Tokenizer.from_pretrained(path)
-        self.default_max_tokens = int(self.params.get("default_max_tokens") or 16)
-        self.skip_special = _truthy(self.params.get("skip_special_tokens"), True)
+        tokenizer = Tokenizer.from_pretrained(path)
+        if self.role == "preprocessing":
+            max_len = self.params.get("max_model_len")
+            self.step = Preprocessing(tokenizer, int(self.params.get("default_max_tokens") or 16),
+                                      int(max_len) if max_len else None)
+        else:
+            self.step = Postprocessing(tokenizer, _truthy(self.params.get("skip_special_tokens"), True))
 
     # ------------------------------------------------------------------------------------------------
     def execute(self, requests):
-        if self.role == "preprocessing":
-            return [self._tokenizer_step(r, True) for r in requests]
-        if self.role == "postprocessing":
-            return [self._tokenizer_step(r, False) for r in requests]
+        if self.role in ("preprocessing", "postprocessing"):
+            return [self._tokenizer_step(r) for r in requests]
         for request in requests:
             try:
                 self._accept(request)
@@ -228,16 +272,11 @@ class TritonPythonModel:
                 log(f"execute: {traceback.format_exc()}")
         return None
 
-    def _tokenizer_step(self, request, pre: bool):
+    def _tokenizer_step(self, request):
         try:
-            tensors = _read_inputs(request)
-            if pre:
-                out = I.preprocess(tensors, self.tokenizer, self.default_max_tokens)
-            else:
-                tok = self.tokenizer
-                out = I.postprocess(tensors, lambda ids: tok.decode(ids, skip_special_tokens=self.skip_special))
+            out = self.step(_read_inputs(request))
             return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()])
-        except I.RequestError as e:
+        except RequestError as e:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
         except Exception as e:
             log(f"{self.role}: {traceback.format_exc()}")
@@ -246,51 +285,35 @@ class TritonPythonModel:
     def _accept(self, request) -> None:
         sender = request.get_response_sender()
         if not self.accepting:
-            self.responder.reject(sender, I.UNAVAILABLE, "the model is being unloaded")
+            self.responder.reject(sender, UNAVAILABLE, "the model is being unloaded")
             return
         if self.responder.unhealthy or not self.engine.is_healthy():
-            self.responder.reject(sender, I.UNAVAILABLE, "the engine is not healthy; the model is unavailable")
+            self.responder.reject(sender, UNAVAILABLE, "the engine is not healthy; the model is unavailable")
             return
         try:
-            tensors = _read_inputs(request)
-            params = request.parameters()
             client_id = request.request_id() or ""
             try:
                 requested = frozenset(request.requested_output_names())
             except Exception:
                 requested = frozenset()
-            if self.role == "text":
-                req = I.parse_text_request(tensors, params, self.defaults)
-                if req.messages is not None:
-                    if self.tokenizer is None:
-                        raise I.RequestError("messages", "the model has no tokenizer (tokenizer.json)")
-                    I.render_chat(self.tokenizer, req)
-                reqs = [req]
-            else:
-                parsed = I.parse_ids_request(tensors, params, self.defaults, client_id, self._decode)
-                if isinstance(parsed, I.StopRequest):
-                    self._stop(parsed.request_id, sender)
-                    return
-                reqs = parsed
-        except I.RequestError as e:
+            parsed = self.contract.parse(_read_inputs(request), request.parameters(), client_id)
+        except RequestError as e:
             self.responder.reject(sender, e.code, str(e))
             return
         except Exception as e:
             log(f"parsing a request: {traceback.format_exc()}")
-            self.responder.reject(sender, I.INTERNAL, f"{type(e).__name__}: {e}")
+            self.responder.reject(sender, INTERNAL, f"{type(e).__name__}: {e}")
+            return
+        if isinstance(parsed, StopRequest):
+            self._stop(parsed.request_id, sender)
             return
         group = Group(sender, requested, client_id, on_close=self._on_close if client_id else None)
-        items = []
-        for r in reqs:
-            builder = (I.TextStream(r, self._decode_token) if self.role == "text"
-                       else I.IdsStream(r, self._hold))
-            items.append((Item(f"{self._prefix}{next(self._ids)}", group, builder), r))
+        items = [(Item(f"{self._prefix}{next(self._ids)}", group, self.contract.stream(r)), r) for r in parsed]
         if client_id and self.role == "ids":
             with self._lock:
                 self._by_client_id[client_id] = group
         self.responder.register(group)
-        for item, r in items:
-            self.loop.submit(self._drive(item, r))
+        self.loop.submit(self._drive_group(items))
 
     def _on_close(self, group: Group) -> None:
         with self._lock:
@@ -305,38 +328,67 @@ class TritonPythonModel:
                 self.engine.abort_sync(item.rid)  # each item then ends with finish_reason "abort"
         self.responder.empty_final(sender)
 
-    async def _drive(self, item: Item, r: I.GenRequest) -> None:
+    async def _drive_group(self, items: list[tuple[Item, GenRequest]]) -> None:
+        """Run the engine requests of one Triton request. A batch is validated as a whole first (the engine's
+        `prepare`), so an invalid item fails the request before any item streams."""
+        prepare = getattr(self.engine, "prepare", None)
+        prepared = [None] * len(items)
+        if len(items) > 1 and prepare is not None:
+            results = await asyncio.gather(*(prepare(**r.engine_args()) for _, r in items), return_exceptions=True)
+            for (item, r), res in zip(items, results):
+                if isinstance(res, BaseException):
+                    self.responder.end(item, *self._error_reply(r, res))
+                    return
+            prepared = results
+        await asyncio.gather(*(self._drive(item, r, p) for (item, r), p in zip(items, prepared)))
+
+    async def _drive(self, item: Item, r: GenRequest, prepared=None) -> None:
         code = message = None
         try:
-            async for out in self.engine.generate(
-                    item.rid, prompt=r.prompt if r.prompt_token_ids is None else None,
-                    prompt_token_ids=r.prompt_token_ids, sampling_params=r.sampling,
-                    reasoning_parser=r.reasoning_parser, chat_template_kwargs=r.chat_template_kwargs):
+            kwargs = r.engine_args() if prepared is None else {"prepared": prepared}
+            async for out in self.engine.generate(item.rid, **kwargs):
                 self.responder.output(item, out)
-        except self._InvalidRequest as e:
-            code, message = I.INVALID_ARG, str(e)
-        except self._EngineDeadError as e:
-            code, message = I.UNAVAILABLE, f"the engine is not healthy; the model is unavailable ({e})"
-        except BaseException as e:  # CancelledError at shutdown included: the request still gets a FINAL
-            if isinstance(e, Exception):
-                log(f"request {item.rid}: {traceback.format_exc()}")
-                code, message = I.INTERNAL, f"{type(e).__name__}: {e}"
-            else:
-                code, message = I.UNAVAILABLE, "the model is being unloaded"
-            self.responder.end(item, code, message)
-            if not isinstance(e, Exception):
-                raise
-            return
+        except Exception as e:
+            code, message = self._error_reply(r, e)
+        except BaseException:  # CancelledError at shutdown: the request still gets a FINAL
+            self.responder.end(item, UNAVAILABLE, "the model is being unloaded")
+            raise
         self.responder.end(item, code, message)
 
-    def _unload_self(self) -> None:
-        """Called on the response thread once the engine is unhealthy: make the model unready."""
+    def _error_reply(self, r: GenRequest, e: BaseException) -> tuple[str, str]:
+        """(code, message) of an engine error, named as the client sent the request."""
+        if isinstance(e, self._InvalidRequest):
+            return INVALID_ARG, str(self.contract.client_error(r, e))
+        if isinstance(e, self._EngineDeadError):
+            return UNAVAILABLE, f"the engine is not healthy; the model is unavailable ({e})"
+        if not isinstance(e, self._RequestFailed):  # the engine logged those
+            log(f"request failed: {''.join(traceback.format_exception(e))}")
+        return INTERNAL, f"{type(e).__name__}: {e}"
+
+    def _engine_alive(self) -> bool:
+        return self.closing or self.engine.is_healthy()  # a shutdown in finalize is no death
+
+    def _on_engine_dead(self) -> None:
+        """On the response thread, once the engine is dead: make the model (and the server) unready."""
+        self.accepting = False
+        reason = getattr(self.engine, "dead_reason", None) or "the engine is not healthy"
+        if self.control_mode != "explicit":
+            log(f"engine of model '{self.name}' dead ({reason}); the model stays loaded and answers UNAVAILABLE "
+                f"(model control mode {self.control_mode or 'unknown'}: no unload possible)")
+            return
+        config = dict(self.model_config)
+        config["parameters"] = {**(config.get("parameters") or {}), FAILED_PARAMETER: {"string_value": reason}}
         try:
             pb_utils.unload_model(self.name)
-            log(f"engine unhealthy: asked the server to unload model '{self.name}'")
         except Exception as e:
-            log(f"engine unhealthy: cannot unload model '{self.name}' ({e}); start the server with "
-                "--model-control-mode=explicit to make it unready. It stays loaded and answers UNAVAILABLE.")
+            log(f"engine of model '{self.name}' dead ({reason}); cannot unload the model: {e}")
+            return
+        log(f"engine of model '{self.name}' dead ({reason}): unloaded, marking it unavailable")
+        try:
+            pb_utils.load_model(self.name, config=json.dumps(config))
+            log(f"model '{self.name}': the marking load unexpectedly succeeded")
+        except Exception as e:
+            log(f"model '{self.name}' marked unavailable: {e}")
 
     # ------------------------------------------------------------------------------------------------
     def finalize(self):
@@ -351,11 +403,11 @@ class TritonPythonModel:
     def _teardown(self):
         if self.role not in ("text", "ids"):
             return
-        self.accepting = False
+        self.accepting, self.closing = False, True
         responder, engine, loop = getattr(self, "responder", None), getattr(self, "engine", None), \
             getattr(self, "loop", None)
         if responder is not None and responder.alive:
-            responder.abort_all(I.UNAVAILABLE, "the model is being unloaded")
+            responder.abort_all(UNAVAILABLE, "the model is being unloaded")
             deadline = time.monotonic() + 5.0
             while responder.num_active and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -19,9 +19,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
-from m3serve.triton.interface import CANCELLED, UNAVAILABLE
+from m3serve.triton.schema import CANCELLED, UNAVAILABLE
 
 _STOP = object()
 
@@ -49,7 +49,7 @@ class Group:
 
 
 class Item:
-    """One engine request of a group; `builder` is an interface.TextStream / IdsStream."""
+    """One engine request of a group; `builder` is its contract's response builder (TextStream / IdsStream)."""
 
     __slots__ = ("rid", "group", "builder", "t_first", "t_last", "done")
 
@@ -93,7 +93,6 @@ class Responder:
         self._next_cancel = now + cancel_period
         self._next_stats = now
         self._next_health = now + health_period
-        self._stats_dirty = True
         self._thread = threading.Thread(target=self._run, name=f"{name}-responder", daemon=True)
 
     # ---- producer side (any thread) ------------------------------------------------------------
@@ -114,9 +113,6 @@ class Responder:
 
     def empty_final(self, sender) -> None:
         self._q.put(("empty", sender))
-
-    def call(self, fn: Callable[[], Any]) -> None:
-        self._q.put(("call", fn))
 
     def abort_all(self, code: str, message: str) -> None:
         self._q.put(("abort_all", code, message))
@@ -190,7 +186,6 @@ class Responder:
             g = msg[1]
             self._groups[id(g)] = g
             self.num_active = len(self._groups)
-            self._stats_dirty = True
         elif kind == "end":
             item, code, message = msg[1], msg[2], msg[3]
             dirty.pop(item, None)
@@ -205,8 +200,6 @@ class Responder:
             self._send_raw(msg[1], None, msg[2], msg[3])
         elif kind == "empty":
             self._send_raw(msg[1], {}, None, None)
-        elif kind == "call":
-            msg[1]()
         elif kind == "abort_all":
             self._fail_all(msg[1], msg[2])
 
@@ -231,6 +224,12 @@ class Responder:
 
     def _fail(self, g: Group, code: str, message: str) -> None:
         """An error ends the whole Triton request: abort its other engine requests, one error FINAL."""
+        self._abort_items(g, counted=lambda item: item.t_first is not None or code == CANCELLED)
+        self._send(g, None, True, code, message)
+
+    def _abort_items(self, g: Group, counted: Callable[[Item], bool]) -> None:
+        """Stop the group's unfinished engine requests; those `counted` end as finished_reason "abort"
+        in the metrics (cancelled, disconnected, or stopped after their first token)."""
         for item in g.items:
             if not item.done:
                 item.done = True
@@ -238,10 +237,9 @@ class Responder:
                     self._abort(item.rid)
                 except Exception:
                     log(f"abort {item.rid}: {traceback.format_exc()}")
-                if item.t_first is not None or code == CANCELLED:
+                if counted(item):
                     b = item.builder
                     self.metrics.request_done(time.monotonic() - g.arrival, b.num_input, b.num_output, "abort")
-        self._send(g, None, True, code, message)
 
     def _fail_all(self, code: str, message: str) -> None:
         for g in list(self._groups.values()):
@@ -295,11 +293,8 @@ class Responder:
             self.num_responses += 1
         except Exception as e:
             log(f"send failed ({'final' if final else 'delta'}): {e}")
-            if not final:  # the stream is broken (client gone): stop its work, close it
-                for item in g.items:
-                    if not item.done:
-                        item.done = True
-                        self._abort(item.rid)
+            if not final:  # the stream is broken (client gone): stop its work, count it aborted, close it
+                self._abort_items(g, counted=lambda item: True)
                 try:
                     g.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 except Exception:
@@ -309,7 +304,6 @@ class Responder:
             g.closed = True
             self._groups.pop(id(g), None)
             self.num_active = len(self._groups)
-            self._stats_dirty = True
             if g.on_close is not None:
                 try:
                     g.on_close(g)

@@ -1,15 +1,24 @@
-"""An engine that dies: requests get UNAVAILABLE, the model turns unready (explicit model control), the
-server stays up, finalize leaves no threads behind, and the model loads again."""
+"""Faults on the real server (explicit model control, m3 with an injected-fault engine, m3_ids beside it):
+a step fault fails that step's requests and the engine goes on; a device fault kills the engine: its requests
+get UNAVAILABLE, the model and the server turn unready within 10 s (a failed load marks the model), the server
+stays up, the other model keeps serving, finalize leaves no threads behind, and an operator's load brings the
+model back. A chat template sent by a client (trusted on this server) is bounded in time."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import threading
 import time
+import urllib.error
+import urllib.request
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tritonserver_proc import ROOT, free_port, start_server
-from triton_helpers import run_stream, text_inputs, texts
+from triton_helpers import inp, metric, metrics, run_stream, scalar, text_inputs, texts
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
@@ -17,11 +26,19 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def faulty_server(tiny_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("faulty")
-    flag = str(d / "fault")
+    repo = d / "models"
+    for name in ("m3", "m3_ids"):
+        shutil.copytree(os.path.join(ROOT, "model_repository", name), repo / name)
     factory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_engine.py") + ":make"
-    env = {"M3SERVE_MODEL_DIR": tiny_model_dir, "M3SERVE_ENGINE_FACTORY": factory, "M3SERVE_FAULT_FILE": flag}
-    srv = start_server(os.path.join(ROOT, "model_repository"), str(d / "tritonserver.log"), env,
-                       ["--model-control-mode=explicit", "--load-model=m3"], wait_models=["m3"])
+    cfg = repo / "m3" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace("parameters [\n", "parameters [\n"
+                                           f'  {{ key: "engine_factory" value: {{ string_value: "{factory}" }} }},\n'
+                                           '  { key: "trust_request_chat_template" value: { string_value: "true" } },\n'))
+    flag = str(d / "fault")
+    env = {"M3SERVE_MODEL_DIR": tiny_model_dir, "M3SERVE_FAULT_FILE": flag, "M3SERVE_CHAT_TEMPLATE_TIMEOUT": "1"}
+    srv = start_server(str(repo), str(d / "tritonserver.log"), env,
+                       ["--model-control-mode=explicit", "--load-model=m3", "--load-model=m3_ids"],
+                       wait_models=["m3", "m3_ids"])
     srv.flag = flag
     yield srv
     srv.stop()
@@ -36,28 +53,106 @@ def _wait(cond, timeout):
     return cond()
 
 
-def test_dead_engine_answers_unavailable_and_the_model_turns_unready(faulty_server):
+def _http_ready(srv, path: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{srv.http_url}{path}", timeout=5) as f:
+            return f.status == 200
+    except urllib.error.HTTPError:
+        return False
+
+
+def _ids_request(srv):
+    ins = [inp("input_ids", [[5, 7, 9]], np.int32), inp("request_output_len", [[4]], np.int32),
+           inp("end_id", [[-1]], np.int32)]
+    return run_stream(srv.grpc_url, "m3_ids", ins)
+
+
+def _pages_free(srv, model="m3"):
+    def ok():
+        m = metrics(srv.metrics_url)
+        free = metric(m, "m3serve:kv_cache_free_pages", model=model)
+        return metric(m, "vllm:num_requests_running", model=model) == 0 and free == metric(
+            m, "m3serve:kv_cache_total_pages", model=model)
+    return _wait(ok, 10)
+
+
+def test_request_chat_template_is_bounded_in_time_and_others_go_on(faulty_server):
+    srv = faulty_server
+    messages = json.dumps([{"role": "user", "content": "hi"}])
+    forever = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    result = {}
+
+    def slow():
+        t0 = time.monotonic()
+        result["slow"] = run_stream(srv.grpc_url, "m3", [inp("messages", messages), inp(
+            "chat_template_kwargs", json.dumps({"chat_template": forever}))], request_id="slow")
+        result["t_slow"] = time.monotonic() - t0
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", stream=True, max_tokens=4))
+    t_fast = time.monotonic() - t0
+    t.join(60)
+    assert error is None and len(responses) >= 2
+    _, slow_error = result["slow"]
+    assert slow_error is not None and "within 1 s" in str(slow_error) and "messages" in str(slow_error), slow_error
+    assert 1.0 <= result["t_slow"] < 10 and t_fast < result["t_slow"], (t_fast, result["t_slow"])
+
+
+def test_step_fault_fails_that_steps_request_and_the_engine_goes_on(faulty_server):
+    srv = faulty_server
+    with open(srv.flag, "w") as f:
+        f.write("step")
+    responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", stream=True, max_tokens=8))
+    assert error is not None and "injected step fault" in str(error), error
+    assert not os.path.exists(srv.flag)
+    responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", stream=True, max_tokens=8,
+                                                                  extra={"ignore_eos": True}))
+    assert error is None and sum(int(scalar(r, "num_output_tokens")) for r in responses) == 8
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        assert client.is_model_ready("m3") and client.is_server_ready()
+    finally:
+        client.close()
+    assert _pages_free(srv)
+
+
+def test_device_fault_turns_model_and_server_unready_others_keep_serving(faulty_server):
     srv = faulty_server
     responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", max_tokens=4))
     assert error is None and texts(responses)
-    open(srv.flag, "w").close()
+    with open(srv.flag, "w") as f:
+        f.write("device")
+    t0 = time.monotonic()
     responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", stream=True, max_tokens=4))
-    assert error is not None and "not healthy" in str(error), error
+    assert error is not None and "not healthy" in str(error) and "illegal memory access" in str(error), error
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     try:
-        assert _wait(lambda: not client.is_model_ready("m3"), 15), "the model stayed ready"
-        assert client.is_server_live()
+        assert _wait(lambda: not _http_ready(srv, "/v2/models/m3/ready") and not _http_ready(srv, "/v2/health/ready"),
+                     10), "the model or the server stayed ready"
+        assert time.monotonic() - t0 < 10
+        assert srv.alive() and client.is_server_live()
+        def m3_state():
+            return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}["m3"]
+        assert _wait(lambda: m3_state()["state"] == "UNAVAILABLE", 20), m3_state()  # after the marking load
+        assert "illegal memory access" in m3_state()["reason"] and not _http_ready(srv, "/v2/health/ready")
+        # the other model keeps serving
+        assert client.is_model_ready("m3_ids")
+        responses, error = _ids_request(srv)
+        assert error is None and responses[-1].as_numpy("output_ids").size == 7
         responses, error = run_stream(srv.grpc_url, "m3", text_inputs("hi", max_tokens=4))
         assert error is not None
         # finalize ran, joined its threads, and the stub exited
         assert _wait(lambda: "model 'm3' finalized" in srv.log(), 30), srv.log()[-3000:]
         line = [ln for ln in srv.log().splitlines() if "model 'm3' finalized" in ln][-1]
         assert line.endswith("threads left: none"), line
-        assert _wait(lambda: not any("m3_0_0" in _cmdline(p) for p in srv.group_pids()), 30)
-        # the model loads again (a fresh stub and engine) and serves
+        assert _wait(lambda: not any("/m3/1/model.py" in _cmdline(p) for p in srv.group_pids()), 30)
+        assert srv.alive() and "Signal (6)" not in srv.log()
+        # an operator's load brings it back (a fresh stub and engine); the server is ready again
         os.unlink(srv.flag)
         client.load_model("m3")
-        assert client.is_model_ready("m3")
+        assert client.is_model_ready("m3") and client.is_server_ready()
         responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", max_tokens=4))
         assert error is None and texts(responses)
     finally:

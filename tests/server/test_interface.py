@@ -1,4 +1,5 @@
-"""The Triton layer's pure parts (no server): request parsing, response building, responder logic."""
+"""The Triton layer's pure parts (no server): the contracts' parsing, engine errors renamed to the client's
+names, the ensemble steps' checks, response building, responder logic."""
 from __future__ import annotations
 
 import json
@@ -9,8 +10,13 @@ import numpy as np
 import pytest
 
 from m3serve.engine.outputs import RequestOutput
-from m3serve.triton import interface as I
+from m3serve.engine.sampling_params import InvalidRequest
+from m3serve.triton.contract import Defaults
+from m3serve.triton.ensemble_steps import Postprocessing, Preprocessing
+from m3serve.triton.ids_contract import IdsContract, IdsStream, parse_word_list, to_word_list, utf8_incomplete
 from m3serve.triton.responder import Group, Item, Responder
+from m3serve.triton.schema import INVALID_ARG, RequestError
+from m3serve.triton.text_contract import TextContract, TextStream
 
 
 def s(v):
@@ -21,22 +27,31 @@ def b(v):
     return np.array([v], dtype=bool)
 
 
-def out(ids, text="", finished=False, reason=None, n_prompt=3, reasoning=""):
+def out(ids, text="", finished=False, reason=None, n_prompt=3, reasoning="", prompt_ids=()):
     return RequestOutput("r", list(ids), text=text, reasoning_text=reasoning, finished=finished,
-                         finish_reason=reason, num_prompt_tokens=n_prompt, cumulative_logprob=-1.5)
+                         finish_reason=reason, num_prompt_tokens=n_prompt, cumulative_logprob=-1.5,
+                         prompt_token_ids=list(prompt_ids))
+
+
+def text(tensors, params="", defaults=None):
+    return TextContract(defaults or Defaults()).parse(tensors, params)[0]
+
+
+def ids(tensors, params="", defaults=None, request_id=""):
+    return IdsContract(defaults or Defaults()).parse(tensors, params, request_id)
 
 
 def test_precedence_tensor_over_json_over_parameters_over_default():
-    d = I.Defaults(max_tokens=7, max_model_len=100)
-    r = I.parse_text_request({"text_input": s("hi")}, "{}", d)
+    d = Defaults(max_tokens=7)
+    r = text({"text_input": s("hi")}, "{}", d)
     assert r.sampling.max_tokens == 7 and r.prepend_input and not r.stream
-    r = I.parse_text_request({"text_input": s("hi")}, json.dumps({"max_tokens": 9, "triton_x": 1}), d)
-    assert r.sampling.max_tokens == 9
-    r = I.parse_text_request({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": "11"}')},
-                             json.dumps({"max_tokens": 9}), d)
+    r = text({"text_input": s("hi")}, json.dumps({"max_tokens": 9, "triton_x": 1}), d)
+    assert r.sampling.max_tokens == 9 and r.sources["max_tokens"] == "parameters"
+    r = text({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": "11"}')},
+             json.dumps({"max_tokens": 9}), d)
     assert r.sampling.max_tokens == 11
-    r = I.parse_text_request({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": 11}'),
-                              "max_tokens": np.array([13], np.int32), "min_length": np.array([2], np.int32)}, "", d)
+    r = text({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": 11}'),
+              "max_tokens": np.array([13], np.int32), "min_length": np.array([2], np.int32)}, "", d)
     assert r.sampling.max_tokens == 13 and r.sampling.min_tokens == 2
 
 
@@ -46,17 +61,81 @@ def test_precedence_tensor_over_json_over_parameters_over_default():
     ({"text_input": s("hi"), "max_tokens": np.array([-1], np.int32)}, "max_tokens"),
     ({"text_input": s("hi"), "stream": b(True), "exclude_input_in_output": b(False)}, "exclude_input_in_output"),
     ({"stream": b(True)}, "text_input"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"seed": 18446744073709551616}')}, "sampling_parameters.seed"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"top_k": 9223372036854775808}')},
+     "sampling_parameters.top_k"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"stop": [null]}')}, "sampling_parameters.stop"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"stop": {"a": 1}}')}, "sampling_parameters.stop"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"stop_token_ids": [1.5]}')},
+     "sampling_parameters.stop_token_ids"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": 4294967296}')}, "sampling_parameters.max_tokens"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"min_tokens": -1}')}, "sampling_parameters.min_tokens"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"logprobs": true}')}, "sampling_parameters.logprobs"),
+    ({"text_input": s("hi"), "top_k": np.array([-7], np.int32)}, "top_k"),
 ])
 def test_bad_text_requests_name_the_field(tensors, field):
-    with pytest.raises(I.RequestError) as e:
-        I.parse_text_request(tensors, "", I.Defaults())
-    assert e.value.field == field and e.value.code == I.INVALID_ARG
+    with pytest.raises(RequestError) as e:
+        text(tensors)
+    assert e.value.field == field and e.value.code == INVALID_ARG
+
+
+def test_seeds_are_exact_by_json_and_by_tensor():
+    for seed in (2**62, 2**62 + 1, 2**64 - 1):
+        assert text({"text_input": s("hi"), "sampling_parameters": s(json.dumps({"seed": seed}))}).sampling.seed == seed
+        assert text({"text_input": s("hi"), "seed": np.array([seed], np.uint64)}).sampling.seed == seed
+        assert text({"text_input": s("hi"), "sampling_parameters": s(json.dumps({"seed": str(seed)}))}).sampling.seed \
+            == seed
+    r = ids({"input_ids": np.array([[1, 2]], np.int32), "random_seed": np.array([[2**64 - 1]], np.uint64)})[0]
+    assert r.sampling.seed == 2**64 - 1
+
+
+def test_engine_errors_come_back_under_the_clients_names():
+    """The engine's range checks (max_tokens against max_model_len, prompt ids) renamed to what was sent."""
+    tc, ic = TextContract(Defaults()), IdsContract(Defaults())
+    err = InvalidRequest("max_tokens", "3 prompt tokens + max_tokens=2000 exceed max_model_len=1024")
+    cases = [
+        (tc, text({"text_input": s("hi"), "max_tokens": np.array([2000], np.int32)}), "max_tokens"),
+        (tc, text({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": 2000}')}),
+         "sampling_parameters.max_tokens"),
+        (tc, text({"text_input": s("hi")}, json.dumps({"max_tokens": 2000})), "parameters.max_tokens"),
+        (ic, ids({"input_ids": np.array([[1]], np.int32), "request_output_len": np.array([[2000]], np.int32)})[0],
+         "request_output_len"),
+    ]
+    for contract, req, want in cases:
+        e = contract.client_error(req, err)
+        assert e.field == want and str(e) == f"{want}: {err.message}"
+    prompt_err = InvalidRequest("prompt", "2000 prompt tokens leave no room")
+    assert tc.client_error(text({"text_input": s("hi")}), prompt_err).field == "text_input"
+    chat = text({"messages": s('[{"role": "user", "content": "x"}]')})
+    assert tc.client_error(chat, prompt_err).field == "messages"
+    bad_id = InvalidRequest("prompt_token_ids", "token id 99999 is not in [0, 512)")
+    assert ic.client_error(ids({"input_ids": np.array([[1, 99999]], np.int32)})[0], bad_id).field == "input_ids"
+    end = ids({"input_ids": np.array([[1]], np.int32), "end_id": np.array([[70000]], np.int32)})[0]
+    assert ic.client_error(end, InvalidRequest("stop_token_ids", "token id 70000 ...")).field == "end_id"
+
+
+def test_request_chat_templates_need_the_models_trust():
+    ins = {"messages": s('[{"role": "user", "content": "x"}]'),
+           "chat_template_kwargs": s(json.dumps({"chat_template": "{{ 'pwned' }}"}))}
+    with pytest.raises(RequestError) as e:
+        text(ins)
+    assert e.value.field == "chat_template_kwargs.chat_template" and "trust_request_chat_template" in str(e.value)
+    r = text(ins, defaults=Defaults(trust_request_chat_template=True))
+    assert r.chat_template_kwargs == {"chat_template": "{{ 'pwned' }}"}
+    # tools travel to the engine's renderer in chat_template_kwargs; not twice
+    r = text({"messages": ins["messages"], "tools": s('[{"type": "function"}]'),
+              "chat_template_kwargs": s('{"thinking_mode": "enabled"}')})
+    assert r.chat_template_kwargs == {"thinking_mode": "enabled", "tools": [{"type": "function"}]}
+    assert r.engine_args()["prompt"] == [{"role": "user", "content": "x"}]
+    with pytest.raises(RequestError) as e:
+        text({"messages": ins["messages"], "tools": s("[]"), "chat_template_kwargs": s('{"tools": []}')})
+    assert e.value.field == "tools"
 
 
 def test_text_stream_deltas_and_final():
-    req = I.parse_text_request({"text_input": s("hi"), "stream": b(True), "return_finish_reason": b(True),
-                                "return_num_output_tokens": b(True)}, "", I.Defaults())
-    ts = I.TextStream(req)
+    req = text({"text_input": s("hi"), "stream": b(True), "return_finish_reason": b(True),
+                "return_num_output_tokens": b(True)})
+    ts = TextStream(req)
     ts.add(out([5], ""))  # a held-back token: nothing to send yet
     assert ts.take(False) is None
     ts.add(out([6], "ab"))
@@ -70,22 +149,27 @@ def test_text_stream_deltas_and_final():
 
 
 def test_non_stream_prepends_prompt():
-    req = I.parse_text_request({"text_input": s("hi ")}, "", I.Defaults())
-    ts = I.TextStream(req)
+    req = text({"text_input": s("hi ")})
+    ts = TextStream(req)
     ts.add(out([1], "a"))
     assert ts.take(False) is None
     ts.add(out([2], "b", finished=True, reason="stop"))
     assert ts.take(True)["text_output"].tolist() == [b"hi ab"]
+    # a chat prompt is rendered by the engine: the echo is its prompt ids decoded
+    req = text({"messages": s('[{"role": "user", "content": "x"}]'), "exclude_input_in_output": b(False)})
+    ts = TextStream(req, lambda ids_: "".join(f"<{i}>" for i in ids_))
+    ts.add(out([1], "a", prompt_ids=[4, 5]))
+    ts.add(out([2], "b", finished=True, reason="stop"))
+    assert ts.take(True)["text_output"].tolist() == [b"<4><5>ab"]
 
 
 def test_ids_stream_holds_split_utf8_and_tags_batch_index():
-    req = I.parse_ids_request({"input_ids": np.array([[1, 2, 3]], np.int32),
-                               "streaming": np.array([[True]])}, "", I.Defaults())[0]
+    req = ids({"input_ids": np.array([[1, 2, 3]], np.int32), "streaming": np.array([[True]])})[0]
     table = {10: b"\xe4", 11: b"\xbd", 12: b"\xa0", 13: b"!"}
 
-    def decode(ids):
-        return b"".join(table[i] for i in ids).decode("utf-8", "replace")
-    st = I.IdsStream(req, I.utf8_incomplete(decode))
+    def decode(ids_):
+        return b"".join(table[i] for i in ids_).decode("utf-8", "replace")
+    st = IdsStream(req, utf8_incomplete(decode))
     st.add(out([10]))
     assert st.take(False) is None
     st.add(out([11]))
@@ -98,24 +182,68 @@ def test_ids_stream_holds_split_utf8_and_tags_batch_index():
 
 
 def test_word_lists_round_trip():
-    arr = I.to_word_list([[[1, 2], [3]], []])
+    arr = to_word_list([[[1, 2], [3]], []])
     assert arr.shape == (2, 2, 3)
-    assert I.parse_word_list(arr[0], "x") == [[1, 2], [3]] and I.parse_word_list(arr[1], "x") == []
+    assert parse_word_list(arr[0], "x") == [[1, 2], [3]] and parse_word_list(arr[1], "x") == []
 
 
 def test_ids_stop_request_and_end_id():
-    assert isinstance(I.parse_ids_request({"stop": np.array([[True]])}, "", I.Defaults(), "abc"), I.StopRequest)
-    r = I.parse_ids_request({"input_ids": np.array([[1, 2]], np.int32), "end_id": np.array([[7]], np.int32)},
-                            "", I.Defaults())[0]
+    from m3serve.triton.contract import StopRequest
+    assert isinstance(ids({"stop": np.array([[True]])}, request_id="abc"), StopRequest)
+    r = ids({"input_ids": np.array([[1, 2]], np.int32), "end_id": np.array([[7]], np.int32)})[0]
     assert r.sampling.stop_token_ids == [7] and r.sampling.ignore_eos and r.sampling.greedy
+
+
+class FakeTokenizer:
+    vocab_size = 100
+    eos_token_id = 2
+    pad_token_id = None
+
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids_, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids_)
+
+
+def test_postprocessing_checks_ids_inside_the_length_only():
+    post = Postprocessing(FakeTokenizer())
+    tok = np.array([[[1, 2, -1, -1]]], np.int32)  # TensorRT-LLM pads past sequence_length with -1
+    got = post({"TOKENS_BATCH": tok, "SEQUENCE_LENGTH": np.array([[2]], np.int32)})
+    assert got["OUTPUT"].tolist() == [[b"BC"]]
+    with pytest.raises(RequestError) as e:
+        post({"TOKENS_BATCH": np.array([[[1, -5]]], np.int32), "SEQUENCE_LENGTH": np.array([[2]], np.int32)})
+    assert e.value.field == "TOKENS_BATCH" and "-5" in str(e.value) and "[0, 0, 1]" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        post({"TOKENS_BATCH": np.array([[[1, 100]]], np.int32)})
+    assert e.value.field == "TOKENS_BATCH"
+    with pytest.raises(RequestError) as e:
+        post({"TOKENS_BATCH": tok, "SEQUENCE_LENGTH": np.array([[2], [2]], np.int32)})
+    assert e.value.field == "SEQUENCE_LENGTH"
+
+
+def test_preprocessing_names_the_ensemble_inputs():
+    pre = Preprocessing(FakeTokenizer(), default_max_tokens=16, max_model_len=32)
+    got = pre({"QUERY": s("hello").reshape(1, 1), "REQUEST_OUTPUT_LEN": np.array([[8]], np.int32)})
+    assert got["INPUT_ID"].shape == (1, 5) and got["REQUEST_OUTPUT_LEN"].tolist() == [[8]]
+    assert got["OUT_END_ID"].tolist() == [[2]]
+    for n, word in ((0, "must be in"), (-3, "must be in"), (28, "exceed max_model_len")):
+        with pytest.raises(RequestError) as e:
+            pre({"QUERY": s("hello").reshape(1, 1), "REQUEST_OUTPUT_LEN": np.array([[n]], np.int32)})
+        assert e.value.field == "max_tokens" and word in str(e.value)
+    with pytest.raises(RequestError) as e:
+        pre({"QUERY": s("x" * 40).reshape(1, 1)})
+    assert e.value.field == "text_input"
 
 
 # ---- responder, with a fake pb_utils ---------------------------------------------------------------
 class FakeSender:
-    def __init__(self):
-        self.sent, self.cancelled = [], False
+    def __init__(self, broken=False):
+        self.sent, self.cancelled, self.broken = [], False, broken
 
     def send(self, response=None, flags=0):
+        if self.broken and not flags:
+            raise RuntimeError("the client is gone")
         if self.sent and self.sent[-1][1]:
             raise RuntimeError("Response sender has been closed")
         self.sent.append((response, flags))
@@ -143,8 +271,14 @@ def fake_pb():
                                  TRITONSERVER_RESPONSE_COMPLETE_FINAL=1)
 
 
-class NoMetrics:
+class RecordingMetrics:
     enabled = False
+
+    def __init__(self):
+        self.done = []
+
+    def request_done(self, e2e, n_prompt, n_gen, reason):
+        self.done.append(reason)
 
     def __getattr__(self, name):
         return lambda *a, **k: None
@@ -159,25 +293,26 @@ def wait_for(cond, timeout=5.0):
 
 def test_responder_coalesces_sends_one_final_and_handles_cancel():
     aborted = []
-    r = Responder(fake_pb(), NoMetrics(), abort=aborted.append, cancel_period=0.01)
+    metrics = RecordingMetrics()
+    r = Responder(fake_pb(), metrics, abort=aborted.append, cancel_period=0.01)
     r.start()
     try:
-        req = I.parse_text_request({"text_input": s("x"), "stream": b(True)}, "", I.Defaults())
+        req = text({"text_input": s("x"), "stream": b(True)})
         sender = FakeSender()
         g = Group(sender)
-        item = Item("a", g, I.TextStream(req))
+        item = Item("a", g, TextStream(req))
         r.register(g)
         for i in range(5):
             r.output(item, out([i], str(i)))
         r.output(item, out([9], "z", finished=True, reason="stop"))
         r.end(item)
         wait_for(lambda: sender.sent and sender.sent[-1][1] == 1)
-        text = "".join(resp.tensors["text_output"][0].decode() for resp, _ in sender.sent)
-        assert text == "01234z" and [f for _, f in sender.sent].count(1) == 1
+        got = "".join(resp.tensors["text_output"][0].decode() for resp, _ in sender.sent)
+        assert got == "01234z" and [f for _, f in sender.sent].count(1) == 1
         # cancellation: polled, aborts the engine request, one CANCELLED final
         sender2 = FakeSender()
         g2 = Group(sender2)
-        item2 = Item("b", g2, I.TextStream(req))
+        item2 = Item("b", g2, TextStream(req))
         r.register(g2)
         r.output(item2, out([1], "a"))
         wait_for(lambda: sender2.sent)
@@ -187,6 +322,12 @@ def test_responder_coalesces_sends_one_final_and_handles_cancel():
         r.output(item2, out([2], "b", finished=True, reason="abort"))  # late output: dropped
         time.sleep(0.05)
         assert [f for _, f in sender2.sent].count(1) == 1
+        # a dropped connection (a delta cannot be sent): aborted in the engine and counted as "abort"
+        item3 = Item("c", Group(FakeSender(broken=True)), TextStream(req))
+        r.register(item3.group)
+        r.output(item3, out([1], "a"))
+        wait_for(lambda: "c" in aborted)
+        wait_for(lambda: metrics.done == ["stop", "abort", "abort"])
     finally:
         r.stop()
     assert not r.alive

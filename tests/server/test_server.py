@@ -58,7 +58,7 @@ def _declared(path):
                                             ("preprocessing", "PRE_INPUTS", "PRE_OUTPUTS"),
                                             ("postprocessing", "POST_INPUTS", "POST_OUTPUTS")])
 def test_configs_match_interface(model, ins, outs):
-    from m3serve.triton import interface as I
+    from m3serve.triton import schema as I
 
     paths = [os.path.join(ROOT, "model_repository", model, "config.pbtxt")]
     if model == "m3":
@@ -219,10 +219,14 @@ def test_ids_explicit_stop_request(server):
         ins = [inp("input_ids", [[5, 7, 9]], np.int32), inp("request_output_len", [[900]], np.int32),
                inp("streaming", [[True]], bool), inp("end_id", [[-1]], np.int32)]
         result["r"] = run_stream(server.grpc_url, "m3_ids", ins, request_id="stop-me")
+    def generated():
+        return metric(metrics(server.metrics_url), "vllm:generation_tokens_total", model="m3_ids") or 0
+
+    before = generated()
     t = threading.Thread(target=long_run)
     t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _engine_state(server, "m3_ids")[0] != 1:
+    deadline = time.monotonic() + 30  # running, and past its first tokens
+    while time.monotonic() < deadline and (_engine_state(server, "m3_ids")[0] != 1 or generated() <= before):
         time.sleep(0.05)
     responses, error = run_stream(server.grpc_url, "m3_ids", [inp("input_ids", [[1]], np.int32),
                                                               inp("stop", [[True]], bool)], request_id="stop-me")
@@ -326,6 +330,48 @@ TEXT_BAD = {
     "tools without messages": ([inp("text_input", "hi"), inp("tools", "[]")], "tools"),
     "chat_template_kwargs not an object": ([inp("text_input", "hi"), inp("chat_template_kwargs", '"x"')],
                                            "chat_template_kwargs"),
+    "tokenize in chat_template_kwargs": ([inp("messages", '[{"role": "user", "content": "x"}]'),
+                                          inp("chat_template_kwargs", '{"tokenize": false}')], "chat_template_kwargs"),
+}
+# the requests of issue #10: each once killed the engine or was silently converted
+
+
+def _sp(options: str) -> list:
+    return [inp("text_input", "hi"), inp("sampling_parameters", options)]
+
+
+ISSUE_BAD = {
+    "seed 2^64 (JSON)": (_sp('{"seed": 18446744073709551616}'), "sampling_parameters.seed"),
+    "seed -1 (JSON)": (_sp('{"seed": -1}'), "sampling_parameters.seed"),
+    "top_k 2^63": (_sp('{"top_k": 9223372036854775808}'), "sampling_parameters.top_k"),
+    "top_k 2^31": (_sp('{"top_k": 2147483648}'), "sampling_parameters.top_k"),
+    "max_tokens 2^63": (_sp('{"max_tokens": 9223372036854775807}'), "sampling_parameters.max_tokens"),
+    "logprobs true": (_sp('{"logprobs": true}'), "sampling_parameters.logprobs"),
+    "min_tokens 2^40": (_sp('{"min_tokens": 1099511627776}'), "sampling_parameters.min_tokens"),
+    "stop [null]": (_sp('{"stop": [null]}'), "sampling_parameters.stop"),
+    "stop object": (_sp('{"stop": {"a": 1}}'), "sampling_parameters.stop"),
+    "stop_token_ids [1.5]": (_sp('{"stop_token_ids": [1.5]}'), "sampling_parameters.stop_token_ids"),
+    "stop_token_ids outside the vocabulary": (_sp('{"stop_token_ids": [70000]}'),
+                                              "sampling_parameters.stop_token_ids"),
+    "request chat template": ([inp("messages", '[{"role": "user", "content": "x"}]'), inp(
+        "chat_template_kwargs", json.dumps({"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}"
+                                                             "{% endfor %}{% endfor %}"}))],
+        "trust_request_chat_template"),
+}
+ISSUE_BAD_ENSEMBLE = {
+    "postprocessing negative ids": ("postprocessing", [inp("TOKENS_BATCH", [[[5, -3, -1]]], np.int32),
+                                                       inp("SEQUENCE_LENGTH", [[2]], np.int32)], "TOKENS_BATCH"),
+    "ensemble max_tokens 0": ("ensemble", [inp("text_input", "hi", shape=[1, 1]), inp("max_tokens", 0, np.int32, [1, 1])],
+                              "max_tokens"),
+    "ensemble max_tokens over max_model_len": ("ensemble", [inp("text_input", "hi", shape=[1, 1]),
+                                                            inp("max_tokens", 5000, np.int32, [1, 1])], "max_tokens"),
+    "m3_ids request_output_len over max_model_len": ("m3_ids", [inp("input_ids", [[1, 2]], np.int32),
+                                                                 inp("request_output_len", [[5000]], np.int32)],
+                                                     "request_output_len"),
+    "m3_ids negative input id": ("m3_ids", [inp("input_ids", [[1, -2]], np.int32)], "input_ids"),
+    "m3_ids batch with one bad item": ("m3_ids", [inp("input_ids", [[1, 2], [3, 4]], np.int32),
+                                                  inp("request_output_len", [[4], [5000]], np.int32),
+                                                  inp("streaming", [[True], [True]], bool)], "request_output_len"),
 }
 IDS_BAD = {
     "ids out of vocab": ([inp("input_ids", [[1, 99999]], np.int32)], "input_ids"),
@@ -371,6 +417,90 @@ def test_malformed_requests_get_errors_and_disturb_nothing(server):
     assert error is None and scalar(responses[-1], "finish_reason").decode() == "length"
     assert sum(int(scalar(r, "num_output_tokens")) for r in responses) == 200
     assert texts(generate(server, PROMPTS[0], max_tokens=4))  # a following good request succeeds
+
+
+def _error_of(url, model, ins):
+    try:
+        responses, error = run_stream(url, model, ins, timeout=60)
+    except Exception as e:  # noqa: BLE001 - the client may refuse to send it at all: also an error
+        return e, []
+    return error, responses
+
+
+def _pages_all_free(server, models=("m3", "m3_ids"), timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [_engine_state(server, m) for m in models]
+        if all(r == 0 and f == t for r, f, t in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.1)
+
+
+def test_issue_10_requests_fail_alone_and_streaming_goes_on_20_times(server):
+    """Each request of issue #10 gets its own clear error naming the field the client sent, a seed at 2^64-1
+    is served, and a normal streaming request succeeds right after; 20 rounds, no engine death, no abort of the
+    server, every KV page back at the end."""
+    cases = [("m3", k, ins, needle) for k, (ins, needle) in ISSUE_BAD.items()]
+    cases += [(m, k, ins, needle) for k, (m, ins, needle) in ISSUE_BAD_ENSEMBLE.items()]
+    for rnd in range(20):
+        failures = []
+        for model, name, ins, needle in cases:
+            error, responses = _error_of(server.grpc_url, model, ins)
+            if error is None:
+                failures.append(f"{name}: no error, got {len(responses)} responses")
+            elif needle.lower() not in str(error).lower() or "not healthy" in str(error):
+                failures.append(f"{name}: error does not name {needle!r}: {error}")
+            elif responses:
+                failures.append(f"{name}: {len(responses)} responses before the error")
+        assert not failures, f"round {rnd}:\n" + "\n".join(failures)
+        responses, error = run_stream(server.grpc_url, "m3", text_inputs(PROMPTS[1], max_tokens=3, temperature=1.0,
+                                                                         seed=(2**64 - 1, np.uint64)))
+        assert error is None and int(scalar(responses[-1], "num_output_tokens")) >= 1
+        responses, error = run_stream(server.grpc_url, "m3", text_inputs(PROMPTS[0], stream=True, max_tokens=6,
+                                                                         extra={"ignore_eos": True}))
+        assert error is None, f"round {rnd}: {error}"
+        assert len(responses) >= 2 and sum(int(scalar(r, "num_output_tokens")) for r in responses) == 6
+        assert server.alive()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        assert client.is_server_ready() and all(client.is_model_ready(m) for m in ("m3", "m3_ids", "ensemble"))
+    finally:
+        client.close()
+    states = _pages_all_free(server)
+    assert all(r == 0 and f == t for r, f, t in states), states
+
+
+def test_seeds_are_exact_through_json_and_tensor(server):
+    def sample(**kw):
+        return "".join(texts(generate(server, PROMPTS[2], max_tokens=12, temperature=1.0, **kw)))
+    seeds = (2**62, 2**62 + 1, 2**62 + 2)
+    by_json = {seed: sample(extra={"seed": seed, "ignore_eos": True}) for seed in seeds}
+    assert len(set(by_json.values())) == 3, by_json  # no rounding through a float: three streams
+    by_tensor = {seed: sample(extra={"ignore_eos": True}, seed=(seed, np.uint64)) for seed in seeds}
+    assert by_tensor == by_json
+
+
+def test_dropped_sse_connection_is_an_abort_and_frees_its_pages(server):
+    import http.client
+
+    def aborts():
+        return metric(metrics(server.metrics_url), "vllm:request_success_total", model="m3", finished_reason="abort")
+    before = aborts()
+    conn = http.client.HTTPConnection("localhost", server.http_port, timeout=60)
+    body = json.dumps({"text_input": PROMPTS[3], "stream": True, "exclude_input_in_output": True,
+                       "sampling_parameters": json.dumps({"max_tokens": 900, "ignore_eos": True, "temperature": 0})})
+    conn.request("POST", "/v2/models/m3/generate_stream", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    events = [resp.readline() for _ in range(6)]
+    assert sum(e.startswith(b"data:") for e in events) >= 3, events
+    conn.sock.shutdown(2)
+    conn.close()
+    deadline = time.monotonic() + 10
+    while aborts() != before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborts() == before + 1
+    states = _pages_all_free(server, ("m3",))
+    assert states[0][0] == 0 and states[0][1] == states[0][2], states
 
 
 # ---- metrics -------------------------------------------------------------------------------------------

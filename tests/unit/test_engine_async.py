@@ -1,13 +1,17 @@
 """AsyncLLMEngine: concurrent streams in one asyncio loop (and from two loops), bad requests rejected
 before the first yield without disturbing others, abort (async, from another thread, by closing the
-stream), a failing step loop (EngineDeadError everywhere), shutdown leaving nothing running."""
+stream), fault isolation (a request's failure, a step's failure, an unattributed failure: the engine
+carries on with every page back; a device fault or a leaked page: EngineDeadError everywhere), chat
+templates rendered off the caller's loop under a time bound, shutdown leaving nothing running."""
 import asyncio
 import threading
 import time
 
 import pytest
+import torch
 
 from m3serve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from m3serve.engine.faults import RequestFailed, is_device_fault
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 
 
@@ -153,31 +157,162 @@ def test_abort_paths(make_async, eu):
     assert eng.is_healthy()
 
 
-def test_step_loop_failure_kills_engine(make_async, eu):
+def run_pair(eng, prompts, n=50):
+    async def main():
+        return await asyncio.gather(*[collect(eng, f"r{i}", prompt_token_ids=q, sampling_params=greedy(n))
+                                      for i, q in enumerate(prompts)], return_exceptions=True)
+    return asyncio.run(main())
+
+
+def all_pages_free(eng):
+    return wait_for(lambda: eng.stats()["num_free_pages"] == eng.stats()["num_total_pages"]
+                    and eng.stats()["num_running"] == eng.stats()["num_waiting"] == 0)
+
+
+def fail_on_call(obj, name, when, exc):
+    """Patch obj.name to raise `exc` on its `when`-th call (1-based); the real one otherwise."""
+    real, calls = getattr(obj, name), [0]
+
+    def patched(*a, **k):
+        calls[0] += 1
+        if calls[0] == when:
+            raise exc
+        return real(*a, **k)
+    setattr(obj, name, patched)
+
+
+def test_step_failure_fails_its_requests_and_the_engine_carries_on(make_async, eu, reference_greedy):
+    eng = make_async()
+    fail_on_call(eng.engine.executor, "execute", 4, RuntimeError("triton kernel: out of resources"))
+    res = run_pair(eng, eu.random_prompts([10, 20], seed=44))
+    assert all(isinstance(r, RequestFailed) and "out of resources" in str(r) for r in res), res
+    assert eng.is_healthy() and all_pages_free(eng)
+    p = eu.random_prompts([12], seed=46)[0]
+    outs = asyncio.run(collect(eng, "after", prompt_token_ids=p, sampling_params=greedy(8)))
+    assert [t for o in outs for t in o.new_token_ids] == reference_greedy(p, 8)
+
+
+def test_one_requests_failure_leaves_the_others(make_async, eu, reference_greedy):
     eng = make_async()
     inner = eng.engine
-    real_step, calls = inner.step, [0]
+    real_append, real_add = inner._append, inner.add_prepared
 
-    def flaky_step():
+    def append(seq, *sampled):  # request r1's text state breaks at its third token
+        if seq.request_id == "r1" and seq.num_output_tokens == 2:
+            raise KeyError("detokenizer state")
+        return real_append(seq, *sampled)
+
+    def add(rid, req):
+        if rid == "r2":
+            raise OverflowError("cannot add this one")
+        return real_add(rid, req)
+    inner._append, inner.add_prepared = append, add
+    prompts = eu.random_prompts([10, 20, 30], seed=47)
+    res = run_pair(eng, prompts, n=12)
+    assert [t for o in res[0] for t in o.new_token_ids] == reference_greedy(prompts[0], 12)
+    assert isinstance(res[1], RequestFailed) and "detokenizer state" in str(res[1])
+    assert isinstance(res[2], RequestFailed) and "cannot add this one" in str(res[2])
+    assert eng.is_healthy() and all_pages_free(eng)
+
+
+def test_unattributed_failure_fails_what_is_in_flight_and_recovers(make_async, eu):
+    eng = make_async()
+    fail_on_call(eng.engine.scheduler, "schedule", 5, RuntimeError("scheduler bug"))
+    res = run_pair(eng, eu.random_prompts([10, 20], seed=48))
+    assert all(isinstance(r, RequestFailed) and "scheduler bug" in str(r) for r in res), res
+    assert eng.is_healthy() and eng.num_recovered_failures == 1 and all_pages_free(eng)
+    outs = asyncio.run(collect(eng, "after", prompt_token_ids=[1, 2, 3], sampling_params=greedy(4)))
+    assert outs[-1].finish_reason == "length"
+
+
+def test_leaked_page_after_a_failure_kills_the_engine(make_async, eu):
+    eng = make_async()
+    bm, real = eng.engine.block_manager, eng.engine.scheduler.schedule
+    calls = [0]
+
+    def leaky():
         calls[0] += 1
-        if calls[0] == 4:
-            raise RuntimeError("boom")
-        return real_step()
+        if calls[0] == 3:
+            bm._take_free()  # a page nobody owns any more: the pool is not whole
+            raise RuntimeError("half-done step")
+        return real()
+    eng.engine.scheduler.schedule = leaky
+    res = run_pair(eng, eu.random_prompts([10, 20], seed=49))
+    assert all(isinstance(r, (RequestFailed, EngineDeadError)) for r in res), res
+    assert wait_for(lambda: not eng.is_healthy()) and "half-done step" in eng.dead_reason
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(eng, "late", prompt_token_ids=[1, 2]))
 
-    inner.step = flaky_step
-    prompts = eu.random_prompts([10, 20], seed=44)
+
+def test_device_fault_kills_engine(make_async, eu):
+    eng = make_async()
+    fault = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    assert is_device_fault(fault) and is_device_fault(RuntimeError("CUDA error: unspecified launch failure"))
+    assert not is_device_fault(torch.OutOfMemoryError("CUDA out of memory")) and not is_device_fault(KeyError("x"))
+    fail_on_call(eng.engine.executor, "execute", 4, fault)
+    res = run_pair(eng, eu.random_prompts([10, 20], seed=44))
+    assert all(isinstance(r, EngineDeadError) and "illegal memory access" in str(r) for r in res)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(eng, "late", prompt_token_ids=[1, 2]))
+    assert not eng.is_healthy() and "illegal memory access" in eng.dead_reason
+    assert wait_for(lambda: not eng.is_running)
+
+
+def test_out_of_range_options_never_reach_the_step(make_async):
+    eng = make_async()
+    for kw in (dict(seed=2**64), dict(seed=-1), dict(top_k=2**63), dict(stop_token_ids=[1.5]), dict(stop=[None]),
+               dict(max_tokens=2**40), dict(min_tokens=-1), dict(logprobs=21)):
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams(**kw)
+        assert e.value.field == next(iter(kw))
+    sp = SamplingParams(temperature=1.0, max_tokens=4)
+    sp.seed = 2**64  # changed after construction: the engine validates again
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(collect(eng, "s", prompt_token_ids=[1, 2], sampling_params=sp))
+    assert e.value.field == "seed"
+    with pytest.raises(InvalidRequest) as e:  # a stop id outside the vocabulary
+        asyncio.run(collect(eng, "s", prompt_token_ids=[1, 2], sampling_params=SamplingParams(stop_token_ids=[10**6])))
+    assert e.value.field == "stop_token_ids"
+
+    async def sample(seed):
+        sp = SamplingParams(temperature=1.0, max_tokens=8, seed=seed, ignore_eos=True)
+        return [t for o in await collect(eng, f"seed-{seed}", prompt_token_ids=[5, 6, 7], sampling_params=sp)
+                for t in o.new_token_ids]
+    runs = {seed: asyncio.run(sample(seed)) for seed in (2**62, 2**62 + 1, 2**64 - 1)}
+    assert asyncio.run(sample(2**64 - 1)) == runs[2**64 - 1]  # exact and reproducible
+    assert len({tuple(v) for v in runs.values()}) == 3 and eng.is_healthy()
+
+
+def test_chat_template_renders_off_the_loop_under_a_time_bound(make_async, monkeypatch):
+    monkeypatch.setenv("M3SERVE_CHAT_TEMPLATE_TIMEOUT", "2")
+    eng = make_async()
+    forever = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
 
     async def main():
-        res = await asyncio.gather(*[collect(eng, f"r{i}", prompt_token_ids=q, sampling_params=greedy(50))
-                                     for i, q in enumerate(prompts)], return_exceptions=True)
-        with pytest.raises(EngineDeadError):
-            await collect(eng, "late", prompt_token_ids=[1, 2])
-        return res
+        await collect(eng, "warm", prompt=messages, sampling_params=greedy(1))
+        t0 = time.monotonic()
+        slow = asyncio.ensure_future(collect(eng, "slow", prompt=messages,
+                                             chat_template_kwargs={"chat_template": forever}))
+        await asyncio.sleep(0.05)
+        prepared = await eng.prepare(prompt=messages, sampling_params=greedy(4))  # rendered beside the runaway
+        t_render = time.monotonic() - t0
+        outs = await collect(eng, "fast", prompt=messages, sampling_params=greedy(4))
+        with pytest.raises(InvalidRequest) as e:
+            await slow
+        return outs, prepared, t_render, time.monotonic() - t0, e.value
 
-    res = asyncio.run(main())
-    assert all(isinstance(r, EngineDeadError) and "boom" in str(r) for r in res)
-    assert not eng.is_healthy()
-    assert wait_for(lambda: not eng.is_running)
+    outs, prepared, t_render, t_slow, err = asyncio.run(main())
+    assert outs[-1].finish_reason == "length" and outs[0].prompt_token_ids  # rendered by the model's template
+    assert prepared.prompt_token_ids == outs[0].prompt_token_ids
+    # the other request's template rendered while the runaway ran (not queued behind it: that would take the
+    # whole bound); the runaway failed at its bound
+    assert t_render < 1.5 and 2.0 < t_slow < 6.0, (t_render, t_slow)
+    assert err.field == "prompt" and "within 2 s" in str(err)
+    with pytest.raises(InvalidRequest) as e:  # a keyword the renderer cannot take
+        asyncio.run(collect(eng, "kw", prompt=messages, chat_template_kwargs={"tokenize": False}))
+    assert e.value.field == "chat_template_kwargs"
+    assert eng.is_healthy()
 
 
 def test_shutdown_fails_pending_and_joins(make_async, eu):
