@@ -286,7 +286,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     attention_config: dict[str, Any] = field(default_factory=dict)  # {"indexer_kv_dtype": ...}
-    speculative_config: dict[str, Any] | None = None
+    speculative_config: dict[str, Any] | None = None  # DSpark: engine/spec/config.py
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps launch their kernels one by one)
     num_gpu_blocks_override: int | None = None  # fixes the page-pool size (tests, CPU)
@@ -317,8 +317,15 @@ class EngineConfig:
             problems.append("attention_config.indexer_decode_cp: decode context parallelism is not supported yet")
         if self.tensor_parallel_size != 1:
             problems.append(f"tensor_parallel_size: {self.tensor_parallel_size} is not supported yet (only 1)")
-        if self.speculative_config:
-            problems.append("speculative_config: speculative decoding (DSpark) is not supported yet")
+        if self.speculative_config is not None:
+            from m3serve.engine.spec.config import SpeculativeConfig
+
+            spec_problems = SpeculativeConfig.problems(self.speculative_config)
+            problems += spec_problems
+            k = self.speculative_config.get("num_speculative_tokens") if not spec_problems else None
+            if k is not None and self.max_num_batched_tokens < k + 1:
+                problems.append(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold one speculative "
+                                f"step (num_speculative_tokens + 1 = {k + 1})")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -344,3 +351,12 @@ class EngineConfig:
     @property
     def indexer_kv_dtype(self) -> str:
         return self.attention_config.get("indexer_kv_dtype", "auto")
+
+    @property
+    def speculative(self):
+        """The parsed `speculative_config` (engine/spec/config.py `SpeculativeConfig`), or None."""
+        if self.speculative_config is None:
+            return None
+        from m3serve.engine.spec.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(self.speculative_config)

@@ -34,6 +34,7 @@ class ModelRunner:
         self.backend = backend if backend is not None else select_attention_backend(model, cache, self.device)
         self.sampler = Sampler()
         self.graphs = None  # a CudaGraphRunner once `capture_graphs` ran
+        self.spec = None  # a SpeculativeDecoder (executor/spec_decode.py) runs every step when set
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode graphs (CUDA only); decode steps replay them from then on."""
@@ -53,6 +54,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput | None:
         """Run one step; the sampled tokens (on the device), or None when the step samples nothing."""
+        if self.spec is not None:
+            return self.spec.execute(step)
         if self.graphs is not None and self.graphs.supports(step):
             return self.graphs.execute(step)
         step = step.to(self.device, non_blocking=True)

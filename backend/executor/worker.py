@@ -47,25 +47,36 @@ class Worker:
         self.index_dtype = self.kv_dtype if idx == "auto" else normalize_kv_dtype(idx, dtype_name)
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
+        self.drafter = None  # the DSpark draft and its speculative step (executor/spec_decode.py)
+        if config.speculative_config is not None:
+            from m3serve.executor.spec_decode import SpeculativeDecoder
+            self.drafter = SpeculativeDecoder(config.speculative, config.model, model)
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+        """Decode graphs: CUDA, not enforce_eager, no speculative decoding (its steps are multi-token, eager)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.drafter is None
 
     def determine_num_pages(self, max_model_len: int) -> int:
         c, m = self.config, self.model_config
         reserve = graph_reserve_bytes(c.max_num_seqs, m.hidden_size, m.vocab_size) if self.use_cuda_graphs else 0
+        draft_page = 0
+        if self.drafter is not None:
+            reserve += self.drafter.reserve_bytes(c.max_num_seqs)
+            draft_page = self.drafter.page_bytes(m.index_block_size)
         return determine_num_pages(
             m, self.kv_dtype, self.index_dtype, self.device,
             gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks_override=c.num_gpu_blocks_override,
             max_model_len=max_model_len, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            reserved_bytes=reserve)
+            reserved_bytes=reserve, extra_page_bytes=draft_page)
 
     def init_cache(self, num_pages: int, max_model_len: int) -> None:
         """The page pool, the model runner and (CUDA, unless enforce_eager) its decode graphs."""
         kv_scales = getattr(self.load_report, "kv_scales", None) or {}
         self.cache = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales)
         self.runner = ModelRunner(self.model, self.cache, self.device)
+        if self.drafter is not None:
+            self.drafter.attach(self.runner, num_pages)
         if self.use_cuda_graphs:
             self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)
 

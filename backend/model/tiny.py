@@ -70,8 +70,9 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str = "bfloat16",
-              dspark: bool = False) -> ModelConfig:
-    """The tiny model in `out_dir`; with `dspark`, also its tiny DSpark draft in `out_dir/dspark`."""
+              dspark: bool = True) -> ModelConfig:
+    """The tiny model in `out_dir` and (unless `dspark` is False) its tiny DSpark draft in `out_dir/dspark`, which
+    `speculative_config` {"method": "dspark", ...} finds by default."""
     from m3serve.text.tiny_tokenizer import build_tiny_tokenizer
 
     os.makedirs(out_dir, exist_ok=True)

@@ -85,8 +85,8 @@ def test_capacity_bytes_per_token():
 def test_engine_config_names_unsupported_options():
     with pytest.raises(ConfigError) as e:
         EngineConfig(model="x", tensor_parallel_size=4,
-                     speculative_config={"method": "dspark", "num_speculative_tokens": 7}).validate()
-    assert "tensor_parallel_size" in str(e.value) and "speculative_config" in str(e.value)
+                     speculative_config={"method": "dspark", "num_speculative_tokens": 0}).validate()
+    assert "tensor_parallel_size" in str(e.value) and "speculative_config.num_speculative_tokens" in str(e.value)
     with pytest.raises(ConfigError, match="unknown engine option"):
         EngineConfig.from_dict({"model": "x", "max_num_seq": 3})
 
