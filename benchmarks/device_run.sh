@@ -2,7 +2,8 @@
 # One device call on a GPU machine that has torch + triton but not this package installed (the lent H200):
 # lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
-# benchmarks/bench_qkv.py $QKV_ARGS. Logs and JSON go to $OUT (or ./device_out).
+# benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_spec.py $SPEC_ARGS ("spec", not in the default).
+# Logs and JSON go to $OUT (or ./device_out).
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_msa.log" | grep -v "^decode \|^prefill {\|^insert {" ;;
     qkv) timeout "${QKV_TIMEOUT:-200}" python3 benchmarks/bench_qkv.py --out "$OUT/bench_qkv.json" ${QKV_ARGS:-} 2>&1 \
            | tee "$OUT/bench_qkv.log" | tail -30 ;;
+    spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" ${SPEC_ARGS:-} 2>&1 \
+            | tee "$OUT/bench_spec.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done
