@@ -409,3 +409,35 @@ def test_model_json_and_cli_take_the_launch_line(tiny_model_dir, tmp_path):
               "--dtype", "float32", "--ignore-eos", "--max-model-len", "64"]
     assert main(common + ["--speculative-config", json.dumps(spec(7, kv_cache_dtype="fp8"))]) == 0
     assert main(common + ["--speculative-config", '{"method": "dspark"}']) == 2
+
+
+def test_triton_metrics_export_the_spec_counters():
+    """backend/triton/metrics.py reads stats(): the vLLM spec-decode counters grow by the stats' deltas."""
+    from types import SimpleNamespace
+
+    from m3serve.triton.metrics import Metrics
+
+    class Family:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+        all = {}
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' spelling
+            m = SimpleNamespace(value=0.0)
+            m.increment = lambda v, m=m: setattr(m, "value", m.value + v)
+            m.set = lambda v, m=m: setattr(m, "value", v)
+            m.observe = lambda v: None
+            Family.all[self.name] = m
+            return m
+
+    metrics = Metrics(SimpleNamespace(MetricFamily=Family), {"model": "m3"}, 512)
+    stats = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 9,
+             "spec_decode_acceptance_rate": 0.75}
+    metrics.engine_stats(stats, 0)
+    metrics.engine_stats({**stats, "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 20}, 0)
+    m = {k: v.value for k, v in Family.all.items()}
+    assert (m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"],
+            m["vllm:spec_decode_num_accepted_tokens_total"]) == (5, 20, 9)
+    assert m["vllm:spec_decode_draft_acceptance_rate"] == 0.75
