@@ -146,8 +146,8 @@ demo() {
   setup
   tiny
   "$VENV/bin/m3serve" generate --model "$TINY" --prompt-ids 5,7,9 --prompt-ids 11,12 \
-    --max-tokens 16 --temperature 0 --device cpu --dtype float32 \
-    --speculative-config '{"method": "dspark", "num_speculative_tokens": 7, "draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}'
+    --max-tokens 16 --temperature 0 --device cpu --dtype float32 --speculative-config \
+    '{"method": "dspark", "num_speculative_tokens": 7, "draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}'
   local grpc http metrics logf pid
   grpc="$(free_port)"; http="$(free_port)"; metrics="$(free_port)"
   logf="$ROOT/.cache/demo-server.log"

@@ -317,7 +317,7 @@ class EngineConfig:
             problems.append("attention_config.indexer_decode_cp: decode context parallelism is not supported yet")
         if self.tensor_parallel_size != 1:
             problems.append(f"tensor_parallel_size: {self.tensor_parallel_size} is not supported yet (only 1)")
-        if self.speculative_config is not None:
+        if self.speculative_config:  # None or {}: off
             from m3serve.engine.spec.config import SpeculativeConfig
 
             spec_problems = SpeculativeConfig.problems(self.speculative_config)
@@ -354,8 +354,8 @@ class EngineConfig:
 
     @property
     def speculative(self):
-        """The parsed `speculative_config` (engine/spec/config.py `SpeculativeConfig`), or None."""
-        if self.speculative_config is None:
+        """The parsed `speculative_config` (engine/spec/config.py `SpeculativeConfig`), or None (off)."""
+        if not self.speculative_config:
             return None
         from m3serve.engine.spec.config import SpeculativeConfig
 

@@ -21,8 +21,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_msa.log" | grep -v "^decode \|^prefill {\|^insert {" ;;
     qkv) timeout "${QKV_TIMEOUT:-200}" python3 benchmarks/bench_qkv.py --out "$OUT/bench_qkv.json" ${QKV_ARGS:-} 2>&1 \
            | tee "$OUT/bench_qkv.log" | tail -30 ;;
-    spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" ${SPEC_ARGS:-} 2>&1 \
-            | tee "$OUT/bench_spec.log" | tail -30 ;;
+    spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \
+            ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done

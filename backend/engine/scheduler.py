@@ -157,8 +157,8 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._arrival)
             if n:  # 0: a resumed sequence whose cached prefix left only its last token (next step's decode)
                 take(seq, n)
-        self.num_chunked_prefills += sum(
-            1 for s, n, k in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens) if not k and n < self._prefill_todo(s))
+        self.num_chunked_prefills += sum(1 for s, n, k in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens)
+                                         if not k and n < self._prefill_todo(s))
         if num_decodes and len(out.seqs) > num_decodes:
             self.num_mixed_steps += 1
         self.max_running = max(self.max_running, len(self.running))
@@ -168,9 +168,9 @@ class Scheduler:
         """After the forward, with the step's new tokens appended to the sequences: the scheduled tokens are in the
         cache, less the `num_rejected` rejected drafts per sequence (their rows are garbage, overwritten later);
         register full blocks, return lookahead pages left empty."""
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            rejected = num_rejected[i] if num_rejected else 0
-            seq.num_computed_tokens += n - rejected
+        drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
+        for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
+            seq.num_computed_tokens += n - (num_rejected[i] if num_rejected else 0)
             self.bm.mark_computed(seq)
-            if batch.num_draft_tokens[i]:
+            if k:
                 self.bm.trim(seq)

@@ -178,8 +178,8 @@ class SpeculativeDecoder:
         """Every sampling row's tokens ([N, K+1], -1 padded): plain rows sampled, speculating rows verified."""
         r, s, sp = self.runner, step.sampling, step.spec
         n, width, n_top, dev = s.num_rows, sp.num_speculative_tokens + 1, s.max_num_logprobs, hidden.device
-        out = SamplerOutput(torch.full((n, width), -1, dtype=torch.int64, device=dev), torch.zeros(n, width, device=dev),
-                            num_tokens=torch.ones(n, dtype=torch.int64, device=dev),
+        out = SamplerOutput(torch.full((n, width), -1, dtype=torch.int64, device=dev),
+                            torch.zeros(n, width, device=dev), num_tokens=torch.ones(n, dtype=torch.int64, device=dev),
                             num_draft_tokens=torch.zeros(n, dtype=torch.int64, device=dev))
         if n_top > 0:
             out.top_token_ids = torch.zeros(n, width, n_top, dtype=torch.int64, device=dev)

@@ -48,9 +48,10 @@ class Worker:
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
         self.drafter = None  # the DSpark draft and its speculative step (executor/spec_decode.py)
-        if config.speculative_config is not None:
+        spec = config.speculative
+        if spec is not None:
             from m3serve.executor.spec_decode import SpeculativeDecoder
-            self.drafter = SpeculativeDecoder(config.speculative, config.model, model)
+            self.drafter = SpeculativeDecoder(spec, config.model, model)
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -382,6 +382,9 @@ def test_speculative_config_validation():
             EngineConfig(model="x", speculative_config=raw).validate()
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         EngineConfig(model="x", max_num_batched_tokens=4, speculative_config=spec(7)).validate()
+    off = EngineConfig(model="x", speculative_config={})
+    off.validate()
+    assert off.speculative is None
 
 
 def test_draft_loading_errors_name_the_option(make_engine, tmp_path):

@@ -31,7 +31,8 @@ def draft_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     """The storage name of a speculative config's `kv_cache_dtype` ("auto" = the draft's dtype, "fp8_e4m3")."""
     if kv_cache_dtype in DRAFT_KV_DTYPES:
         return kv_cache_dtype
-    return normalize_kv_dtype(kv_cache_dtype, {torch.float32: "float32", torch.float16: "float16"}.get(dtype, "bfloat16"))
+    model_dtype = {torch.float32: "float32", torch.float16: "float16"}.get(dtype, "bfloat16")
+    return normalize_kv_dtype(kv_cache_dtype, model_dtype)
 
 
 class DraftKVCache:
