@@ -92,6 +92,36 @@ def run(eng, arrivals=None, every=1, on_step=None):
     return res
 
 
+# ---- rollback in the block manager -----------------------------------------------------------------------------
+def test_rollback_returns_lookahead_pages_and_hashes_only_accepted_blocks():
+    """Pages of 4 tokens: a 6-token prompt, then a speculative step with 6 drafts (positions 6..12, pages for 13
+    tokens); 1 draft accepted + the correction token: the cache holds positions 0..7, the page past the new tokens
+    goes back to the free list's head, and only the full blocks of accepted tokens are hashed."""
+    from m3serve.engine.block_manager import BlockManager, chain_hash
+    from m3serve.engine.scheduler import Scheduler
+    from m3serve.engine.sequence import Sequence
+
+    bm = BlockManager(8, 4)
+    sch = Scheduler(bm, 4, 64, num_lookahead=lambda seq: 6)
+    seq = Sequence("a", 0, [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=20), 20)
+    sch.add(seq)
+    batch = sch.schedule()
+    seq.token_ids.append(7)  # the prefill's sample
+    sch.update(batch)
+    assert seq.num_computed_tokens == 6 and len(bm.cached) == 1
+    batch = sch.schedule()
+    assert (batch.num_new_tokens, batch.num_draft_tokens, len(seq.pages)) == ([7], [6], 4)
+    assert bm.num_free_pages == 4
+    lookahead_page = seq.pages[3]
+    seq.token_ids += [8, 9]  # draft 8 accepted, 9 the correction; drafts at positions 8..12 rejected
+    sch.update(batch, [5])
+    assert seq.num_computed_tokens == 8 and seq.num_uncomputed_tokens == 1
+    assert len(seq.pages) == 3 and bm.num_free_pages == 5 and next(iter(bm.free_ids)) == lookahead_page
+    h0 = chain_hash(None, (1, 2, 3, 4))
+    assert seq.block_hashes == [h0, chain_hash(h0, (5, 6, 7, 8))] and len(bm.cached) == 2
+    assert bm.pages[seq.pages[2]].hash is None  # block 2 holds the uncomputed 9 and rejected rows
+
+
 # ---- greedy: identical tokens ----------------------------------------------------------------------------------
 def test_greedy_equals_plain_decoding_with_chunks_preemption_and_prefix_hits(make_engine, reference_greedy,
                                                                              tiny_loaded, eu):
@@ -225,13 +255,13 @@ def first_tokens(model, n):
 
 @pytest.mark.parametrize("rule", ["standard", "block", "broken"])
 def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loaded, reference_greedy, monkeypatch):
-    """400 seeds of one prompt at temperature 0.8 / top-k 3, K = 2 probabilistic drafts, each replaced by the
+    """300 seeds of one prompt at temperature 0.8 / top-k 3, K = 2 probabilistic drafts, each replaced by the
     target's greedy choice after the seed's first token with probability 0.6: the first three output tokens (the
     prefill's sample, then the first speculative step's run) against the target's exact joint by chi-square; a
     residual that ignores Q fails the same check."""
     if rule == "broken":
         monkeypatch.setattr(spec_decode, "verify", residual_ignores_q)
-    model, n = tiny_loaded[0], 400
+    model, n = tiny_loaded[0], 300
     joint = exact_first_three(model)
     known = {s: PROMPT + [t] + reference_greedy(PROMPT + [t], 3) for s, t in enumerate(first_tokens(model, n))}
     eng = make_engine(max_num_seqs=n, max_num_batched_tokens=8 * n, speculative_config=spec(
