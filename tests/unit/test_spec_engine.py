@@ -56,7 +56,7 @@ def check_draft_cache(eng, model):
     """Every computed position of every running sequence has its draft-cache row, equal to the row made from the
     target's tapped features of a standalone forward (rebuilt after recompute, shared through prefix hits)."""
     drafter = eng.executor.worker.drafter
-    checked = 0
+    checked = []
     for seq in eng.scheduler.running:
         c = seq.num_computed_tokens
         if c == 0:
@@ -69,7 +69,7 @@ def check_draft_cache(eng, model):
             ck, cv = drafter.cache.gather(layer, table)
             assert torch.allclose(ck[0, :c], k, atol=2e-3, rtol=1e-3), (seq, layer)
             assert torch.allclose(cv[0, :c], v, atol=2e-3, rtol=1e-3), (seq, layer)
-        checked += 1
+        checked.append((seq.request_id, seq.num_preemptions))
     return checked
 
 
@@ -138,8 +138,8 @@ def test_greedy_equals_plain_decoding_with_chunks_preemption_and_prefix_hits(mak
 
     def on_step(step):
         check_step_invariants(eng, eu)
-        if step % 6 == 0:
-            checked.append(check_draft_cache(eng, tiny_loaded[0]))
+        if step % 3 == 0:
+            checked.extend(check_draft_cache(eng, tiny_loaded[0]))
 
     res = run(eng, arrivals, every=2, on_step=on_step)
     for i, (p, n) in enumerate(zip(prompts, gens)):
@@ -151,7 +151,7 @@ def test_greedy_equals_plain_decoding_with_chunks_preemption_and_prefix_hits(mak
     assert st["num_chunked_prefills"] > 0 and st["num_mixed_steps"] > 0
     assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
     assert any(len(o.new_token_ids) > 1 for _, _, outs in res.values() for o in outs)  # accepted runs streamed
-    assert sum(checked) >= 5
+    assert len(checked) >= 10 and any(n for _, n in checked)  # checked after a recompute rebuilt the rows
     assert st["num_free_pages"] == st["num_total_pages"]
 
 
