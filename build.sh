@@ -89,7 +89,7 @@ server_env() {
 }
 
 tiny() {
-  if [ ! -f "$TINY/config.json" ]; then
+  if [ ! -f "$TINY/config.json" ] || [ ! -f "$TINY/dspark/config.json" ]; then  # the model and its DSpark draft
     log "generating the tiny model at $TINY"
     "$PYBIN" -m m3serve.cli make-tiny --out "$TINY"
   fi
@@ -154,7 +154,8 @@ demo() {
   setup
   tiny
   "$VENV/bin/m3serve" generate --model "$TINY" --prompt-ids 5,7,9 --prompt-ids 11,12 \
-    --max-tokens 16 --temperature 0 --device cpu --dtype float32
+    --max-tokens 16 --temperature 0 --device cpu --dtype float32 --speculative-config \
+    '{"method": "dspark", "num_speculative_tokens": 7, "draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}'
   local grpc http metrics logf pid
   grpc="$(free_port)"; http="$(free_port)"; metrics="$(free_port)"
   logf="$ROOT/.cache/demo-server.log"

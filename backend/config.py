@@ -287,7 +287,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # > 1: rank 0 in the engine process, a worker process per other rank
     enable_expert_parallel: bool = False  # routed experts: E/N whole experts per rank instead of each one split
     attention_config: dict[str, Any] = field(default_factory=dict)  # {"indexer_kv_dtype": ...}
-    speculative_config: dict[str, Any] | None = None
+    speculative_config: dict[str, Any] | None = None  # DSpark: engine/spec/config.py
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps launch their kernels one by one)
     num_gpu_blocks_override: int | None = None  # fixes the page-pool size (tests, CPU)
@@ -324,8 +324,18 @@ class EngineConfig:
                             "(rank r runs on cuda:r; pick the GPUs with CUDA_VISIBLE_DEVICES)")
         if not isinstance(self.enable_expert_parallel, bool):
             problems.append(f"enable_expert_parallel: must be true or false, got {self.enable_expert_parallel!r}")
-        if self.speculative_config:
-            problems.append("speculative_config: speculative decoding (DSpark) is not supported yet")
+        if self.speculative_config:  # None or {}: off
+            from m3serve.engine.spec.config import SpeculativeConfig
+
+            spec_problems = SpeculativeConfig.problems(self.speculative_config)
+            problems += spec_problems
+            k = self.speculative_config.get("num_speculative_tokens") if not spec_problems else None
+            if k is not None and self.max_num_batched_tokens < k + 1:
+                problems.append(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold one speculative "
+                                f"step (num_speculative_tokens + 1 = {k + 1})")
+            if isinstance(tp, int) and tp > 1:
+                problems.append("speculative_config: speculative decoding with tensor_parallel_size > 1 is not "
+                                "supported yet (the draft runs on rank 0's device only)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -351,3 +361,12 @@ class EngineConfig:
     @property
     def indexer_kv_dtype(self) -> str:
         return self.attention_config.get("indexer_kv_dtype", "auto")
+
+    @property
+    def speculative(self):
+        """The parsed `speculative_config` (engine/spec/config.py `SpeculativeConfig`), or None (off)."""
+        if not self.speculative_config:
+            return None
+        from m3serve.engine.spec.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(self.speculative_config)

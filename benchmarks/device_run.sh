@@ -3,8 +3,9 @@
 # lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
 # benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
-# $ENGINE_ARGS ("engine"), and on a multi-GPU kind "tp": benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL,
-# all-reduce cost). Logs and JSON go to $OUT (or ./device_out).
+# $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), and on a multi-GPU kind "tp":
+# benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost). Logs and JSON go to $OUT (or
+# ./device_out).
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_moe.log" | grep -v '^{' ;;
     engine) timeout "${ENGINE_TIMEOUT:-400}" python3 benchmarks/bench_engine.py --out "$OUT" ${ENGINE_ARGS:-} 2>&1 \
            | tee "$OUT/bench_engine.log" | grep -v "^  " ;;
+    spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \
+            ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log" | tail -30 ;;
     tp) timeout "${TP_TIMEOUT:-500}" python3 benchmarks/bench_tp.py --out "$OUT/bench_tp.json" ${TP_ARGS:-} 2>&1 \
           | tee "$OUT/bench_tp.log" | grep "^|" ;;
     *) echo "unknown step $step" ;;

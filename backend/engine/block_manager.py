@@ -99,25 +99,38 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.prefix_hit_tokens += seq.num_cached_tokens
 
-    def can_append_slot(self, seq: Sequence) -> bool:
-        return self._pages_needed(seq.num_tokens) - len(seq.pages) <= self.num_free_pages
+    def can_append_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+        return self._pages_needed(seq.num_tokens + lookahead) - len(seq.pages) <= self.num_free_pages
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Make sure every token of `seq` (the newest included) has a slot."""
-        for _ in range(self._pages_needed(seq.num_tokens) - len(seq.pages)):
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Make sure every token of `seq` (the newest included) has a slot, and `lookahead` positions past it
+        (a speculative step's drafted tokens)."""
+        for _ in range(self._pages_needed(seq.num_tokens + lookahead) - len(seq.pages)):
             seq.pages.append(self._take_free())
+
+    def _release(self, pid: int) -> None:
+        page = self.pages[pid]
+        page.ref_count -= 1
+        assert page.ref_count >= 0, f"page {pid} freed twice"
+        if page.ref_count == 0:
+            self.free_ids[pid] = None
+            if page.hash is None:
+                self.free_ids.move_to_end(pid, last=False)
 
     def free(self, seq: Sequence) -> None:
         for pid in reversed(seq.pages):  # tail blocks first: they are evicted before the prefix
-            page = self.pages[pid]
-            page.ref_count -= 1
-            assert page.ref_count >= 0, f"page {pid} freed twice"
-            if page.ref_count == 0:
-                self.free_ids[pid] = None
-                if page.hash is None:
-                    self.free_ids.move_to_end(pid, last=False)
+            self._release(pid)
         seq.pages, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the pages past the sequence's tokens (lookahead pages of rejected drafts). They were taken for
+        this sequence alone and never hashed (only blocks of accepted, computed tokens are)."""
+        keep = self._pages_needed(seq.num_tokens)
+        for pid in reversed(seq.pages[keep:]):
+            assert self.pages[pid].ref_count == 1 and self.pages[pid].hash is None, f"page {pid} is shared"
+            self._release(pid)
+        del seq.pages[keep:]
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full and computed in the prefix cache."""

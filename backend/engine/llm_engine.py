@@ -1,7 +1,9 @@
 """`LLMEngine`: requests in, `RequestOutput` deltas out, one `step()` at a time (single-threaded;
 `AsyncLLMEngine` drives it from its own thread). It owns everything that is a Python object (scheduler,
 sequences, detokenizers); the model, the page pool and the sampler live behind the `Executor`, which gets one
-typed `StepInput` per step and returns the sampled token ids.
+typed `StepInput` per step and returns the sampled token ids. With speculative decoding (`speculative_config`,
+engine/spec/) a step may return several tokens per sequence: they are appended one by one, a stop token, stop
+string or max_tokens ending the sequence at that token, and streamed as one output.
 
     engine = LLMEngine(EngineConfig(model=DIR, ...))
     engine.add_request("r1", prompt_token_ids=[...], sampling_params=SamplingParams(...))
@@ -25,6 +27,8 @@ from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
+from m3serve.engine.spec.metrics import SpecDecodeStats
+from m3serve.engine.spec.scheduling import num_draft_tokens
 from m3serve.engine.step import SamplerOutput
 from m3serve.engine.step_builder import StepBuilder
 from m3serve.executor.executor import create_executor
@@ -66,9 +70,13 @@ class LLMEngine:
         num_pages = self.executor.num_pages
         self.block_manager = BlockManager(num_pages, mcfg.index_block_size, config.enable_prefix_caching,
                                           watermark_pages=num_pages // 100)
+        spec = config.speculative
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_stats = SpecDecodeStats(k) if spec is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
-        self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids, self.executor.pin_memory)
+                                   config.enable_chunked_prefill,
+                                   num_lookahead=(lambda seq: num_draft_tokens(seq, k)) if k else None)
+        self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids, self.executor.pin_memory, k)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
@@ -166,7 +174,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a waiting or running request (its pages are freed now); its final output, or None."""
         seq = self.scheduler.abort(request_id)
-        return None if seq is None else self._output(seq, [], "", "", None)
+        return None if seq is None else self._output(seq, [], "", "", [])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -184,17 +192,35 @@ class LLMEngine:
                 raise  # a device fault, or a worker (tensor parallel) gone: the engine is dead
             log.exception("engine step failed: failing its %d requests", len(batch.seqs))
             return [self._fail(seq, e) for seq in batch.seqs]
-        self.scheduler.update(batch)
-        self.num_steps += 1
-        outputs = []
-        for seq, row in zip(seqs, self._rows(sampled, seqs)):
+        rows = self._rows(sampled, seqs)
+        appended: dict[int, tuple] = {}
+        failed: dict[int, Exception] = {}
+        for seq, row in zip(seqs, rows):
             try:
-                outputs.append(self._append(seq, *row))
+                appended[id(seq)] = self._append(seq, row)
             except Exception as e:  # this request's text state (detokenizer, stop strings, parser)
                 if not contained(e):
                     raise
                 log.exception("request %s failed", seq.request_id)
-                outputs.append(self._fail(seq, e))
+                failed[id(seq)] = e
+        rejected = None
+        if step.spec is not None:  # drafts past each accepted run are not in the cache
+            emitted = {id(seq): len(row) for seq, row in zip(seqs, rows)}
+            scheduled = {id(seq): k for seq, k in zip(batch.seqs, batch.num_draft_tokens)}
+            rejected = [k and k + 1 - emitted[id(seq)] for seq, k in zip(batch.seqs, batch.num_draft_tokens)]
+            self.spec_stats.observe([scheduled[id(seq)] > 0 for seq in seqs], sampled.num_draft_tokens.tolist(),
+                                    [len(row) for row in rows])
+        self.scheduler.update(batch, rejected)
+        self.num_steps += 1
+        outputs = []
+        for seq in seqs:
+            if id(seq) in failed:
+                outputs.append(self._fail(seq, failed[id(seq)]))
+                continue
+            new_ids, text, reasoning, tops, reason = appended[id(seq)]
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._output(seq, new_ids, text, reasoning, tops))
         return outputs
 
     def _executor_alive(self) -> bool:
@@ -213,49 +239,63 @@ class LLMEngine:
                             cumulative_logprob=seq.cumulative_logprob, error=describe(exc))
 
     @staticmethod
-    def _rows(out: SamplerOutput | None, seqs: list[Sequence]):
-        """(token id, its logprob, {token: logprob} of it and the top-n or None) per sampled sequence."""
+    def _rows(out: SamplerOutput | None, seqs: list[Sequence]) -> list[list[tuple]]:
+        """Per sampled sequence, the tokens it got this step (one, or a speculative step's accepted run and its
+        last token): [(token id, its logprob, {token: logprob} of it and the top-n or None), ...]."""
         if out is None:
             return []
-        toks, lps = out.token_ids.tolist(), out.logprobs.tolist()
-        top_ids = top_lps = None
-        if out.top_token_ids is not None:
-            top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
+        ids, lps, top_ids, top_lps = out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs
+        if ids.dim() == 1:
+            ids, lps = ids[:, None], lps[:, None]
+            if top_ids is not None:
+                top_ids, top_lps = top_ids[:, None], top_lps[:, None]
+        counts = [1] * len(seqs) if out.num_tokens is None else out.num_tokens.tolist()
+        ids, lps = ids.tolist(), lps.tolist()
+        if top_ids is not None:
+            top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
         rows = []
-        for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
-            n, top = seq.sampling_params.logprobs, None
-            if n is not None:
-                top = {tok: lp}
-                if n > 0:
-                    top.update(zip(top_ids[i][:n], top_lps[i][:n]))
-            rows.append((tok, lp, top))
+        for i, seq in enumerate(seqs):
+            n, row = seq.sampling_params.logprobs, []
+            for j in range(counts[i]):
+                tok, lp, top = ids[i][j], lps[i][j], None
+                if n is not None:
+                    top = {tok: lp}
+                    if n > 0:
+                        top.update(zip(top_ids[i][j][:n], top_lps[i][j][:n]))
+                row.append((tok, lp, top))
+            rows.append(row)
         return rows
 
-    def _append(self, seq: Sequence, tok: int, logprob: float, top_logprobs: dict | None) -> RequestOutput:
+    def _append(self, seq: Sequence, row: list[tuple]) -> tuple[list[int], str, str, list, str | None]:
+        """Append the step's tokens one at a time until one ends the sequence (stop token, max_tokens, stop
+        string: the rest of an accepted run is dropped). (new ids, text, reasoning, logprobs, finish reason)."""
         sp = seq.sampling_params
-        seq.token_ids.append(tok)
-        seq.cumulative_logprob += logprob
-        self.generation_tokens_total += 1
-        stop_token = tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids)
-        reason = "stop" if stop_token else "length" if seq.num_output_tokens >= seq.max_tokens else None
-        text = reasoning = ""
-        if seq.text is not None:
-            shown = [] if stop_token and not sp.include_stop_str_in_output else [tok]
-            text, reasoning = seq.text.feed(shown, seq.num_output_tokens, final=reason is not None)
-            if seq.text.stopped:
-                reason = "stop"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return self._output(seq, [tok], text, reasoning, top_logprobs)
+        new_ids, tops, text, reasoning, reason = [], [], "", "", None
+        for tok, logprob, top in row:
+            seq.token_ids.append(tok)
+            seq.cumulative_logprob += logprob
+            self.generation_tokens_total += 1
+            new_ids.append(tok), tops.append(top)
+            stop_token = tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids)
+            reason = "stop" if stop_token else "length" if seq.num_output_tokens >= seq.max_tokens else None
+            if seq.text is not None:
+                shown = [] if stop_token and not sp.include_stop_str_in_output else [tok]
+                t, r = seq.text.feed(shown, seq.num_output_tokens, final=reason is not None)
+                text, reasoning = text + t, reasoning + r
+                if seq.text.stopped:
+                    reason = "stop"
+            if reason is not None:
+                break
+        return new_ids, text, reasoning, tops, reason
 
-    def _output(self, seq: Sequence, new_ids, text, reasoning, top) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids, text, reasoning, tops: list) -> RequestOutput:
         first = not seq.first_output_sent
         seq.first_output_sent = True
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=list(new_ids), text=text, reasoning_text=reasoning,
             finished=seq.is_finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, cumulative_logprob=seq.cumulative_logprob,
-            logprobs=None if seq.sampling_params.logprobs is None else ([top] if new_ids else []),
+            logprobs=None if seq.sampling_params.logprobs is None else list(tops),
             prompt_token_ids=list(seq.prompt_token_ids) if first else [],
             num_cached_tokens=seq.num_cached_tokens)
 
@@ -279,4 +319,5 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps, "num_chunked_prefills": sch.num_chunked_prefills,
             "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,
+            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }

@@ -8,10 +8,18 @@ Per step, under `max_num_batched_tokens` tokens and `max_num_seqs` running seque
 3. waiting sequences are admitted strictly first-come-first-served (the head blocks those behind it,
    so nothing starves) while pages, sequence slots and tokens remain; none in a step that preempted.
 An admitted sequence gets pages for all its tokens at once, so a prefill never has to preempt.
+
+Speculative decoding (`num_lookahead`, engine/spec/scheduling.py): a decode that drafts k tokens takes 1 + k
+tokens of the budget (it waits for a later step when they do not fit) and slots for k positions past its last
+token (preempting as a plain decode does). After the step `update` counts only the anchor and the accepted drafts
+as computed and returns the lookahead pages left empty (`BlockManager.trim`). A preempted sequence is recomputed
+up to its last token only, which the next step feeds as a decode again (`resume_as_decode`): it speculates from
+the same anchor as it would have without the preemption, so it draws the same tokens.
 """
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from m3serve.engine.block_manager import BlockManager
@@ -22,6 +30,7 @@ from m3serve.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
+    num_draft_tokens: list[int] = field(default_factory=list)  # per sequence: drafts it verifies (0: none)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -34,10 +43,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, num_lookahead: Callable[[Sequence], int] | None = None):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_lookahead = num_lookahead  # decoding sequence -> drafts it verifies next (speculative decoding)
+        self.resume_as_decode = num_lookahead is not None
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.requests: dict[str, Sequence] = {}
@@ -82,9 +93,15 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=self._arrival)
 
+    def _prefill_todo(self, seq: Sequence) -> int:
+        """Tokens the sequence's prefill computes: all uncomputed ones, or all but the last for a recomputed
+        sequence under `resume_as_decode` (that one is fed by its next decode step)."""
+        return seq.num_uncomputed_tokens - (1 if self.resume_as_decode and seq.num_output_tokens else 0)
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_uncomputed_tokens, budget)
-        if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+        todo = self._prefill_todo(seq)
+        n = min(todo, budget)
+        if n < todo and not self.enable_chunked_prefill:
             return 0
         return n
 
@@ -93,27 +110,30 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        def take(seq: Sequence, n: int) -> None:
+        def take(seq: Sequence, n: int, drafts: int = 0) -> None:
             nonlocal budget
-            out.seqs.append(seq), out.num_new_tokens.append(n)
+            out.seqs.append(seq), out.num_new_tokens.append(n), out.num_draft_tokens.append(drafts)
             scheduled.add(id(seq))
             budget -= n
 
-        # 1. decodes
+        # 1. decodes (speculative ones with their drafts)
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            while not self.bm.can_append_slot(seq):
+            k = self.num_lookahead(seq) if self.num_lookahead is not None else 0
+            if 1 + k > budget:
+                continue  # its drafts never shrink to fit (see the module docstring): a later step runs it
+            while not self.bm.can_append_slot(seq, k):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status == SequenceStatus.RUNNING:
-                self.bm.append_slot(seq)
-                take(seq, 1)
+                self.bm.append_slot(seq, k)
+                take(seq, 1 + k, k)
         num_decodes = len(out.seqs)
         # 2. prefills in progress
         for seq in self.running:
@@ -135,16 +155,22 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._arrival)
-            take(seq, n)
-        self.num_chunked_prefills += sum(
-            1 for s, n in zip(out.seqs, out.num_new_tokens) if n < s.num_uncomputed_tokens)
+            if n:  # 0: a resumed sequence whose cached prefix left only its last token (next step's decode)
+                take(seq, n)
+        self.num_chunked_prefills += sum(1 for s, n, k in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens)
+                                         if not k and n < self._prefill_todo(s))
         if num_decodes and len(out.seqs) > num_decodes:
             self.num_mixed_steps += 1
         self.max_running = max(self.max_running, len(self.running))
         return out
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the forward: the scheduled tokens are in the cache; register full blocks."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+    def update(self, batch: ScheduledBatch, num_rejected: list[int] | None = None) -> None:
+        """After the forward, with the step's new tokens appended to the sequences: the scheduled tokens are in the
+        cache, less the `num_rejected` rejected drafts per sequence (their rows are garbage, overwritten later);
+        register full blocks, return lookahead pages left empty."""
+        drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
+        for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
+            seq.num_computed_tokens += n - (num_rejected[i] if num_rejected else 0)
             self.bm.mark_computed(seq)
+            if k:
+                self.bm.trim(seq)

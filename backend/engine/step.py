@@ -82,6 +82,10 @@ class SamplingInput:
         """Each row k times over, rows [N] -> [N * k] (row-major): the options of [N, k, V] logits."""
         return _map_tensors(self, lambda t: t.repeat_interleave(k, dim=0))
 
+    def select(self, rows: torch.Tensor) -> "SamplingInput":
+        """The options of the rows `rows` (int64 [n], on the tensors' device), in that order."""
+        return _map_tensors(self, lambda t: t[rows])
+
     @classmethod
     def full(cls, n: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int = 0, device: torch.device | str = "cpu") -> "SamplingInput":
@@ -90,6 +94,27 @@ class SamplingInput:
         return cls(f(float(temperature)), f(int(top_k), torch.int32), f(float(top_p)), f(float(min_p)),
                    f(int(seed), torch.int64), f(0, torch.int64), all_greedy=temperature < cls.GREEDY_EPS,
                    needs_top_k=top_k > 0, needs_top_p=top_p < 1.0, needs_min_p=min_p > 0.0)
+
+
+@dataclass
+class SpecInput:
+    """The step's speculating sequences (DSpark, engine/spec/). Each feeds its anchor (its last token, position t)
+    followed by k placeholders at positions t+1..t+k; the worker drafts K tokens per sequence, writes the first k
+    into the placeholders, runs the target over all of them in one forward and verifies (executor/spec_decode.py).
+    R speculating sequences, D = sum of their k."""
+
+    sample_rows: torch.Tensor  # int64 [R]: their rows among the step's sampling rows (logits_indices order)
+    seq_index: torch.Tensor  # int64 [R]: their index among the step's sequences (block_tables row)
+    anchor_rows: torch.Tensor  # int64 [R]: the token index of each anchor in the step
+    num_drafts: torch.Tensor  # int64 [R]: k, 1..K drafts fed and verified
+    draft_rows: torch.Tensor  # int64 [D]: token indices of the placeholders, sequence by sequence
+    draft_index: torch.Tensor  # int64 [D]: r * K + j, the draft (row r, slot j) each placeholder takes
+    plain_rows: torch.Tensor  # int64 [N - R]: the other sampling rows (one token sampled the usual way)
+    num_speculative_tokens: int  # K: the length of every sequence's drafted block
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.sample_rows.shape[0])
 
 
 @dataclass
@@ -113,6 +138,7 @@ class StepInput:
     # prefill query tiles (sequence, first token, end token), made by the attention backend's `plan`
     attn_tiles: torch.Tensor | None = None  # int32 [n, 3], block-sparse attention
     index_tiles: torch.Tensor | None = None  # int32 [n, 3], the indexer
+    spec: SpecInput | None = None  # the sequences that speculate this step (None: none)
 
     @property
     def num_tokens(self) -> int:
@@ -153,12 +179,17 @@ class StepInput:
 
 @dataclass
 class SamplerOutput:
-    """What a step returns: one sampled token per sampling row (tensors on the host after the step)."""
+    """What a step returns: one sampled token per sampling row (tensors on the host after the step).
 
-    token_ids: torch.Tensor  # int64 [N]
-    logprobs: torch.Tensor  # fp32 [N] raw logprob of the sampled token
-    top_token_ids: torch.Tensor | None = None  # int64 [N, n] the top-n raw logprobs' tokens
-    top_logprobs: torch.Tensor | None = None  # fp32 [N, n]
+    A step with speculating sequences returns up to K+1 tokens per row instead: `num_tokens` is set, token_ids and
+    logprobs are [N, K+1] (row i's first num_tokens[i] entries count, then -1 / 0), top_* are [N, K+1, n]."""
+
+    token_ids: torch.Tensor  # int64 [N] (or [N, K+1])
+    logprobs: torch.Tensor  # fp32 [N] raw logprob of the sampled token (or [N, K+1])
+    top_token_ids: torch.Tensor | None = None  # int64 [N, n] the top-n raw logprobs' tokens (or [N, K+1, n])
+    top_logprobs: torch.Tensor | None = None  # fp32 [N, n] (or [N, K+1, n])
+    num_tokens: torch.Tensor | None = None  # int64 [N]: tokens each row emitted (speculative steps only)
+    num_draft_tokens: torch.Tensor | None = None  # int64 [N]: drafts verified per row (0: the row did not speculate)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SamplerOutput":
         return _move(self, torch.device(device), non_blocking)

@@ -1,12 +1,15 @@
 """Scheduled batch (Python `Sequence` objects) -> `StepInput` (host tensors): the one place the engine turns its
-request state into what a worker can receive."""
+request state into what a worker can receive.
+
+A speculating sequence (k drafts) feeds its anchor and k placeholder tokens at the next k positions (slots in its
+lookahead pages); its sampling row points at the anchor, and `StepInput.spec` tells the worker where the drafts go."""
 from __future__ import annotations
 
 import torch
 
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.engine.step import SamplingInput, StepInput
+from m3serve.engine.step import SamplingInput, SpecInput, StepInput
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -24,25 +27,32 @@ def as_int64(seed: int) -> int:
 
 
 class StepBuilder:
-    def __init__(self, block_size: int, eos_token_ids: set[int], pin_memory: bool = False):
+    def __init__(self, block_size: int, eos_token_ids: set[int], pin_memory: bool = False,
+                 num_speculative_tokens: int = 0):
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids  # shared with the engine (a set)
         self.pin_memory = pin_memory  # page-locked tensors: the copy to the GPU does not block the host
+        self.num_speculative_tokens = num_speculative_tokens  # K (0: speculative decoding is off)
 
     def build(self, batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
         """The step's input, and the sequences whose next token it samples (one per logits index, in order)."""
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        sample_rows, sample_seqs = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        sample_rows, sample_seqs, spec = [], [], []
+        drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
+        for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids[start:end]
+            ids += seq.token_ids[start:end - k] + [0] * k  # the worker writes the drafts over the k placeholders
             pos += range(start, end)
             pages = seq.pages
             slots += [pages[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
-            if end == seq.num_tokens:
+            if k:
+                spec.append((len(sample_rows), i, qsl[-2], k))
+                sample_rows.append(qsl[-2])
+                sample_seqs.append(seq)
+            elif end == seq.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 sample_seqs.append(seq)
         tables = _padded([s.pages for s in batch.seqs]).clamp_(min=0).to(torch.int32)
@@ -53,8 +63,23 @@ class StepBuilder:
             max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens), block_tables=tables,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
-            sampling=self.sampling(sample_seqs) if sample_seqs else None)
+            sampling=self.sampling(sample_seqs) if sample_seqs else None,
+            spec=self._spec(spec, len(sample_rows)) if spec else None)
         return (step.pin_memory() if self.pin_memory else step), sample_seqs
+
+    def _spec(self, rows: list[tuple[int, int, int, int]], num_sample_rows: int) -> SpecInput:
+        """rows: (sampling row, step sequence, anchor token index, drafts k) of each speculating sequence."""
+        K = self.num_speculative_tokens
+        draft_rows = [anchor + 1 + j for _, _, anchor, k in rows for j in range(k)]
+        draft_index = [r * K + j for r, (_, _, _, k) in enumerate(rows) for j in range(k)]
+        speculating = {row for row, _, _, _ in rows}
+        i64 = dict(dtype=torch.int64)
+        return SpecInput(
+            sample_rows=torch.tensor([r[0] for r in rows], **i64), seq_index=torch.tensor([r[1] for r in rows], **i64),
+            anchor_rows=torch.tensor([r[2] for r in rows], **i64), num_drafts=torch.tensor([r[3] for r in rows], **i64),
+            draft_rows=torch.tensor(draft_rows, **i64), draft_index=torch.tensor(draft_index, **i64),
+            plain_rows=torch.tensor([r for r in range(num_sample_rows) if r not in speculating], **i64),
+            num_speculative_tokens=K)
 
     def sampling(self, seqs: list[Sequence]) -> SamplingInput:
         sps = [s.sampling_params for s in seqs]

@@ -50,10 +50,11 @@ def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_
 def determine_num_pages(cfg: ModelConfig, kv_dtype: str, index_dtype: str, device: torch.device, *,
                         gpu_memory_utilization: float, num_gpu_blocks_override: int | None,
                         max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        reserved_bytes: int = 0, num_kv_heads: int | None = None) -> int:
+                        reserved_bytes: int = 0, num_kv_heads: int | None = None, extra_page_bytes: int = 0) -> int:
     """Pages the pool gets: what the device's memory allows under `gpu_memory_utilization` after the weights,
-    the activation reserve and `reserved_bytes` (e.g. CUDA graph memory), or the override."""
-    per_page = page_bytes(cfg, kv_dtype, index_dtype, num_kv_heads)
+    the activation reserve and `reserved_bytes` (e.g. CUDA graph memory), or the override. `extra_page_bytes`:
+    what else each page costs (the draft's cache rows of its tokens)."""
+    per_page = page_bytes(cfg, kv_dtype, index_dtype, num_kv_heads) + extra_page_bytes
     per_seq = math.ceil(max_model_len / cfg.index_block_size)
     if num_gpu_blocks_override is not None:
         pages, how = int(num_gpu_blocks_override), "num_gpu_blocks_override"

@@ -35,6 +35,7 @@ class ModelRunner:
         self.backend = backend if backend is not None else select_attention_backend(model, cache, self.device)
         self.sampler = Sampler()
         self.graphs = None  # a CudaGraphRunner once `capture_graphs` ran
+        self.spec = None  # a SpeculativeDecoder (executor/spec_decode.py) runs every step when set
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode graphs (CUDA only); decode steps replay them from then on."""
@@ -55,7 +56,10 @@ class ModelRunner:
     def execute(self, step: StepInput) -> SamplerOutput | None:
         """Run one step; the sampled tokens (on the device), or None when the step samples nothing. Tensor-parallel
         ranks other than 0 get the step without its sampling fields: they compute their logits' share (gathered
-        to rank 0) and return None. Decode steps replay the CUDA graphs when they were captured."""
+        to rank 0) and return None. Decode steps replay the CUDA graphs when they were captured; speculative
+        decoding runs its own step (executor/spec_decode.py)."""
+        if self.spec is not None:
+            return self.spec.execute(step)
         if self.graphs is not None and self.graphs.supports(step):
             return self.graphs.execute(step)
         step = step.to(self.device, non_blocking=True)

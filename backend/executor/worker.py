@@ -55,21 +55,32 @@ class Worker:
         self.num_kv_heads = kv1 - kv0
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
+        self.drafter = None  # the DSpark draft and its speculative step (executor/spec_decode.py)
+        spec = config.speculative
+        if spec is not None:
+            from m3serve.executor.spec_decode import SpeculativeDecoder
+            self.drafter = SpeculativeDecoder(spec, config.model, model)
 
     @property
     def use_cuda_graphs(self) -> bool:
         """Decode graphs on CUDA unless enforce_eager; not with tensor parallelism yet (capturing runs warm-up
-        forwards whose all-reduces every rank would have to join)."""
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.parallel.size == 1
+        forwards whose all-reduces every rank would have to join), nor with speculative decoding (its steps are
+        multi-token, eager)."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.parallel.size == 1
+                and self.drafter is None)
 
     def determine_num_pages(self, max_model_len: int) -> int:
         c, m = self.config, self.model_config
         reserve = graph_reserve_bytes(c.max_num_seqs, m.hidden_size, m.vocab_size) if self.use_cuda_graphs else 0
+        draft_page = 0
+        if self.drafter is not None:
+            reserve += self.drafter.reserve_bytes(c.max_num_seqs)
+            draft_page = self.drafter.page_bytes(m.index_block_size)
         return determine_num_pages(
             m, self.kv_dtype, self.index_dtype, self.device,
             gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks_override=c.num_gpu_blocks_override,
             max_model_len=max_model_len, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            num_kv_heads=self.num_kv_heads, reserved_bytes=reserve)
+            num_kv_heads=self.num_kv_heads, reserved_bytes=reserve, extra_page_bytes=draft_page)
 
     def init_cache(self, num_pages: int, max_model_len: int) -> None:
         """The page pool, the model runner and (CUDA, unless enforce_eager) its decode graphs."""
@@ -77,6 +88,8 @@ class Worker:
         self.cache = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales,
                                   num_kv_heads=self.num_kv_heads)
         self.runner = ModelRunner(self.model, self.cache, self.device)
+        if self.drafter is not None:
+            self.drafter.attach(self.runner, num_pages)
         if self.use_cuda_graphs:
             self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)
 

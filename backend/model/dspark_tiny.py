@@ -1,4 +1,4 @@
-"""A tiny random DSpark draft for the tiny MiniMax-M3 (`make-tiny --dspark` writes it to `<tiny>/dspark/`):
+"""A tiny random DSpark draft for the tiny MiniMax-M3 (`make-tiny` writes it to `<tiny>/dspark/` by default):
 seeded, a few hundred KB, in the DeepSeek checkpoint format, so tests and the demo go through the real
 loading code. It taps three of the tiny target's four layers, drafts blocks of 7 (the launch line's
 num_speculative_tokens), and has a vanilla Markov head and a confidence head with Markov features. Its
@@ -83,20 +83,24 @@ def _target_tensor(target_dir: str, path: str) -> torch.Tensor | None:
         return s.get_tensor(name)
 
 
+def write_dspark(out_dir: str, cfg: DSparkConfig, state: dict[str, torch.Tensor]) -> None:
+    """A draft checkpoint: `config.json` + one `model.safetensors` holding `state` (checkpoint names)."""
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+
+
 def make_tiny_dspark(target_dir: str, out_dir: str | None = None, seed: int = 0, dtype: str = "bfloat16",
                      **over) -> DSparkConfig:
     """Write a seeded random draft for the model in `target_dir` to `out_dir` (default `<target>/dspark`)."""
     target = ModelConfig.from_pretrained(target_dir)
     cfg = tiny_dspark_config(target, **over)
-    out_dir = out_dir or os.path.join(target_dir, "dspark")
-    os.makedirs(out_dir, exist_ok=True)
     state = {k: v.to(getattr(torch, dtype)) for k, v in random_dspark_state(cfg, seed).items()}
     embed = _target_tensor(target_dir, "model.embed_tokens.weight")
     head = _target_tensor(target_dir, "lm_head.w")
     state["embed_tokens.weight"] = embed
     state["lm_head.weight"] = embed.clone() if head is None else head
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
+    write_dspark(out_dir or os.path.join(target_dir, "dspark"), cfg, state)
     return cfg

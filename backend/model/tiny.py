@@ -70,9 +70,10 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str = "bfloat16",
-              dspark: bool = False, **over) -> ModelConfig:
-    """The tiny model in `out_dir`; with `dspark`, also its tiny DSpark draft in `out_dir/dspark`. `over`: config
-    fields to change (e.g. 4 KV heads, so that 4 tensor-parallel ranks divide the model)."""
+              dspark: bool = True, **over) -> ModelConfig:
+    """The tiny model in `out_dir` and (unless `dspark` is False) its tiny DSpark draft in `out_dir/dspark`, which
+    `speculative_config` {"method": "dspark", ...} finds by default. `over`: config fields to change (e.g. 4 KV
+    heads, so that 4 tensor-parallel ranks divide the model)."""
     from m3serve.text.tiny_tokenizer import build_tiny_tokenizer
 
     os.makedirs(out_dir, exist_ok=True)

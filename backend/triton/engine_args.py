@@ -1,10 +1,11 @@
 """Engine arguments for a Triton model: `model.json` in the version folder, vLLM names.
 
 `model` (and `tokenizer`) may be absolute, or relative to the version folder, or relative to
-`$M3SERVE_MODEL_DIR`; `$VARS` and `~` are expanded. Options vLLM accepts that change nothing here
-are dropped with a note; unknown options and unsupported ones (speculative_config, ...) fail the model
-load with a message naming them. `tensor_parallel_size` and `enable_expert_parallel` pass through to the engine,
-which starts its worker processes from the stub (executor/multiproc_executor.py).
+`$M3SERVE_MODEL_DIR`; `$VARS` and `~` are expanded; so may `speculative_config.model` (the draft; default
+`<model>/dspark`). Options vLLM accepts that change nothing here are dropped with a note; unknown options
+and unsupported ones fail the model load with a message naming them. `tensor_parallel_size` and
+`enable_expert_parallel` pass through to the engine, which starts its worker processes from the stub
+(executor/multiproc_executor.py).
 """
 from __future__ import annotations
 
@@ -68,10 +69,12 @@ def engine_config(version_dir: str) -> tuple[EngineConfig, list[str]]:
     if "model" not in raw:
         raise ConfigError("model.json: 'model' (the model directory) is required")
     problems = []
-    for key in ("model", "tokenizer"):
-        if raw.get(key):
+    spec = raw.get("speculative_config")
+    for holder, key, what in ((raw, "model", "model"), (raw, "tokenizer", "tokenizer"),
+                              (spec if isinstance(spec, dict) else {}, "model", "speculative_config.model")):
+        if holder.get(key):
             try:
-                raw[key] = resolve_path(str(raw[key]), version_dir, key)
+                holder[key] = resolve_path(str(holder[key]), version_dir, what)
             except ConfigError as e:
                 problems.append(str(e))
     try:

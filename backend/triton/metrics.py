@@ -70,9 +70,11 @@ class Metrics:
         counter("preemptions", "vllm:num_preemptions_total", "Cumulative number of preemptions.")
         counter("prefix_hits", "m3serve:prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.")
         counter("spec_accepted", "vllm:spec_decode_num_accepted_tokens_total",
-                "Number of accepted draft tokens (speculative decoding not enabled yet: 0).")
+                "Number of accepted draft tokens (0 without speculative_config).")
         counter("spec_draft", "vllm:spec_decode_num_draft_tokens_total",
-                "Number of draft tokens (speculative decoding not enabled yet: 0).")
+                "Number of draft tokens verified (0 without speculative_config).")
+        counter("spec_drafts", "vllm:spec_decode_num_drafts_total",
+                "Number of speculative steps of sequences (0 without speculative_config).")
         hist("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
              TTFT_BUCKETS)
         hist("tpot", "vllm:time_per_output_token_seconds",
@@ -91,7 +93,7 @@ class Metrics:
         gauge("free_pages", "m3serve:kv_cache_free_pages", "Free KV-cache pages (one page = one MSA block).")
         gauge("total_pages", "m3serve:kv_cache_total_pages", "KV-cache pages in the pool.")
         gauge("spec_rate", "vllm:spec_decode_draft_acceptance_rate",
-              "Speculative decoding draft acceptance rate (not enabled yet: 0).")
+              "Speculative decoding draft acceptance rate, accepted / draft tokens (0 without speculative_config).")
         gauge("active", "m3serve:triton_requests_active", "Triton requests in flight in this model instance.")
         counter("responses", "m3serve:responses_total", "Responses sent by the response thread.")
         counter("send_seconds", "m3serve:response_send_seconds_total",
@@ -129,12 +131,15 @@ class Metrics:
         for key, value in (("running", stats.get("num_running", 0)), ("waiting", stats.get("num_waiting", 0)),
                            ("kv_usage", usage), ("gpu_kv_usage", usage),
                            ("free_pages", stats.get("num_free_pages", 0)),
-                           ("total_pages", stats.get("num_total_pages", 0)), ("active", active)):
+                           ("total_pages", stats.get("num_total_pages", 0)), ("active", active),
+                           ("spec_rate", stats.get("spec_decode_acceptance_rate", 0.0))):
             value = float(value)
             if self._last.get(key) != value:
                 m[key].set(value)
                 self._last[key] = value
-        for key, stat in (("preemptions", "num_preemptions"), ("prefix_hits", "prefix_cache_hit_tokens")):
+        for key, stat in (("preemptions", "num_preemptions"), ("prefix_hits", "prefix_cache_hit_tokens"),
+                          ("spec_accepted", "spec_decode_num_accepted_tokens"),
+                          ("spec_draft", "spec_decode_num_draft_tokens"), ("spec_drafts", "spec_decode_num_drafts")):
             value = float(stats.get(stat, 0))
             prev = self._last.get(key)
             if prev is not None and value > prev:

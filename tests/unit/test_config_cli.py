@@ -85,8 +85,13 @@ def test_capacity_bytes_per_token():
 def test_engine_config_names_unsupported_options():
     with pytest.raises(ConfigError) as e:
         EngineConfig(model="x", tensor_parallel_size=4,
+                     speculative_config={"method": "dspark", "num_speculative_tokens": 0}).validate()
+    assert "speculative_config.num_speculative_tokens" in str(e.value)
+    with pytest.raises(ConfigError, match="speculative decoding with tensor_parallel_size > 1"):  # each alone is fine
+        EngineConfig(model="x", tensor_parallel_size=4,
                      speculative_config={"method": "dspark", "num_speculative_tokens": 7}).validate()
-    assert "speculative_config" in str(e.value) and "tensor_parallel_size" not in str(e.value)  # TP 4 is fine
+    EngineConfig(model="x", tensor_parallel_size=4).validate()
+    EngineConfig(model="x", speculative_config={"method": "dspark", "num_speculative_tokens": 7}).validate()
     with pytest.raises(ConfigError, match="unknown engine option"):
         EngineConfig.from_dict({"model": "x", "max_num_seq": 3})
 

@@ -20,6 +20,7 @@ from m3serve.engine.step import SamplingInput
 from m3serve.engine.spec.proposer import sample_block
 from m3serve.engine.spec.verify import block_acceptance, verify
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
+from support.stats import chi_square_p as support_chi_square_p
 
 V, GAMMA, HID, RANK = 8, 4, 16, 8
 CYCLES = 200_000
@@ -77,14 +78,7 @@ class Toy:
 
 def chi_square_p(y1, y2, joint):
     """p-value of the V^2-cell histogram against `joint`; a sample in a zero-probability cell fails outright."""
-    obs = torch.bincount(y1 * V + y2, minlength=V * V).double()
-    exp = joint.flatten().double() * y1.shape[0]
-    live = exp > 0
-    assert obs[~live].sum() == 0, "a token pair the target gives probability 0 was emitted"
-    chi2 = float(((obs[live] - exp[live]) ** 2 / exp[live]).sum())
-    df = int(live.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(chi2 / 2, dtype=torch.float64))), chi2, df
+    return support_chi_square_p(y1 * V + y2, joint)
 
 
 SAMPLING = {"T1": None, "T0.7_topp0.9": dict(temperature=0.7, top_p=0.9)}

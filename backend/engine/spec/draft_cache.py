@@ -27,6 +27,14 @@ _STORAGE = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16, "float16": t
             "float32": torch.float32}
 
 
+def draft_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The storage name of a speculative config's `kv_cache_dtype` ("auto" = the draft's dtype, "fp8_e4m3")."""
+    if kv_cache_dtype in DRAFT_KV_DTYPES:
+        return kv_cache_dtype
+    model_dtype = {torch.float32: "float32", torch.float16: "float16"}.get(dtype, "bfloat16")
+    return normalize_kv_dtype(kv_cache_dtype, model_dtype)
+
+
 class DraftKVCache:
     def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str = "fp8", dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -51,11 +59,14 @@ class DraftKVCache:
         """A cache for draft `cfg` over the target's pool geometry (`num_pages` pages of `block_size`).
         `kv_cache_dtype`: one of DRAFT_KV_DTYPES or the speculative config's names ("auto" = the model
         dtype, "fp8_e4m3")."""
-        kv = kv_cache_dtype
-        if kv not in DRAFT_KV_DTYPES:
-            kv = normalize_kv_dtype(kv, {torch.float32: "float32", torch.float16: "float16"}.get(dtype, "bfloat16"))
         return cls(cfg.num_hidden_layers, num_pages, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                   kv, dtype, device, scales)
+                   draft_kv_dtype(kv_cache_dtype, dtype), dtype, device, scales)
+
+    @staticmethod
+    def page_bytes(cfg: DSparkConfig, block_size: int, kv_cache_dtype: str, dtype: torch.dtype) -> int:
+        """Bytes one page of the pool costs in the draft cache (every draft layer's K and V)."""
+        elem = torch.empty(0, dtype=_STORAGE[draft_kv_dtype(kv_cache_dtype, dtype)]).element_size()
+        return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * block_size * cfg.head_dim * elem
 
     @property
     def nbytes(self) -> int:

@@ -26,9 +26,11 @@ def sampling_probs(logits: torch.Tensor, st: SamplingInput | None) -> torch.Tens
     x = logits.float()
     if st is None:
         return torch.softmax(x, -1)
+    onehot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+    if st.all_greedy:
+        return onehot
     every = dataclasses.replace(st, needs_top_k=True, needs_top_p=True, needs_min_p=True)
     probs = torch.softmax(filter_logits(x, every), -1)
-    onehot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
     return torch.where((st.temperature < SamplingInput.GREEDY_EPS)[:, None], onehot, probs)
 
 

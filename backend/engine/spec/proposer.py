@@ -32,7 +32,8 @@ class Proposal:
     tokens: torch.Tensor  # int64 [S, K]: x_1..x_K
     probs: torch.Tensor | None  # fp32 [S, K, V]: Q_k each x_k was drawn from; None for greedy (one-hot)
     confidence: torch.Tensor  # fp32 [S, K]: c_k in (0, 1); ones without a confidence head
-    logits: torch.Tensor  # fp32 [S, K, V]: z_k = U_k + B_k(x_{k-1}) before the sampling transform
+    logits: torch.Tensor | None  # fp32 [S, K, V]: z_k = U_k + B_k(x_{k-1}) before the sampling transform (None:
+    # not kept, as in the engine's step)
 
 
 @torch.inference_mode()

@@ -1,0 +1,32 @@
+"""Which sequences speculate in a step, and with how many drafts (the engine side of DSpark).
+
+A decoding sequence drafts k = min(K, tokens it may still produce - 1) tokens: a step emits at most k + 1, so an
+accepted run never passes max_tokens (nor max_model_len), and a sequence with one token left decodes plainly.
+k depends on the sequence alone (never on the batch, the token budget or free pages), so which tokens a request
+gets at temperature > 0 does not depend on what else runs: a decode whose k + 1 tokens do not fit the step's
+remaining budget waits for the next step, and one whose lookahead pages are not free preempts, as a plain decode
+would.
+
+Requests the draft cannot mirror decode plainly, in the same batches:
+- repetition / frequency / presence penalties: the target's distribution at each verify position would depend on
+  the drafts before it (their counts), which the verifier does not model;
+- min_tokens not yet reached: EOS and the stop ids are suppressed at some verify positions and not at others.
+  Such a request speculates from its min_tokens-th output token on.
+"""
+from __future__ import annotations
+
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.engine.sequence import Sequence
+
+
+def can_speculate(sp: SamplingParams) -> bool:
+    """The request's sampling is one the draft/verify pair reproduces exactly (no penalties)."""
+    return sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
+
+
+def num_draft_tokens(seq: Sequence, k: int) -> int:
+    """Drafts the decoding sequence `seq` verifies in its next step (0: a plain decode)."""
+    sp = seq.sampling_params
+    if not can_speculate(sp) or seq.num_output_tokens < sp.min_tokens:
+        return 0
+    return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))

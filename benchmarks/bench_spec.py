@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""DSpark speculative decoding in the engine: decode tokens/s with and without speculation, against the ideal
+speedup for the acceptance measured in the same run, on the M3 geometry cut to a few layers (random weights).
+
+    python benchmarks/bench_spec.py --out /tmp/bench_spec.json        (H200: one device call, see below)
+    python benchmarks/bench_spec.py --smoke --out /tmp/s.json          (CPU, toy sizes: checks the script runs)
+On the lent H200, through benchmarks/device_run.sh (the package laid out on PYTHONPATH):
+    STEPS=spec bash benchmarks/device_run.sh                          (writes $OUT/bench_spec.{json,log})
+
+Model: `build_m3_cut` — MiniMax-M3's widths (hidden 6144, 64 query / 4 KV heads of 128, 128 experts top-4 of
+3072, dense MLP 12288, vocabulary 200,064, MSA blocks of 128) with --layers layers (the first full attention +
+dense MLP, the rest MSA + MoE, as M3's first and later layers), random bf16 weights. The DSpark draft: the tiny
+draft's architecture at these widths (--draft-layers dense layers, Markov rank 256, confidence head), random,
+written as a checkpoint to a temporary folder and loaded by the engine's loader.
+
+Controlled acceptance (a random draft is never right): the real draft runs for its cost, then its proposals go
+through `ControlledProposals` (engine/spec/controlled.py): at each drafted position the draft's token is
+replaced, with probability p, by the token the target itself produces there (its greedy continuation, recorded
+first by the speculative engine with p = 0 so the numerics are the verify path's), and the verifier is handed the
+true mixture distribution. With greedy decoding a drafted position whose prefix was accepted is then accepted
+with probability ~p.
+
+Per batch size B (--batches) the same B random prompts (--prompt-len tokens, --gen-len greedy tokens each,
+ignore_eos) run through:
+  baseline (graphs)  the engine without speculation, CUDA graphs for decode (the default)
+  baseline (eager)   the same with enforce_eager (speculative steps always run eagerly)
+  spec p=0           speculation with K = --k drafts, none replaced: the recording run, and the cost of drafts
+                     that are all rejected
+  spec p             for each p in --ps
+Decode tokens/s = tokens generated after every request's first token / wall time of those steps (the prefill
+step is excluded). Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a
+speculative step emits: what a free draft and a verify forward as cheap as a decode step would give).
+Efficiency = speedup over the graph baseline / tau (goal >= 0.8). "step cost" = mean speculative step time /
+mean baseline step time, the reason efficiency falls short of 1. "match" = fraction of requests whose tokens equal
+the graph baseline's (greedy: expected 1.0 up to bf16 near-ties between the decode and verify kernels).
+
+Caveat, to read the figures: the cut model has few layers while the draft keeps its full width, so the draft's
+share of a step is larger than on the 60-layer model; the MoE layer runs whatever method the engine picks on the
+device (the dense all-experts method until the MoE kernels land reads every expert whatever the token count,
+which favours the multi-token verify step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from m3serve.config import FULL, SPARSE, EngineConfig, ModelConfig  # noqa: E402
+from m3serve.engine.llm_engine import LLMEngine  # noqa: E402
+from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from m3serve.engine.spec.controlled import ControlledProposals  # noqa: E402
+from m3serve.engine.spec.metrics import SpecDecodeStats  # noqa: E402
+from m3serve.engine.step_builder import as_int64  # noqa: E402
+from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark  # noqa: E402
+from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
+
+M3_WIDTHS = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4, dense_intermediate_size=12288,
+                 shared_intermediate_size=3072, vocab_size=200064, index_n_heads=4, index_head_dim=128,
+                 index_block_size=128, index_topk_blocks=16, partial_rotary_factor=0.5)
+SMOKE_WIDTHS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=64,
+                    num_local_experts=8, num_experts_per_tok=2, dense_intermediate_size=128,
+                    shared_intermediate_size=64, vocab_size=512, index_n_heads=2, index_head_dim=32,
+                    index_block_size=16, index_topk_blocks=4, partial_rotary_factor=0.5)
+
+
+def build_m3_cut(num_layers: int, device: str, dtype: torch.dtype, seed: int = 0, **widths) -> M3ForCausalLM:
+    """MiniMax-M3 cut to `num_layers` layers (layer 0: full attention + dense MLP; the rest: MSA + MoE), random
+    weights (normal, std 1/sqrt(fan-in); norms around 1; embedding std 1), on `device`. `widths` override
+    M3's (the smoke run passes toy ones)."""
+    w = {**M3_WIDTHS, **widths}
+    cfg = ModelConfig(num_hidden_layers=num_layers, layer_types=[FULL] + [SPARSE] * (num_layers - 1),
+                      mlp_layer_types=["dense"] + ["sparse"] * (num_layers - 1), dtype=str(dtype).split(".")[1], **w)
+    with torch.device(device):
+        model = M3ForCausalLM(cfg, dtype)
+    g = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "rotary" in name:
+                continue
+            if "norm" in name or "e_score_correction_bias" in name:
+                t.normal_(0.0, 0.1, generator=g)  # RMSNorm weights are offsets: (1 + w)
+            else:
+                t.normal_(0.0, 1.0 if "embed" in name else t.shape[-1] ** -0.5, generator=g)
+    return model.eval()
+
+
+def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, markov_rank: int) -> None:
+    """A random DSpark draft for `model` in `out_dir` (taps: layer 0, the middle, the one before the last)."""
+    n = model.config.num_hidden_layers
+    taps = sorted({0, (n - 1) // 2, max(n - 2, 0)})
+    cfg = tiny_dspark_config(model.config, num_hidden_layers=num_layers, block_size=max(k, 7), target_layer_ids=taps,
+                             mask_token_id=model.config.vocab_size - 1, markov_rank=markov_rank)
+    state = {name: t.to(model.dtype) for name, t in random_dspark_state(cfg).items()}
+    write_dspark(out_dir, cfg, state)
+
+
+def run_batch(eng: LLMEngine, prompts: list[list[int]], gen: int, seed0: int) -> dict:
+    """Greedy decode of `prompts`; decode tokens/s after the prefill step, the outputs, steps and their time."""
+    for i, p in enumerate(prompts):
+        eng.add_request(f"b{i}", prompt_token_ids=p, sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=gen, ignore_eos=True, seed=seed0 + i))
+    outs: dict[str, list[int]] = {}
+    while len(outs) < len(prompts) or not all(outs.values()):
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    first = sum(len(v) for v in outs.values())
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    steps, t0 = 0, time.perf_counter()
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+    sync()
+    dt = time.perf_counter() - t0
+    decoded = sum(len(v) for v in outs.values()) - first
+    return {"tokens": [outs[f"b{i}"] for i in range(len(prompts))], "decode_tokens": decoded, "seconds": dt,
+            "steps": steps, "tok_s": decoded / dt if dt > 0 else 0.0, "step_ms": 1e3 * dt / max(steps, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, toy widths, few tokens: checks the script runs")
+    ap.add_argument("--out", default=None, help="JSON results (a markdown table is printed)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ps", default="0.5,0.8,0.95")
+    ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: M3's 128)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
+    ap.add_argument("--draft-kv-cache-dtype", default="fp8")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.batches, a.ps, a.layers, a.prompt_len, a.gen_len, a.k = "1,2", "0.8", 2, 20, 10, 3
+    device = "cpu" if a.smoke else "cuda"
+    dtype = torch.float32 if a.smoke else torch.bfloat16
+    widths = dict(SMOKE_WIDTHS) if a.smoke else {}
+    if a.experts:
+        widths["num_local_experts"] = a.experts
+    batches = [int(b) for b in a.batches.split(",")]
+    ps = [float(p) for p in a.ps.split(",")]
+    t_build = time.perf_counter()
+    model = build_m3_cut(a.layers, device, dtype, **widths)
+    cfg = model.config
+    tmp = tempfile.mkdtemp(prefix="bench_spec_")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f)
+    write_draft(model, os.path.join(tmp, "dspark"), a.draft_layers, a.k, 16 if a.smoke else 256)
+    print(f"built the model and its draft in {time.perf_counter() - t_build:.1f} s", flush=True)
+
+    bs = cfg.index_block_size
+    max_len = a.prompt_len + a.gen_len + a.k + 1
+    pages = max(batches) * -(-max_len // bs) + 8
+    common = dict(model=tmp, device=device, dtype=str(dtype).split(".")[1], max_model_len=max_len,
+                  max_num_seqs=max(batches), max_num_batched_tokens=max(4096, max(batches) * (a.k + 1)),
+                  num_gpu_blocks_override=pages, enable_prefix_caching=False)
+    spec_cfg = {"method": "dspark", "num_speculative_tokens": a.k, "draft_sample_method": a.draft_sample_method,
+                "kv_cache_dtype": a.draft_kv_cache_dtype}
+    g = torch.Generator().manual_seed(1)
+    prompts = {b: [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(b)]
+               for b in batches}
+    warm = [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
+    engines = {"graphs": dict(enforce_eager=False), "eager": dict(enforce_eager=True),
+               "spec": dict(enforce_eager=True, speculative_config=spec_cfg)}
+    rows, results = [], {}
+    for name, opts in engines.items():
+        if a.smoke and name == "graphs":
+            continue  # no CUDA graphs on the CPU
+        eng = LLMEngine(EngineConfig(**common, **opts), model=model)
+        drafter = eng.executor.worker.drafter
+        for b in batches:
+            if not a.smoke:  # compile / warm every shape first
+                run_batch(eng, warm[:b], min(a.gen_len, 3 * (a.k + 1)), 500)
+            if drafter is None:
+                results[(name, b)] = run_batch(eng, prompts[b], a.gen_len, 1000)
+                continue
+            for p in [0.0] + ps:
+                if p > 0:
+                    rec = results[("spec", b, 0.0)]["tokens"]
+                    known = {as_int64(1000 + i): prompts[b][i] + rec[i] for i in range(b)}
+                    drafter.proposal_hook = ControlledProposals(known, p, cfg.vocab_size, device)
+                else:
+                    drafter.proposal_hook = None
+                eng.spec_stats = SpecDecodeStats(a.k)
+                r = run_batch(eng, prompts[b], a.gen_len, 1000)
+                r["stats"] = eng.spec_stats.as_dict()
+                results[("spec", b, p)] = r
+        del eng
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for b in batches:
+        base = results.get(("graphs", b)) or results[("eager", b)]
+        eager = results[("eager", b)]
+        for p in [0.0] + ps:
+            r, st = results[("spec", b, p)], results[("spec", b, p)]["stats"]
+            tau = st["spec_decode_mean_accepted_length"]
+            speedup = r["tok_s"] / base["tok_s"]
+            rows.append({
+                "batch": b, "p": p, "baseline_graphs_tok_s": results.get(("graphs", b), {}).get("tok_s"),
+                "baseline_eager_tok_s": eager["tok_s"], "spec_tok_s": r["tok_s"], "speedup": speedup,
+                "speedup_vs_eager": r["tok_s"] / eager["tok_s"], "acceptance_rate": st["spec_decode_acceptance_rate"],
+                "acceptance_per_pos": st["spec_decode_acceptance_rate_per_pos"], "ideal_speedup": tau,
+                "efficiency": speedup / tau if tau else 0.0, "step_cost": r["step_ms"] / base["step_ms"],
+                "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
+                "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
+    dev = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    print(f"\n{dev}, torch {torch.__version__}; {a.layers} layers, draft {a.draft_layers} layer(s), K={a.k}, "
+          f"prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}\n")
+    head = ("| batch | p | baseline tok/s (graphs) | baseline tok/s (eager) | spec tok/s | speedup | acceptance | "
+            "ideal (tau) | efficiency | step cost | match |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        gph = "-" if r["baseline_graphs_tok_s"] is None else f"{r['baseline_graphs_tok_s']:.1f}"
+        print(f"| {r['batch']} | {r['p']} | {gph} | {r['baseline_eager_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+              f"{r['speedup']:.2f} | {r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | "
+              f"{r['step_cost']:.2f} | {r['match']:.2f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": dev, "torch": torch.__version__, "args": vars(a), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
