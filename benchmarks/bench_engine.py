@@ -178,6 +178,12 @@ def build(num_layers, dense_layers, device, args, max_context):
     return cfg, model, engine
 
 
+def save(res: dict, out: str) -> None:
+    """The results so far (a run cut short by its time limit keeps what it measured)."""
+    with open(os.path.join(out, "bench_engine.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def release() -> None:
     """Give the device memory of dropped engines back (their graphs' pools, caches, weights)."""
     gc.collect()
@@ -223,6 +229,7 @@ def main(argv=None) -> int:
         t = time_ttft(engine, device, n, g)
         res["ttft"].append({"prompt_tokens": n, "ttft_s": t})
         print(f"TTFT {n:6d} tokens: {t * 1e3:8.1f} ms", flush=True)
+        save(res, a.out)
     res["decode"] = []
     for ctx in a.contexts:
         for batch in a.batches:
@@ -236,10 +243,12 @@ def main(argv=None) -> int:
             print(f"decode b={batch:3d} ctx={ctx:7d}: {t * 1e3:8.3f} ms  {1 / t:7.1f} tok/s/user  experts "
                   f"{sum(touched) / len(touched):5.1f}/layer  roofline {floor / bw * 1e3:7.3f} ms  "
                   f"{100 * floor / bw / t:5.1f}%", flush=True)
+            save(res, a.out)
     prof_ctx = max(a.contexts)
     res["profile"] = {f"b{b}_ctx{c}": profile_decode(engine, device, b, c)
                       for b, c in ((1, a.scaling_context), (max(a.batches), a.scaling_context),
                                    (max(a.batches), prof_ctx))}
+    save(res, a.out)
     del engine, model
     release()
 
@@ -266,8 +275,7 @@ def main(argv=None) -> int:
                                "estimated_60_layer_tokens_per_s_per_user": 1 / est60})
         print(f"scaling b={b}: MoE layer {moe * 1e3:.3f} ms, dense layer {dense * 1e3:.3f} ms, head {head * 1e3:.3f} "
               f"ms -> 60 layers {est60 * 1e3:.2f} ms/step, {1 / est60:.1f} tok/s/user", flush=True)
-    with open(os.path.join(a.out, "bench_engine.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save(res, a.out)
     with open(os.path.join(a.out, "bench_engine.md"), "w") as f:
         f.write(table(res))
     print(table(res))
