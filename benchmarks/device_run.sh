@@ -4,8 +4,12 @@
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
 # benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
 # $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), and on a multi-GPU kind "tp":
-# benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost). Logs and JSON go to $OUT (or
-# ./device_out).
+# benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), and "server":
+# benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS (the M3.1-Flash geometry through the real
+# tritonserver vs engine-direct). Logs and JSON go to $OUT (or ./device_out).
+# "server" needs tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
+# site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
+# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +33,15 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_engine.log" | grep -v "^  " ;;
     spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \
             ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log" | tail -30 ;;
+    server)
+      if [ -d .carry-server ]; then
+        mkdir -p /tmp/site && tar -xJf .carry-server/site312.tar.xz -C /tmp/site
+        tar -xJf .carry-server/pytriton312.tar.xz -C "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      fi
+      PYTHONPATH=/tmp/site:$PYTHONPATH M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton \
+        M3SERVE_BENCH_WORK=/tmp/bench_server_work timeout "${SERVER_TIMEOUT:-300}" python3 benchmarks/bench_server.py \
+        --out "$OUT/server" --geometry "${SERVER_LAYERS:-4}" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/bench_server.log" \
+        | grep -v "^I1\|^W1" | tail -20 ;;
     tp) timeout "${TP_TIMEOUT:-500}" python3 benchmarks/bench_tp.py --out "$OUT/bench_tp.json" ${TP_ARGS:-} 2>&1 \
           | tee "$OUT/bench_tp.log" | grep "^|" ;;
     *) echo "unknown step $step" ;;

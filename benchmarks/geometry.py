@@ -118,9 +118,13 @@ def weight_bytes(model: M3ForCausalLM) -> dict:
                               + list(layer.input_layernorm.parameters()) + list(layer.post_attention_layernorm.parameters()))
         mlp = layer.mlp
         if hasattr(mlp, "experts"):
-            e = mlp.experts
-            expert = _storage_bytes(list(e.buffers())) // e.num_experts
-            rest = _storage_bytes(list(mlp.gate.parameters()) + list(mlp.shared_experts.buffers()))
+            e, packed = mlp.experts, getattr(mlp.method, "weights", None)
+            router = _storage_bytes(list(mlp.gate.parameters()))
+            if packed is not None:  # a kernel method holds the experts in its own layout (the module's are released)
+                expert, rest = packed.expert_bytes(), router + packed.shared_bytes()
+            else:
+                expert = _storage_bytes(list(e.buffers())) // e.num_experts
+                rest = router + _storage_bytes(list(mlp.shared_experts.buffers()))
             layers.append({"attention": attn, "mlp": rest, "expert": expert, "moe": True})
         else:
             layers.append({"attention": attn, "mlp": _storage_bytes(list(mlp.buffers())), "expert": 0, "moe": False})

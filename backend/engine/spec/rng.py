@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.executor.sampler import hash32, row_keys
+from m3serve.kernels.sampling import hash32, row_keys
 
 DRAFT, ACCEPT, FINAL = 0x5D000000, 0x5E000000, 0x5F000000
 MAX_VOCAB = 1 << 24
