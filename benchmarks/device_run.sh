@@ -34,10 +34,14 @@ for step in ${STEPS:-tests msa qkv}; do
     spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \
             ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log" | tail -30 ;;
     server)
+      purelib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
       if [ -d .carry-server ]; then
         mkdir -p /tmp/site && tar -xJf .carry-server/site312.tar.xz -C /tmp/site
-        tar -xJf .carry-server/pytriton312.tar.xz -C "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        tar -xJf .carry-server/pytriton312.tar.xz -C "$purelib"
       fi
+      # the python backend's stub did not import m3serve from PYTHONPATH's /tmp/p on the H200 (2026-12-03, cause not
+      # established): the package goes into site-packages beside torch
+      rm -rf "$purelib/m3serve" && cp -r /tmp/p/m3serve "$purelib/m3serve"
       PYTHONPATH=/tmp/site:$PYTHONPATH M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton \
         M3SERVE_BENCH_WORK=/tmp/bench_server_work timeout "${SERVER_TIMEOUT:-300}" python3 benchmarks/bench_server.py \
         --out "$OUT/server" --geometry "${SERVER_LAYERS:-4}" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/bench_server.log" \

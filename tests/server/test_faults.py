@@ -144,7 +144,7 @@ def test_device_fault_turns_model_and_server_unready_others_keep_serving(faulty_
         responses, error = run_stream(srv.grpc_url, "m3", text_inputs("hi", max_tokens=4))
         assert error is not None
         # finalize ran, joined its threads, and the stub exited
-        assert _wait(lambda: "model 'm3' finalized" in srv.log(), 30), srv.log()[-3000:]
+        assert _wait(lambda: "model 'm3' finalized" in srv.log(), 90), srv.log()[-3000:]  # slow on a loaded CI
         line = [ln for ln in srv.log().splitlines() if "model 'm3' finalized" in ln][-1]
         assert line.endswith("threads left: none"), line
         assert _wait(lambda: not any("/m3/1/model.py" in _cmdline(p) for p in srv.group_pids()), 30)

@@ -51,11 +51,19 @@ class KernelQuantLinear:
         return quant_linear(x, self.weight)
 
 
+KERNEL_TILE = 128  # the quantized-linear kernels ran on the H200 with N and K multiples of this (M3's every linear)
+
+
 def select_linear_method(w: QuantWeight, device: torch.device, current=None):
     if w.fmt == "dense":
         return DenseLinear()
     if device.type == "cuda":
-        return current if isinstance(current, KernelQuantLinear) else KernelQuantLinear(w)
+        if isinstance(current, KernelQuantLinear):
+            return current
+        if w.n % KERNEL_TILE == 0 and w.k % KERNEL_TILE == 0:
+            return KernelQuantLinear(w)
+        log.warning("quantized linear %dx%d: not a shape the kernels were validated with (multiples of %d); "
+                    "dequantizing per call instead", w.n, w.k, KERNEL_TILE)
     return TorchQuantLinear()
 
 

@@ -8,8 +8,9 @@ Its method is picked once at load (`SparseMoE.prepare`), by the experts' weight 
   combine): CUDA, quantized experts or bf16/fp16 ones, every expert on this rank (not with expert parallelism yet:
   the torch reference serves that). The weights are laid out for it once and the checkpoint layout released. No
   host synchronisation (CUDA-graph safe).
-- `DenseMoE`: fp32 dense experts on CUDA (the small test models), no host synchronisation either: every expert
-  runs over every token and the routing weights (zero for experts not chosen) combine them. Exact.
+- `DenseMoE`: every expert over every token, the routing weights (zero for experts not chosen) combining them: no
+  host synchronisation either, exact, E times the work. On CUDA for fp32 dense experts (the small test models) and
+  for the combinations the kernels were not validated with on the GPU (`KERNEL_SHARED_FORMATS`), with a warning.
 
 Tensor parallelism: the shared expert and the dense MLPs split their FFN over the ranks (gate_up by rows, down by
 columns); the routed experts either split each expert's FFN the same way or, with expert parallelism, each rank
@@ -18,6 +19,8 @@ after attention's all-reduce: that is the dispatch). Either way each rank's rout
 sum, and `SparseMoE` sums them over the ranks with one all-reduce (the combine).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,8 @@ from m3serve.distributed.parallel import Parallel
 from m3serve.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from m3serve.model.layers.sharding import Shard
 from m3serve.model.weights import QuantWeight
+
+log = logging.getLogger(__name__)
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -156,6 +161,11 @@ class KernelMoE:
                          top_k=layer.gate.top_k, routed_scaling=layer.scaling, alpha=e.alpha, limit=e.limit)
 
 
+# shared-expert formats the fused kernel ran with on the H200 (docs/performance.md); an NVFP4 shared expert in the
+# same launches hit an illegal memory access there (2026-12-03, tiny shapes): not used until that is fixed
+KERNEL_SHARED_FORMATS = ("dense", "mxfp8")
+
+
 def select_moe_method(layer: "SparseMoE", device: torch.device):
     if device.type != "cuda":
         return TorchMoE()
@@ -165,6 +175,11 @@ def select_moe_method(layer: "SparseMoE", device: torch.device):
     if e.num_experts != e.total_experts:  # expert parallel: the fused kernel routes over every expert it holds
         return TorchMoE()
     if e.gate_up_proj.fmt == "dense" and e.gate_up_proj.dtype == torch.float32:
+        return DenseMoE()
+    shared = layer.shared_experts.gate_up_proj.w.fmt
+    if shared not in KERNEL_SHARED_FORMATS:
+        log.warning("MoE layer with a %s shared expert: the fused kernel is not validated for it; running every "
+                    "expert over every token instead (correct, slow)", shared)
         return DenseMoE()
     return KernelMoE(layer)
 
