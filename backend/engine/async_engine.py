@@ -215,18 +215,11 @@ class AsyncLLMEngine:
         try:
             fn(*args)
         except Exception as e:
-            if is_device_fault(e) or not self._executor_ok():
+            if is_device_fault(e) or not self.engine.executor_alive():
                 raise  # a device fault, or a worker (tensor parallel) gone: nothing to recover
             log.exception("engine step failed outside a request: failing the requests in flight")
             if not self._recover(e):
                 raise
-
-    def _executor_ok(self) -> bool:
-        try:
-            self.engine.check_health()
-        except Exception:
-            return False
-        return True
 
     def _recover(self, exc: BaseException) -> bool:
         """Abort every request in flight; True (their streams get RequestFailed) when the pool is then whole."""

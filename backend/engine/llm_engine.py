@@ -188,7 +188,7 @@ class LLMEngine:
         try:
             sampled = self.executor.execute(step)
         except Exception as e:  # forward or sampler: this step's requests fail, their pages are freed
-            if not contained(e) or not self._executor_alive():
+            if not contained(e) or not self.executor_alive():
                 raise  # a device fault, or a worker (tensor parallel) gone: the engine is dead
             log.exception("engine step failed: failing its %d requests", len(batch.seqs))
             return [self._fail(seq, e) for seq in batch.seqs]
@@ -223,7 +223,8 @@ class LLMEngine:
             outputs.append(self._output(seq, new_ids, text, reasoning, tops))
         return outputs
 
-    def _executor_alive(self) -> bool:
+    def executor_alive(self) -> bool:
+        """The executor's workers are all there (`check_health` does not raise)."""
         try:
             self.executor.check_health()
         except Exception:
