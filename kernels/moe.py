@@ -1,7 +1,7 @@
 """The MoE layer of MiniMax-M3 on the device: router, routed experts (NVFP4 or MXFP8), shared expert, combine.
 
 ``fused_moe(x, router_weight, correction_bias, weights, top_k, routed_scaling, alpha, limit)`` equals
-`m3serve.model.m3.SparseMoE.forward` (within bf16 rounding): ``experts(x) * routed_scaling + shared(x)``, the
+`m3serve.model.layers.moe.SparseMoE.forward` (within bf16 rounding): ``experts(x) * routed_scaling + shared(x)``, the
 routed weights renormalised to sum to 1. Launches (no host synchronisation, fixed grids: capturable in a CUDA graph):
 
 1. router logits (`moe_router`), 2. top-k + grouping by expert (`moe_router`),

@@ -3,7 +3,7 @@ outputs still match the reference path: the same engine with the torch reference
 same paged cache. fp32 model compute; the kernels' dots take bf16/fp16 operands, so logprobs differ by
 0.02-0.07 (measured, also under the interpreter); a wrong kernel moves them by whole units.
 
-Two free runs can part at a near-tie (see tests/kernels/shadow.py), so the per-layer check is the
+Two free runs can part at a near-tie (see tests/support/shadow.py), so the per-layer check is the
 shadow run: kernels and reference on the same inputs at every layer of every step."""
 from __future__ import annotations
 

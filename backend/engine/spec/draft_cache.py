@@ -1,7 +1,7 @@
 """The DSpark draft's paged KV cache: per draft layer, K (k_norm + RoPE applied) and V of the projected
 context features C, for committed positions only (design/dspark.md section 2).
 
-It is indexed exactly like the target's page pool (engine/kv_cache.py): the same page size B, the same page
+It is indexed exactly like the target's page pool (executor/kv_cache.py): the same page size B, the same page
 ids, so the engine passes the target's block tables and slot mapping unchanged. A row of position p of a
 sequence lives at slot `page_table[p // B] * B + p % B`. Layout per layer (what a paged kernel reads):
   k[l], v[l]   fp8 e4m3 (per-layer fp32 scale) | bf16 | fp16 | fp32   [P + 1, H_kv, B, D]
