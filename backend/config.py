@@ -322,8 +322,9 @@ class EngineConfig:
         elif tp > 1 and str(self.device).startswith("cuda:"):
             problems.append(f"device: {self.device!r} names one GPU; with tensor_parallel_size={tp} use 'cuda' "
                             "(rank r runs on cuda:r; pick the GPUs with CUDA_VISIBLE_DEVICES)")
-        if not isinstance(self.enable_expert_parallel, bool):
-            problems.append(f"enable_expert_parallel: must be true or false, got {self.enable_expert_parallel!r}")
+        for name in ("enable_expert_parallel", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.speculative_config:  # None or {}: off
             from m3serve.engine.spec.config import SpeculativeConfig
 

@@ -31,6 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ceilings import copy_bandwidth  # noqa: E402
 from geometry import SMOKE, flash_geometry, make_engine, random_model, step_bytes, weight_bytes  # noqa: E402
 
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -40,20 +41,6 @@ from m3serve.engine.sequence import SequenceStatus  # noqa: E402
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device, nbytes=2 << 30) -> float:
-    """Bytes/s of a device-to-device copy, read + write counted (median of 20)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(23):
-        sync(device)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / sorted(times[3:])[len(times[3:]) // 2]
 
 
 def randomize_cache(engine, seed=0) -> None:

@@ -34,6 +34,7 @@ import triton.testing  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/support: random layers
 
+from ceilings import copy_bandwidth  # noqa: E402
 from m3serve.kernels.moe import MoEStep, fused_moe, moe_config, moe_prepare_module  # noqa: E402
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare  # noqa: E402
 from m3serve.model.weights import QuantWeight  # noqa: E402
@@ -56,15 +57,6 @@ def timed(fn, graph: bool, rep: int) -> float:
     else:
         run = fn
     return float(triton.testing.do_bench(run, warmup=max(5, rep // 5), rep=rep, return_mode="median"))
-
-
-def copy_bandwidth(dev) -> float:
-    """bytes/s of a 2 GiB device-to-device copy, read + write counted."""
-    n = 1 << 31
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    ms = float(triton.testing.do_bench(lambda: b.copy_(a), warmup=20, rep=100, return_mode="median"))
-    return 2 * n / (ms * 1e-3)
 
 
 class TorchLayer:

@@ -33,6 +33,7 @@ if "--smoke" in sys.argv:
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from ceilings import copy_bandwidth  # noqa: E402
 from m3serve.config import KV_BYTES_PER_ELEMENT  # noqa: E402
 from m3serve.executor.kv_cache import LayerKVCache  # noqa: E402
 from m3serve.kernels.dispatch import tuned  # noqa: E402
@@ -149,15 +150,6 @@ def unfused_torch_msa_decode(q, iq, pool, bt, ctx, scale):
 
 
 # ----------------------------------------------------------------------------------------------- benches
-def bench_copy(device):
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = t_eager(lambda: b.copy_(a), rep=100)
-    del a, b
-    return 2 * n / (ms * 1e-3)
-
-
 def bench_decode(pool, ctx, batch, device, copy_bw, timer, graph, refs):
     S = batch
     nb = ctx // B
@@ -425,7 +417,7 @@ def main():
         ins = [int(x) for x in args.insert_tokens.split(",") if x]
         prefill = [tuple(int(y) for y in x.split(":")) for x in args.prefill.split(",") if x]
         timer, graph = t_eager, t_graph
-        copy_bw = bench_copy(device)
+        copy_bw = copy_bandwidth(device)
     dtypes = args.dtypes.split(",")
 
     def dump(res):

@@ -105,7 +105,8 @@ def bench_one(cfg, layer, kv, T, device, timer):
 
 def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_msa import bench_copy, fmt_table, t_cpu, t_eager
+    from bench_msa import fmt_table, t_cpu, t_eager
+    from ceilings import copy_bandwidth
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -122,7 +123,7 @@ def main():
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "triton": triton.__version__,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    copy_bw = None if args.smoke else bench_copy(device)
+    copy_bw = None if args.smoke else copy_bandwidth(device)
     meta["copy_bw_TBps"] = copy_bw and copy_bw / 1e12
     print(json.dumps(meta), flush=True)
     rows = []

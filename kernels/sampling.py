@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-GREEDY_EPS = 1e-5  # SamplingInput.GREEDY_EPS
+GREEDY_EPS = 1e-5  # engine.sampling_params.GREEDY_TEMPERATURE (kernels import nothing of the engine)
 
 _M32 = 0xFFFFFFFF
 

@@ -15,6 +15,7 @@ from typing import Any
 
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # seeds are exact integers in [0, 2^64)
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax)
 MAX_LOGPROBS = 20
 
 
@@ -58,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first option of a wrong type or out of range."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from m3serve.engine.sampling_params import GREEDY_TEMPERATURE
+
 
 def _map_tensors(obj, fn):
     """A copy of the dataclass `obj` with `fn` applied to its tensor fields (and its nested dataclasses')."""
@@ -62,7 +64,7 @@ class SamplingInput:
     suppress_token_ids: torch.Tensor | None = None
     max_num_logprobs: int = -1  # top-n raw logprobs to return per row (max over rows); -1 = none
 
-    GREEDY_EPS = 1e-5
+    GREEDY_EPS = GREEDY_TEMPERATURE
 
     @property
     def num_rows(self) -> int:

@@ -9,11 +9,8 @@ from m3serve.executor.worker import Worker
 
 
 class Executor:
-    """kv_dtype, index_dtype, model_dtype and num_pages are known once the constructor returns."""
+    """`num_pages` (every rank's pool holds that many pages) is known once the constructor returns."""
 
-    kv_dtype: str
-    index_dtype: str
-    model_dtype: str
     num_pages: int
     pin_memory: bool = False  # step inputs are built in pinned host memory (copied to a CUDA device without a sync)
 
@@ -32,8 +29,6 @@ class UniprocExecutor(Executor):
                  load_report=None):
         self.worker = Worker(config, model_config, model=model, load_report=load_report)
         w = self.worker
-        self.kv_dtype, self.index_dtype = w.kv_dtype, w.index_dtype
-        self.model_dtype = str(w.model.dtype).replace("torch.", "")
         self.num_pages = w.determine_num_pages(max_model_len)
         w.init_cache(self.num_pages, max_model_len)
         self.pin_memory = w.device.type == "cuda"

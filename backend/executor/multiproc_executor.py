@@ -215,8 +215,6 @@ class MultiprocExecutor(Executor):
         process group and allocate the pool with the pages the fullest rank allows."""
         self.parallel = par.Parallel(0, self.size, config.enable_expert_parallel)
         self.worker = w = Worker(config, model_config, parallel=self.parallel, device=self.devices[0])
-        self.kv_dtype, self.index_dtype = w.kv_dtype, w.index_dtype
-        self.model_dtype = str(w.model.dtype).replace("torch.", "")
         own = w.determine_num_pages(max_model_len)
         ready = self._await("ready", "loading its shard")
         pages = {0: own, **{r: m["num_pages"] for r, m in ready.items()}}

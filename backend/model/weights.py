@@ -23,6 +23,7 @@ class QuantWeight(nn.Module):
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}")
         self.n, self.k, self.fmt, self.lead, self.dtype = n, k, fmt, tuple(lead), dtype  # this rank's shape
+        self.released = False  # `release` ran: a kernel method holds the weight in its own layout
         self.shard = shard or Shard()  # which part of the checkpoint weight that is (tensor parallelism)
         shape = (*self.lead, n)
         if fmt == "dense":

@@ -120,3 +120,10 @@ def test_cli_make_tiny_generate_capacity(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["kv_bytes_per_token"] == 61_440
     r = _cli("generate", "--model", d, "--prompt-ids", "5", "--tensor-parallel-size", "3", "--device", "cpu")
     assert r.returncode == 2 and "tensor_parallel_size=3 does not divide the model" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["enforce_eager", "enable_expert_parallel"])
+def test_engine_switches_must_be_booleans(name):
+    with pytest.raises(ConfigError, match=f"{name}: must be true or false"):
+        EngineConfig(model="x", **{name: "yes"}).validate()
+    EngineConfig(model="x", **{name: True}).validate()

@@ -76,7 +76,7 @@ class Linear(nn.Module):
         self.method = None
 
     def prepare(self, device: torch.device) -> None:
-        if getattr(self.w, "released", False):
+        if self.w.released:
             return  # a fused kernel (the MoE layer's, for its shared expert) holds this weight in its own layout
         self.method = select_linear_method(self.w, device, self.method)
 
