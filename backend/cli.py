@@ -35,6 +35,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="queue the next decode step on the device before this step's tokens are back")
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 7, '
                         '"draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}\' (draft: MODEL/dspark)')
@@ -44,7 +46,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ["device", "dtype", "kv_cache_dtype", "attention_config", "block_size", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "enable_prefix_caching",
             "tensor_parallel_size", "enable_expert_parallel", "num_gpu_blocks_override", "seed", "enforce_eager",
-            "speculative_config"]
+            "async_scheduling", "speculative_config"]
     return {k: getattr(a, k) for k in keys}
 
 

@@ -290,6 +290,7 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = None  # DSpark: engine/spec/config.py
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps launch their kernels one by one)
+    async_scheduling: bool = True  # queue the next decode step before this one's tokens are back (llm_engine.py)
     num_gpu_blocks_override: int | None = None  # fixes the page-pool size (tests, CPU)
     reasoning_parser: str | None = None
     disable_hybrid_kv_cache_manager: bool = False  # accepted for launch-line compatibility (one pool anyway)
@@ -322,7 +323,7 @@ class EngineConfig:
         elif tp > 1 and str(self.device).startswith("cuda:"):
             problems.append(f"device: {self.device!r} names one GPU; with tensor_parallel_size={tp} use 'cuda' "
                             "(rank r runs on cuda:r; pick the GPUs with CUDA_VISIBLE_DEVICES)")
-        for name in ("enable_expert_parallel", "enforce_eager"):
+        for name in ("enable_expert_parallel", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.speculative_config:  # None or {}: off

@@ -74,23 +74,28 @@ def start_synthetic(engine, batch: int, context: int, max_tokens: int, g: torch.
     return rids
 
 
-def time_decode(engine, device, batch, context, steps, warmup=3) -> float:
-    """Median seconds per engine step (host + device, as served) over `steps` decode steps."""
+def time_decode(engine, device, batch, context, steps, warmup=3, runs=3) -> float:
+    """Seconds per engine step as served: `steps` consecutive `step()` calls timed together, no synchronisation in
+    between (with async scheduling the next step is queued while this one runs, and the host's work overlaps the
+    device's; each call still waits for its step's tokens), the median of `runs` such runs."""
     g = torch.Generator().manual_seed(context + batch)
-    rids = start_synthetic(engine, batch, context, steps + warmup + 2, g)
+    rids = start_synthetic(engine, batch, context, runs * steps + warmup + 4, g)
     times = []
     try:
-        for i in range(steps + warmup):
-            sync(device)
+        for _ in range(warmup):
+            assert len(engine.step()) == batch
+        for _ in range(runs):
             t0 = time.perf_counter()
-            outs = engine.step()
-            sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            assert len(outs) == batch, (len(outs), batch)
+            for _ in range(steps):
+                outs = engine.step()
+                assert len(outs) == batch, (len(outs), batch)
+            times.append((time.perf_counter() - t0) / steps)
     finally:
         for rid in rids:
             engine.abort_request(rid)
+        while engine.has_unfinished_requests():  # a step queued ahead for the aborted requests
+            engine.step()
+        sync(device)
     return sorted(times)[len(times) // 2]
 
 
@@ -104,12 +109,13 @@ def experts_touched(engine, batch, context) -> list[float]:
         if hasattr(layer.mlp, "gate"):
             hooks.append(layer.mlp.register_forward_pre_hook(
                 lambda mod, inp, i=i: seen.setdefault(i, set()).update(mod.gate(inp[0])[1].flatten().tolist())))
-    runner = engine.executor.worker.runner
+    runner, cfg = engine.executor.worker.runner, engine.config
     graphs, runner.graphs = runner.graphs, None
+    queue, cfg.async_scheduling = cfg.async_scheduling, False  # exactly one step runs
     try:
-        time_decode(engine, engine.executor.worker.device, batch, context, steps=1, warmup=0)
+        time_decode(engine, engine.executor.worker.device, batch, context, steps=1, warmup=0, runs=1)
     finally:
-        runner.graphs = graphs
+        runner.graphs, cfg.async_scheduling = graphs, queue
         for h in hooks:
             h.remove()
     return [float(len(seen[i])) for i in sorted(seen)]
@@ -161,6 +167,7 @@ def build(num_layers, dense_layers, device, args, max_context):
     pages = max_batch * (-(-(max_context + 64) // cfg.index_block_size)) + 16
     engine = make_engine(model, device=str(device), dtype="bfloat16", max_model_len=max_context + 64,
                          max_num_seqs=max_batch, num_gpu_blocks_override=pages, enforce_eager=args.enforce_eager,
+                         async_scheduling=not args.no_async_scheduling,
                          max_num_batched_tokens=args.chunk)
     randomize_cache(engine)
     return cfg, model, engine
@@ -184,12 +191,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batches", default="1,4,16,64")
-    p.add_argument("--contexts", default="1024,32768,131072")
+    p.add_argument("--contexts", default="1024,4096,32768,131072")
     p.add_argument("--ttft", default="1024,8192,32768")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="decode steps per timed run (3 runs)")
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     p.add_argument("--scaling-context", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (no step queued ahead)")
     p.add_argument("--smoke", action="store_true", help="CPU, toy geometry (hidden 256, 8 experts, vocab 4K)")
     a = p.parse_args(argv)
     a.batches = [int(x) for x in a.batches.split(",")]
@@ -202,7 +210,8 @@ def main(argv=None) -> int:
         a.batches, a.contexts, a.ttft, a.steps, a.chunk, a.scaling_context = [1, 2], [40], [48], 2, 64, 40
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "layers": a.layers, "cuda_graphs": device.type == "cuda" and not a.enforce_eager}
+           "torch": torch.__version__, "layers": a.layers, "cuda_graphs": device.type == "cuda" and not a.enforce_eager,
+           "async_scheduling": not a.no_async_scheduling}
     bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
     res["copy_bytes_per_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)

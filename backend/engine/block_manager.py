@@ -99,13 +99,17 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.prefix_hit_tokens += seq.num_cached_tokens
 
+    def pages_to_append(self, seq: Sequence, lookahead: int = 0) -> int:
+        """Free pages `append_slot(seq, lookahead)` takes."""
+        return max(0, self._pages_needed(seq.num_tokens + lookahead) - len(seq.pages))
+
     def can_append_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
-        return self._pages_needed(seq.num_tokens + lookahead) - len(seq.pages) <= self.num_free_pages
+        return self.pages_to_append(seq, lookahead) <= self.num_free_pages
 
     def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
         """Make sure every token of `seq` (the newest included) has a slot, and `lookahead` positions past it
-        (a speculative step's drafted tokens)."""
-        for _ in range(self._pages_needed(seq.num_tokens + lookahead) - len(seq.pages)):
+        (a speculative step's drafted tokens; with async scheduling, the token a running step samples)."""
+        for _ in range(self.pages_to_append(seq, lookahead)):
             seq.pages.append(self._take_free())
 
     def _release(self, pid: int) -> None:

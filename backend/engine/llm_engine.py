@@ -25,13 +25,14 @@ from m3serve.engine.block_manager import BlockManager
 from m3serve.engine.faults import FailedOutput, contained, describe
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
-from m3serve.engine.scheduler import Scheduler
+from m3serve.engine.scheduler import ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
 from m3serve.engine.spec.metrics import SpecDecodeStats
 from m3serve.engine.spec.scheduling import num_draft_tokens
-from m3serve.engine.step import SamplerOutput
+from m3serve.engine.step import SamplerOutput, StepInput
 from m3serve.engine.step_builder import StepBuilder
 from m3serve.executor.executor import create_executor
+from m3serve.executor.worker import PendingOutput
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,16 @@ class PreparedRequest:
     max_tokens: int
     reasoning_parser: str | None
     thinking_mode: str | None
+
+
+@dataclass
+class _InFlight:
+    """A step launched on the executor whose tokens the engine has not processed yet."""
+    batch: ScheduledBatch
+    step: StepInput
+    seqs: list[Sequence]  # the sequences it samples, one per sampling row
+    out: PendingOutput | None
+    error: Exception | None = None  # launching it failed (a step queued ahead: its requests fail when it is due)
 
 
 class LLMEngine:
@@ -80,6 +91,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
+        self._inflight: _InFlight | None = None  # the step queued on the device, its tokens not yet processed
 
     # ---- setup helpers ---------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -177,25 +189,79 @@ class LLMEngine:
         return None if seq is None else self._output(seq, [], "", "", [])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests in flight, or a step still queued on the device (async scheduling: its rows may all belong to
+        requests that ended meanwhile; one more `step()` drains it)."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        step, seqs = self.step_builder.build(batch)
+        """Run the next step and return its outputs. With async scheduling the step after it is already queued on
+        the device when this returns (`_launch_ahead`): the host's work between two steps (outputs, detokenizing,
+        scheduling, the next step's input) overlaps the device's."""
+        if self._inflight is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            step, seqs = self.step_builder.build(batch)
+            try:
+                out = self.executor.launch(step)
+            except Exception as e:
+                return self._failed_step(batch.seqs, e)
+            self._inflight = _InFlight(batch, step, seqs, out)
+        current, self._inflight = self._inflight, None
+        self._inflight = self._launch_ahead(current)
+        return self._complete(current)
+
+    def _failed_step(self, seqs: list[Sequence], e: Exception) -> list[RequestOutput]:
+        """The forward or the sampler failed: this step's requests fail, their pages are freed."""
+        if not contained(e) or not self.executor_alive():
+            raise e  # a device fault, or a worker (tensor parallel) gone: the engine is dead
+        log.exception("engine step failed: failing its %d requests", len(seqs))
+        return [self._fail(seq, e) for seq in seqs if not seq.is_finished]
+
+    def _launch_ahead(self, cur: "_InFlight") -> "_InFlight | None":
+        """Queue the next decode step of `cur`'s sequences before `cur`'s tokens are back, when the step after `cur`
+        can only be that: every running sequence decodes in `cur`, nothing waits for admission, no sampling option
+        reads the output tokens (penalties), no speculative decoding (its steps are scheduled from the accepted runs). Each sequence feeds the token `cur` samples (read on the device) at
+        the position after its last known token; one that `cur` brings to max_tokens is left out. A sequence that
+        `cur` ends otherwise (a stop token or string) wasted its row: `_complete` drops it."""
+        sch = self.scheduler
+        if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
+                or self.spec_stats is not None or sch.waiting or not cur.seqs or len(cur.seqs) != len(sch.running)):
+            return None
+        sampled = {id(s) for s in cur.seqs}
+        if any(id(s) not in sampled or s.sampling_params.has_penalties for s in sch.running):
+            return None
+        rows = [i for i, s in enumerate(cur.seqs) if s.num_output_tokens + 1 < s.max_tokens]
+        seqs = [cur.seqs[i] for i in rows]
+        if not seqs or sum(self.block_manager.pages_to_append(s, 1) for s in seqs) > self.block_manager.num_free_pages:
+            return None  # nothing to run, or a page short: the next step is scheduled when `cur` is done
+        for s in seqs:
+            self.block_manager.append_slot(s, 1)
+        batch = ScheduledBatch(seqs, [1] * len(seqs), [0] * len(seqs))
+        step, _ = self.step_builder.build(batch, prev_rows=rows)
         try:
-            sampled = self.executor.execute(step)
-        except Exception as e:  # forward or sampler: this step's requests fail, their pages are freed
+            return _InFlight(batch, step, seqs, self.executor.launch(step, cur.out.device.token_ids))
+        except Exception as e:  # its requests fail once `cur`'s tokens are out; a device fault kills the engine now
             if not contained(e) or not self.executor_alive():
-                raise  # a device fault, or a worker (tensor parallel) gone: the engine is dead
-            log.exception("engine step failed: failing its %d requests", len(batch.seqs))
-            return [self._fail(seq, e) for seq in batch.seqs]
+                raise
+            return _InFlight(batch, step, seqs, None, e)
+
+    def _complete(self, cur: "_InFlight") -> list[RequestOutput]:
+        """Wait for `cur`'s tokens and turn them into outputs; rows of sequences that ended (or were aborted) since
+        it was launched are dropped."""
+        batch, step, seqs = cur.batch, cur.step, cur.seqs
+        try:
+            if cur.error is not None:
+                raise cur.error
+            sampled = cur.out.result()
+        except Exception as e:
+            return self._failed_step(batch.seqs, e)
         rows = self._rows(sampled, seqs)
+        live = [(seq, row) for seq, row in zip(seqs, rows) if not seq.is_finished]
         appended: dict[int, tuple] = {}
         failed: dict[int, Exception] = {}
-        for seq, row in zip(seqs, rows):
+        for seq, row in live:
             try:
                 appended[id(seq)] = self._append(seq, row)
             except Exception as e:  # this request's text state (detokenizer, stop strings, parser)
@@ -213,7 +279,7 @@ class LLMEngine:
         self.scheduler.update(batch, rejected)
         self.num_steps += 1
         outputs = []
-        for seq in seqs:
+        for seq, _ in live:
             if id(seq) in failed:
                 outputs.append(self._fail(seq, failed[id(seq)]))
                 continue

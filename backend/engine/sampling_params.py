@@ -61,6 +61,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, frequency or presence penalty: sampling reads the tokens generated so far."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self) -> None:
         """Raise InvalidRequest naming the first option of a wrong type or out of range."""
         _int(self.n, "n", 1, 1, "only n=1 is supported")

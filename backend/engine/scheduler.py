@@ -167,9 +167,11 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, num_rejected: list[int] | None = None) -> None:
         """After the forward, with the step's new tokens appended to the sequences: the scheduled tokens are in the
         cache, less the `num_rejected` rejected drafts per sequence (their rows are garbage, overwritten later);
-        register full blocks, return lookahead pages left empty."""
+        register full blocks, return lookahead pages left empty. Sequences that ended meanwhile are skipped."""
         drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
         for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
+            if seq.is_finished:  # ended (or aborted) while the step ran: its pages are gone
+                continue
             seq.num_computed_tokens += n - (num_rejected[i] if num_rejected else 0)
             self.bm.mark_computed(seq)
             if k:

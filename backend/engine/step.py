@@ -141,6 +141,9 @@ class StepInput:
     attn_tiles: torch.Tensor | None = None  # int32 [n, 3], block-sparse attention
     index_tiles: torch.Tensor | None = None  # int32 [n, 3], the indexer
     spec: SpecInput | None = None  # the sequences that speculate this step (None: none)
+    # async scheduling: the step was launched before the previous step's tokens reached the host; token t's input id
+    # is row prev_token_rows[t] of that step's sampled token ids (still on the device), input_ids holds zeros
+    prev_token_rows: torch.Tensor | None = None  # int64 [T]
 
     @property
     def num_tokens(self) -> int:

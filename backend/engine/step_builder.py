@@ -34,15 +34,22 @@ class StepBuilder:
         self.pin_memory = pin_memory  # page-locked tensors: the copy to the GPU does not block the host
         self.num_speculative_tokens = num_speculative_tokens  # K (0: speculative decoding is off)
 
-    def build(self, batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
-        """The step's input, and the sequences whose next token it samples (one per logits index, in order)."""
+    def build(self, batch: ScheduledBatch, prev_rows: list[int] | None = None) -> tuple[StepInput, list[Sequence]]:
+        """The step's input, and the sequences whose next token it samples (one per logits index, in order).
+
+        `prev_rows` (async scheduling): the batch's sequences are decodes launched while the step sampling their
+        newest token still runs; that token is row prev_rows[i] of its sampled ids and goes in at position
+        `num_tokens` (the host does not know it yet)."""
         bs = self.block_size
+        ahead = int(prev_rows is not None)  # tokens of each sequence that the running step is still sampling
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
         sample_rows, sample_seqs, spec = [], [], []
         drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
         for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids[start:end - k] + [0] * k  # the worker writes the drafts over the k placeholders
+            start = seq.num_tokens if ahead else seq.num_computed_tokens
+            end = start + n
+            known = seq.token_ids[start:end - k]
+            ids += known + [0] * (n - len(known))  # the worker writes the drafts (or the pending token) over these
             pos += range(start, end)
             pages = seq.pages
             slots += [pages[p // bs] * bs + p % bs for p in range(start, end)]
@@ -52,7 +59,7 @@ class StepBuilder:
                 spec.append((len(sample_rows), i, qsl[-2], k))
                 sample_rows.append(qsl[-2])
                 sample_seqs.append(seq)
-            elif end == seq.num_tokens:
+            elif end == seq.num_tokens + ahead:
                 sample_rows.append(qsl[-1] - 1)
                 sample_seqs.append(seq)
         tables = _padded([s.pages for s in batch.seqs]).clamp_(min=0).to(torch.int32)
@@ -63,8 +70,9 @@ class StepBuilder:
             max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens), block_tables=tables,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
-            sampling=self.sampling(sample_seqs) if sample_seqs else None,
-            spec=self._spec(spec, len(sample_rows)) if spec else None)
+            sampling=self.sampling(sample_seqs, ahead) if sample_seqs else None,
+            spec=self._spec(spec, len(sample_rows)) if spec else None,
+            prev_token_rows=torch.tensor(prev_rows, dtype=torch.int64) if ahead else None)
         return (step.pin_memory() if self.pin_memory else step), sample_seqs
 
     def _spec(self, rows: list[tuple[int, int, int, int]], num_sample_rows: int) -> SpecInput:
@@ -81,7 +89,9 @@ class StepBuilder:
             plain_rows=torch.tensor([r for r in range(num_sample_rows) if r not in speculating], **i64),
             num_speculative_tokens=K)
 
-    def sampling(self, seqs: list[Sequence]) -> SamplingInput:
+    def sampling(self, seqs: list[Sequence], ahead: int = 0) -> SamplingInput:
+        """`ahead`: tokens of each sequence sampled by a step still running (async scheduling; no penalties then:
+        they read the output tokens)."""
         sps = [s.sampling_params for s in seqs]
         greedy = [sp.greedy for sp in sps]
         f32 = torch.float32
@@ -91,7 +101,7 @@ class StepBuilder:
             top_p=torch.tensor([sp.top_p for sp in sps], dtype=f32),
             min_p=torch.tensor([sp.min_p for sp in sps], dtype=f32),
             seeds=torch.tensor([as_int64(s.seed) for s in seqs], dtype=torch.int64),
-            positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64),
+            positions=torch.tensor([s.num_tokens + ahead for s in seqs], dtype=torch.int64),
             all_greedy=all(greedy),
             needs_top_k=any(sp.top_k > 0 and not g for sp, g in zip(sps, greedy)),
             needs_top_p=any(sp.top_p < 1.0 and not g for sp, g in zip(sps, greedy)),
@@ -109,14 +119,14 @@ class StepBuilder:
             s.presence_penalty = torch.tensor(pres, dtype=f32)
         if s.repetition_penalty is not None or s.frequency_penalty is not None or s.presence_penalty is not None:
             s.output_token_ids = _padded([s.output_token_ids for s in seqs])
-        suppress = [self._suppressed(s) for s in seqs]
+        suppress = [self._suppressed(s, ahead) for s in seqs]
         if any(suppress):
             s.suppress_token_ids = _padded(suppress)
         return s
 
-    def _suppressed(self, seq: Sequence) -> list[int]:
+    def _suppressed(self, seq: Sequence, ahead: int = 0) -> list[int]:
         """Token ids the sequence may not produce yet: its stop ids and EOS until min_tokens outputs."""
         sp = seq.sampling_params
-        if seq.num_output_tokens >= sp.min_tokens:
+        if seq.num_output_tokens + ahead >= sp.min_tokens:
             return []
         return sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids))

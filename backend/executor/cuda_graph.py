@@ -66,6 +66,7 @@ class DecodeBuffers:
         self.block_tables = torch.zeros(max_seqs, max_pages, dtype=i32, **z)
         self.slot_mapping = torch.full((max_seqs,), -1, dtype=i64, **z)
         self.logits_indices = torch.arange(max_seqs, dtype=i64, **z)
+        self.prev_rows = torch.zeros(max_seqs, dtype=i64, **z)  # a step launched ahead: rows of the previous ids
         self.temperature = torch.zeros(max_seqs, dtype=f32, **z)
         self.top_k = torch.zeros(max_seqs, dtype=i32, **z)
         self.top_p = torch.ones(max_seqs, dtype=f32, **z)
@@ -87,11 +88,16 @@ class DecodeBuffers:
         return SamplingInput(self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.min_p[:batch],
                              self.seeds[:batch], self.sample_positions[:batch])
 
-    def fill(self, step: StepInput, batch: int) -> None:
-        """Copy a decode step of S <= batch sequences in; rows S..batch become padding."""
+    def fill(self, step: StepInput, batch: int, prev_token_ids: torch.Tensor | None = None) -> None:
+        """Copy a decode step of S <= batch sequences in; rows S..batch become padding. A step launched ahead of
+        its input ids gathers them from the previous step's sampled ids on the device (`prev_token_ids`)."""
         n, w = step.num_seqs, step.block_tables.shape[1]
         nb = dict(non_blocking=True)
-        self.input_ids[:n].copy_(step.input_ids, **nb)
+        if prev_token_ids is None:
+            self.input_ids[:n].copy_(step.input_ids, **nb)
+        else:
+            self.prev_rows[:n].copy_(step.prev_token_rows, **nb)
+            torch.index_select(prev_token_ids, 0, self.prev_rows[:n], out=self.input_ids[:n])
         self.positions[:n].copy_(step.positions, **nb)
         self.seq_lens[:n].copy_(step.seq_lens, **nb)
         self.block_tables[:n, :w].copy_(step.block_tables, **nb)
@@ -172,12 +178,12 @@ class CudaGraphRunner:
         return (step.is_decode and step.sampling is not None and step.num_seqs <= self.batches[-1]
                 and step.block_tables.shape[1] <= self.widths[-1])
 
-    def execute(self, step: StepInput) -> SamplerOutput:
+    def execute(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput:
         """Replay the graphs for a decode step (host tensors, or already on the device)."""
         n = step.num_seqs
         batch = _bucket(self.batches, n)
         width = _bucket(self.widths, step.block_tables.shape[1])
-        self.buffers.fill(step, batch)
+        self.buffers.fill(step, batch, prev_token_ids)
         self.forward_graphs[(batch, width)].replay()
         self.num_replays += 1
         if step.sampling.is_simple:

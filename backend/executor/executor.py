@@ -3,9 +3,11 @@ of them, hand back rank 0's sampled tokens. One worker in this process (`Uniproc
 tensor_parallel_size > 1 rank 0 here and worker processes for the other ranks (`multiproc_executor.py`)."""
 from __future__ import annotations
 
+import torch
+
 from m3serve.config import EngineConfig, ModelConfig
 from m3serve.engine.step import SamplerOutput, StepInput
-from m3serve.executor.worker import Worker
+from m3serve.executor.worker import PendingOutput, Worker
 
 
 class Executor:
@@ -13,9 +15,17 @@ class Executor:
 
     num_pages: int
     pin_memory: bool = False  # step inputs are built in pinned host memory (copied to a CUDA device without a sync)
+    supports_async_scheduling: bool = False  # `launch` returns before the step's tokens are back, and a step may
+    #   read the previous step's tokens on the device (`StepInput.prev_token_rows`)
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         raise NotImplementedError
+
+    def launch(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> PendingOutput:
+        """Start the step; its tokens come from the returned object's `result()`. Here: run it to completion."""
+        if prev_token_ids is not None:
+            raise ValueError("this executor does not take a step's input ids from the previous step")
+        return PendingOutput.ready(self.execute(step))
 
     def check_health(self) -> None:
         """Raise if a worker is gone (the engine then reports itself dead)."""
@@ -32,9 +42,13 @@ class UniprocExecutor(Executor):
         self.num_pages = w.determine_num_pages(max_model_len)
         w.init_cache(self.num_pages, max_model_len)
         self.pin_memory = w.device.type == "cuda"
+        self.supports_async_scheduling = True
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         return self.worker.execute(step)
+
+    def launch(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> PendingOutput:
+        return self.worker.launch(step, prev_token_ids)
 
 
 def create_executor(config: EngineConfig, model_config: ModelConfig, max_model_len: int, **kwargs) -> Executor:

@@ -53,16 +53,23 @@ class ModelRunner:
         return self.model(step, self.backend)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> SamplerOutput | None:
+    def execute(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:
         """Run one step; the sampled tokens (on the device), or None when the step samples nothing. Tensor-parallel
         ranks other than 0 get the step without its sampling fields: they compute their logits' share (gathered
         to rank 0) and return None. Decode steps replay the CUDA graphs when they were captured; speculative
-        decoding runs its own step (executor/spec_decode.py)."""
+        decoding runs its own step (executor/spec_decode.py). `prev_token_ids`: the previous step's sampled ids on
+        the device, where a step launched ahead of them (`step.prev_token_rows`) takes its input ids."""
+        if (step.prev_token_rows is None) != (prev_token_ids is None):
+            raise ValueError("a step reads the previous step's tokens exactly when it is given them")
         if self.spec is not None:
+            if prev_token_ids is not None:
+                raise ValueError("speculative steps take their input ids from the host")
             return self.spec.execute(step)
         if self.graphs is not None and self.graphs.supports(step):
-            return self.graphs.execute(step)
+            return self.graphs.execute(step, prev_token_ids)
         step = step.to(self.device, non_blocking=True)
+        if prev_token_ids is not None:
+            step.input_ids = prev_token_ids[step.prev_token_rows]
         hidden = self.forward(step)
         if step.logits_indices is None or step.logits_indices.numel() == 0:
             return None

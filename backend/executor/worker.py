@@ -103,6 +103,36 @@ class Worker:
             _wait_device(timeout_s)
         return out.to("cpu")
 
+    def launch(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> "PendingOutput":
+        """Queue the step on the device and return at once (async scheduling): its tokens reach the host when
+        `result()` is called. `prev_token_ids`: the device token ids of the step launched before, which this step
+        reads through `step.prev_token_rows`."""
+        return PendingOutput(self.runner.execute(step, prev_token_ids))
+
+
+class PendingOutput:
+    """A launched step's sampled tokens: on the device at once (`device`: what the next step may read as its input
+    ids), on the host once `result()` returns (the copy is queued behind the step; `result` waits for it alone)."""
+
+    def __init__(self, device_out: SamplerOutput | None):
+        self.device = device_out
+        self._host, self._done = device_out, None
+        if device_out is not None and device_out.token_ids.is_cuda:
+            self._host = device_out.to("cpu", non_blocking=True)  # into page-locked memory
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    @classmethod
+    def ready(cls, host_out: SamplerOutput | None) -> "PendingOutput":
+        """An output already on the host (an executor that runs each step to completion)."""
+        return cls(host_out)
+
+    def result(self) -> SamplerOutput | None:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self._host
+
 
 def _wait_device(timeout_s: float) -> None:
     done = torch.cuda.Event()

@@ -23,16 +23,16 @@ def make(config):
     engine = AsyncLLMEngine(config)
     flag = os.environ["M3SERVE_FAULT_FILE"]
     executor = engine.engine.executor
-    step = executor.execute
+    launch = executor.launch
 
-    def faulty_step(batch):
+    def faulty_step(step, *prev):
         kind = _kind(flag) if os.path.exists(flag) else None
         if kind == "step":
             os.unlink(flag)
             raise RuntimeError("injected step fault")
         if kind == "device":
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (injected)")
-        return step(batch)
+        return launch(step, *prev)
 
-    executor.execute = faulty_step
+    executor.launch = faulty_step
     return engine

@@ -183,7 +183,7 @@ def fail_on_call(obj, name, when, exc):
 
 def test_step_failure_fails_its_requests_and_the_engine_carries_on(make_async, eu, reference_greedy):
     eng = make_async()
-    fail_on_call(eng.engine.executor, "execute", 4, RuntimeError("triton kernel: out of resources"))
+    fail_on_call(eng.engine.executor, "launch", 4, RuntimeError("triton kernel: out of resources"))
     res = run_pair(eng, eu.random_prompts([10, 20], seed=44))
     assert all(isinstance(r, RequestFailed) and "out of resources" in str(r) for r in res), res
     assert eng.is_healthy() and all_pages_free(eng)
@@ -217,9 +217,9 @@ def test_one_requests_failure_leaves_the_others(make_async, eu, reference_greedy
 
 def test_unattributed_failure_fails_what_is_in_flight_and_recovers(make_async, eu):
     eng = make_async()
-    fail_on_call(eng.engine.scheduler, "schedule", 5, RuntimeError("scheduler bug"))
+    fail_on_call(eng.engine.step_builder, "build", 3, RuntimeError("step builder bug"))  # with steps in flight
     res = run_pair(eng, eu.random_prompts([10, 20], seed=48))
-    assert all(isinstance(r, RequestFailed) and "scheduler bug" in str(r) for r in res), res
+    assert all(isinstance(r, RequestFailed) and "step builder bug" in str(r) for r in res), res
     assert eng.is_healthy() and eng.num_recovered_failures == 1 and all_pages_free(eng)
     outs = asyncio.run(collect(eng, "after", prompt_token_ids=[1, 2, 3], sampling_params=greedy(4)))
     assert outs[-1].finish_reason == "length"
@@ -227,16 +227,16 @@ def test_unattributed_failure_fails_what_is_in_flight_and_recovers(make_async, e
 
 def test_leaked_page_after_a_failure_kills_the_engine(make_async, eu):
     eng = make_async()
-    bm, real = eng.engine.block_manager, eng.engine.scheduler.schedule
+    bm, real = eng.engine.block_manager, eng.engine.step_builder.build
     calls = [0]
 
-    def leaky():
+    def leaky(*a, **k):
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] == 3:  # with steps in flight
             bm._take_free()  # a page nobody owns any more: the pool is not whole
             raise RuntimeError("half-done step")
-        return real()
-    eng.engine.scheduler.schedule = leaky
+        return real(*a, **k)
+    eng.engine.step_builder.build = leaky
     res = run_pair(eng, eu.random_prompts([10, 20], seed=49))
     assert all(isinstance(r, (RequestFailed, EngineDeadError)) for r in res), res
     assert wait_for(lambda: not eng.is_healthy()) and "half-done step" in eng.dead_reason
@@ -249,7 +249,7 @@ def test_device_fault_kills_engine(make_async, eu):
     fault = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
     assert is_device_fault(fault) and is_device_fault(RuntimeError("CUDA error: unspecified launch failure"))
     assert not is_device_fault(torch.OutOfMemoryError("CUDA out of memory")) and not is_device_fault(KeyError("x"))
-    fail_on_call(eng.engine.executor, "execute", 4, fault)
+    fail_on_call(eng.engine.executor, "launch", 4, fault)
     res = run_pair(eng, eu.random_prompts([10, 20], seed=44))
     assert all(isinstance(r, EngineDeadError) and "illegal memory access" in str(r) for r in res)
     with pytest.raises(EngineDeadError):

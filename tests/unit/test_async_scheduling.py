@@ -1,0 +1,140 @@
+"""Async scheduling (`LLMEngine._launch_ahead`): the next decode step is queued before the current step's tokens are
+back, its input ids read from the current step's sampled ids on the device. The engine's outputs must be exactly
+those of the synchronous engine: tokens, logprobs, texts, finish reasons, stop strings / tokens ending a sequence
+while its next step already runs, min_tokens, seeds, arrivals and aborts between steps; the page pool whole."""
+import pytest
+import torch
+
+from m3serve.engine.sampling_params import SamplingParams
+
+
+def _params(eos_like: int, stop: str):
+    return [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=33, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos_like]),  # ends early, mid-pipeline
+        SamplingParams(temperature=0.7, top_p=0.8, seed=3, max_tokens=25, ignore_eos=True, min_tokens=20,
+                       stop_token_ids=[eos_like]),
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),  # done by its prefill
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]),  # a stop string, mid-run
+    ]
+
+
+def _run(make_engine, eu, async_scheduling: bool, late=None, abort_at=None):
+    """All requests of `_params`, two more arriving at steps 5 and 9 (`late`), one aborted at step 14 (`abort_at`).
+    {request id: (tokens, finish reason, text, logprobs)}, the engine and the number of steps launched ahead."""
+    eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=96, max_num_batched_tokens=96,
+                      enable_prefix_caching=False, async_scheduling=async_scheduling)
+    prompts = eu.random_prompts([30, 70, 9, 50, 17, 40, 25, 60], seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    probe = make_engine(max_num_seqs=1, num_gpu_blocks_override=32, async_scheduling=False)
+    probe.add_request("p", prompt_token_ids=prompts[2], sampling_params=greedy)
+    toks, text = _probe(probe)
+    eos_like, stop = toks[3], text[len(text) // 2:len(text) // 2 + 2]  # met after a few steps (r2), mid-run (r5)
+    for i, sp in enumerate(_params(eos_like, stop)):
+        eng.add_request(f"r{i}", prompt_token_ids=prompts[2 if i == 5 else i], sampling_params=sp)
+    late = late or {5: ("late0", prompts[6]), 9: ("late1", prompts[7])}
+    res, ahead, step = {}, 0, 0
+    while eng.has_unfinished_requests():
+        if step in late:
+            rid, p = late[step]
+            eng.add_request(rid, prompt_token_ids=p, sampling_params=greedy)
+        if abort_at is not None and step == abort_at[0]:
+            out = eng.abort_request(abort_at[1])
+            if out is not None:
+                _collect(res, out)
+        for o in eng.step():
+            _collect(res, o)
+        ahead += eng._inflight is not None
+        if eng._inflight is None:
+            eu.check_invariants(eng)
+        step += 1
+        assert step < 500
+    assert eng.block_manager.num_free_pages == eng.block_manager.num_pages
+    return res, eng, ahead
+
+
+def _probe(engine) -> tuple[list[int], str]:
+    toks, text = [], ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            toks, text = toks + o.new_token_ids, text + o.text
+    return toks, text
+
+
+def _collect(res, o):
+    toks, _, text, lps = res.get(o.request_id, ([], None, "", []))
+    res[o.request_id] = (toks + list(o.new_token_ids), o.finish_reason, text + o.text, lps + list(o.logprobs or []))
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for rid in a:
+        ta, ra, xa, la = a[rid]
+        tb, rb, xb, lb = b[rid]
+        assert (ta, ra, xa) == (tb, rb, xb), rid
+        assert len(la) == len(lb)
+        for da, db in zip(la, lb):
+            assert da.keys() == db.keys() and all(abs(da[k] - db[k]) < 1e-5 for k in da)
+
+
+def test_async_equals_sync(make_engine, eu):
+    sync, _, ahead_sync = _run(make_engine, eu, False)
+    asyn, eng, ahead = _run(make_engine, eu, True)
+    assert ahead_sync == 0 and ahead > 20  # the pipeline ran for most steps
+    _same(sync, asyn)
+    reasons = {rid: r for rid, (_, r, _, _) in asyn.items()}
+    assert reasons["r2"] == "stop" and len(asyn["r2"][0]) == 4  # ended by a stop token while its next step ran
+    assert reasons["r5"] == "stop" and len(asyn["r5"][0]) < 30  # ended by a stop string likewise
+    assert len(asyn["r3"][0]) >= 20  # min_tokens held with the pending token counted
+    assert len(asyn["r4"][0]) == 1 and reasons["r4"] == "length"
+
+
+def test_abort_while_a_step_is_queued(make_engine, eu):
+    sync, _, _ = _run(make_engine, eu, False, abort_at=(14, "r0"))
+    asyn, _, _ = _run(make_engine, eu, True, abort_at=(14, "r0"))
+    assert asyn["r0"][1] == "abort" and 0 < len(asyn["r0"][0]) < 40
+    _same(sync, asyn)
+
+
+def test_penalties_keep_steps_synchronous(make_engine, eu):
+    """A repetition penalty reads the output tokens, which a step launched ahead does not have: no step goes
+    ahead while such a request runs, and its tokens are those of the synchronous engine."""
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    out = {}
+    for mode in (False, True):
+        eng = make_engine(max_num_seqs=4, num_gpu_blocks_override=32, async_scheduling=mode)
+        eng.add_request("a", prompt_token_ids=eu.random_prompts([20], seed=2)[0], sampling_params=sp)
+        toks, ahead = [], 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                toks += o.new_token_ids
+            ahead += eng._inflight is not None
+        out[mode] = toks
+        assert ahead == 0
+    assert out[True] == out[False] and len(out[True]) == 20
+
+
+def test_launch_ahead_reads_the_previous_tokens_on_the_device(make_engine, eu):
+    """The queued step's input ids are zeros on the host and the running step's sampled ids by row."""
+    eng = make_engine(max_num_seqs=4, num_gpu_blocks_override=32)
+    for i, p in enumerate(eu.random_prompts([12, 20], seed=5)):
+        eng.add_request(f"q{i}", prompt_token_ids=p,
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.step()  # the prefills; the first decode step goes ahead
+    queued = eng._inflight
+    assert queued is not None and queued.step.prev_token_rows is not None
+    assert torch.equal(queued.step.input_ids, torch.zeros(2, dtype=torch.int64))
+    assert queued.step.prev_token_rows.tolist() == [0, 1]
+    # step() processed the prefills' tokens after queueing: the queued step feeds each at its position
+    fed = [s.num_tokens - 1 for s in queued.seqs]
+    assert queued.step.positions.tolist() == fed and queued.step.seq_lens.tolist() == [n + 1 for n in fed]
+    assert queued.step.sampling.positions.tolist() == [n + 1 for n in fed]
+
+
+@pytest.mark.parametrize("flag", ["yes", 1])
+def test_async_scheduling_must_be_boolean(make_engine, flag):
+    from m3serve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        make_engine(async_scheduling=flag)
