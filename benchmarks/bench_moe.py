@@ -35,7 +35,9 @@ import triton.testing  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/support: random layers
 
 from ceilings import copy_bandwidth  # noqa: E402
-from m3serve.kernels.moe import MoEStep, fused_moe, moe_config, moe_prepare_module  # noqa: E402
+from m3serve.kernels import dispatch  # noqa: E402
+from m3serve.kernels.dispatch import tuned  # noqa: E402
+from m3serve.kernels.moe import MoEStep, fused_moe, moe_prepare_module  # noqa: E402
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare  # noqa: E402
 from m3serve.model.weights import QuantWeight  # noqa: E402
 from support.moe import fill_random, m3_moe_config, random_moe, rel_err, tiny_moe_config  # noqa: E402
@@ -57,6 +59,19 @@ def timed(fn, graph: bool, rep: int) -> float:
     else:
         run = fn
     return float(triton.testing.do_bench(run, warmup=max(5, rep // 5), rep=rep, return_mode="median"))
+
+
+def timed_variant(table: str, v: tuple, chosen, fn, rep: int) -> dict:
+    """fn timed with ``v`` = (path, configs...) as the only row of the dispatch table ``table`` (a `Tuning` field);
+    ``chosen()`` = what dispatch picks then: a variant it does not pick (shapes, device) is recorded, not timed."""
+    with tuned(**{table: ((None, *v),)}):
+        got = chosen()
+        if got != v:
+            return dict(config=repr(v), error=f"not selectable here: dispatch picks {got!r}")
+        try:
+            return dict(config=repr(v), ms=timed(fn, True, rep))
+        except Exception as exc:  # noqa: BLE001  (a variant the kernels refuse: recorded, not fatal)
+            return dict(config=repr(v), error=str(exc)[:200])
 
 
 class TorchLayer:
@@ -116,7 +131,7 @@ class TorchLayer:
 
 
 def variants(T: int) -> list[tuple]:
-    """Configs timed besides the default (the sweep that sets `MOE_TUNING`): (p, nt, unroll) of gate_up and down."""
+    """Configs timed besides the default (the sweep that sets `dispatch.MOE_TABLE`): (path, gate_up, down)."""
     m = lambda g, d: ("mma", dict(p=g[0], nt=g[1], unroll=g[2]), dict(p=d[0], nt=d[1], unroll=d[2]))
     t = lambda g, d: ("tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3),
                       dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3))
@@ -133,12 +148,13 @@ def variants(T: int) -> list[tuple]:
 STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
 
 
-def linear_variants(M: int) -> list[dict]:
+def linear_variants(M: int) -> list[tuple]:
+    """Configs timed besides the default (the sweep that sets `dispatch.LINEAR_TABLE`): (path, config)."""
     if M <= 16:
-        return [dict(p=1, nt=16, unroll=2)]
+        return [("mma", dict(p=1, nt=16, unroll=2))]
     if M <= 64:
-        return [dict(p=1, nt=64, unroll=2), dict(p=1, nt=32, unroll=2)]
-    return [dict(bm=128, bn=128, num_warps=8, num_stages=3), dict(p=1, nt=64, unroll=2)]
+        return [("mma", dict(p=1, nt=64, unroll=2)), ("mma", dict(p=1, nt=32, unroll=2))]
+    return [("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3)), ("mma", dict(p=1, nt=64, unroll=2))]
 
 
 def bench_layer(args, dev, bw, res):
@@ -159,10 +175,9 @@ def bench_layer(args, dev, bw, res):
         touched = int((rl[0].counts > 0).sum())
         nbytes = touched * e_bytes + s_bytes + r_bytes
         flops = 2 * 3 * cfg.hidden_size * cfg.intermediate_size * T * (cfg.num_experts_per_tok + 1)
-        default = moe_config(T, w, x.device)
+        default = dispatch.moe_config(T, w, x.device)
         row = dict(tokens=T, experts_touched=touched, bytes=nbytes, flops=flops, default=repr(default))
-        layer = lambda c=None, ov=None: fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, config=c,
-                                                  overlap=ov, **kw)
+        layer = lambda: fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, **kw)
         row["ms"] = timed(layer, True, args.rep)
         step = MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, **kw)
         step.run()
@@ -170,14 +185,13 @@ def bench_layer(args, dev, bw, res):
             row[name + "_ms"] = timed(getattr(step, name), True, args.rep)
         row["variants"] = []
         if dev == "cuda":
-            row["variants"].append(dict(config="shared expert in the routed launches (no side stream)",
-                                        ms=timed(lambda: layer(None, False), True, args.rep)))
+            with tuned(moe_overlap=False):
+                row["variants"].append(dict(config="shared expert in the routed launches (no side stream)",
+                                            ms=timed(layer, True, args.rep)))
         if args.variants and dev == "cuda":
             for v in variants(T):
-                try:
-                    row["variants"].append(dict(config=repr(v), ms=timed(lambda: layer(v), True, args.rep)))
-                except Exception as exc:  # noqa: BLE001  (a variant the shapes do not allow: recorded, not fatal)
-                    row["variants"].append(dict(config=repr(v), error=str(exc)[:200]))
+                row["variants"].append(timed_variant("moe_table", v, lambda: dispatch.moe_config(T, w, x.device),
+                                                     layer, args.rep))
         if ref is not None:
             row["err_vs_torch_bf16"] = rel_err(y, ref.grouped(x))
             row["torch_grouped_ms"] = timed(lambda: ref.grouped(x), True, args.rep)
@@ -218,7 +232,8 @@ def bench_linear(args, dev, res):
             row["speedup_vs_bf16"] = row["bf16_ms"] / row["ms"]
             row["variants"] = []
             for v in (linear_variants(M) if args.variants and dev == "cuda" else []):
-                row["variants"].append(dict(config=repr(v), ms=timed(lambda: quant_linear(x, ql, v), True, args.rep)))
+                row["variants"].append(timed_variant("linear_table", v, lambda: dispatch.linear_config(
+                    M, ql.packed, x.device), lambda: quant_linear(x, ql), args.rep))
             rows.append(row)
             print(json.dumps(row), flush=True)
     res["linear"] = rows

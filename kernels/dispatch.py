@@ -3,14 +3,20 @@
 * **Portable or mma.** NVFP4 decode at M3's shapes (128-token pages, head dim 128; 16 query heads per KV head for
   attention, <= 8 index heads for the scan) on sm_89 / sm_90 runs the Gluon ``mma.sync`` kernels of `nvfp4_mma`
   (`use_mma_index_scan`, `use_mma_decode_attention`); every other op, format, shape and device runs the portable
-  ``tl`` kernels (`indexer`, `msa_attention`), which serve NVIDIA, AMD and the interpreter alike.
+  ``tl`` kernels (`indexer`, `msa_attention`), which serve NVIDIA, AMD and the interpreter alike. The MoE expert
+  GEMMs and the quantized linears choose between `grouped_gemm_mma` (sm_89 / sm_90, decode-sized steps) and the
+  portable `grouped_gemm` by token count: `moe_config` and `linear_config` read the tables `MOE_TABLE` and
+  `LINEAR_TABLE`.
 * **Tuning.** `Tuning` holds every launch choice that was measured or can be varied: tile sizes, warps, stages,
-  split-K targets, the decoders. Its defaults are the ones measured on the H200 (docs/performance.md: the
-  decoder, tune and NVFP4 variant tables); ``None`` means the rule written beside the field. The kernels' public
-  functions take no such switches: a benchmark or a test selects a variant for a block of calls::
+  split-K targets, the decoders, the MoE / linear tables. Its defaults are the ones measured on the H200
+  (docs/performance.md: the decoder, tune and NVFP4 variant tables, the MoE section); ``None`` means the rule
+  written beside the field. The kernels' public functions take no such switches: a benchmark or a test selects a
+  variant for a block of calls::
 
       with tuned(decode_words=False, decode_block_n=128):
           msa_decode(q, cache, block_tables, seq_lens, scale, block_ids)
+      with tuned(moe_table=((None, "tl", dict(bm=32, bn=64, num_warps=4, num_stages=3), dict(...)),)):
+          fused_moe(x, router_weight, correction_bias, weights, ...)
 
   (`tuned` sets a context variable, so it holds for the calls of this thread / task only.)
 * **Launch geometry** shared by the wrappers and the step planner: `next_pow2`, `prefill_tiles` and the query
@@ -28,11 +34,35 @@ import torch
 
 from . import codecs, platform
 from .codecs import FMT_NVFP4, FMT_PLAIN, MODE_INT, cache_format
+from .grouped_gemm import mma_kernels as gemm_mma_kernels
+from .weight_layout import CHUNK_K, PackedWeight
+
+# The MoE expert GEMMs (`moe_config`), measured on the H200 (docs/performance.md, benchmarks/NOTES-moe.md): rows
+# (most tokens or None, path, gate_up config, down config), the first row that fits the step wins (an "mma" row
+# fits where the mma kernels run and the shapes divide; a "tl" row off CUDA takes `PORTABLE_GEMM`).
+# mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
+# tl: bm x bn output tiles of the portable kernels.
+MOE_TABLE = (
+    (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
+    (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
+    (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
+    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+)
+# The quantized linears (`linear_config`): rows (most rows M or None, path, config), read as `MOE_TABLE`: the mma
+# rows (up to LINEAR_MMA_MAX_ROWS rows), else the portable tiles, small up to 64 rows, large beyond.
+LINEAR_MMA_MAX_ROWS = 256
+LINEAR_TABLE = (
+    (16, "mma", dict(p=1, nt=8, unroll=2)),
+    (LINEAR_MMA_MAX_ROWS, "mma", dict(p=1, nt=16, unroll=2)),
+    (64, "tl", dict(bm=16, bn=64, num_warps=4, num_stages=2)),
+    (None, "tl", dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+)
+PORTABLE_GEMM = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch choices of the attention-side kernels (``None``: the rule in the comment)."""
+    """Launch choices of the kernels (``None``: the rule in the comment)."""
 
     # which kernels
     mma: bool = True  # the Gluon mma.sync kernels where they apply (False: the portable kernels everywhere)
@@ -64,6 +94,10 @@ class Tuning:
     insert_num_warps: int = 4
     # the small kernels (not tuned)
     merge_num_warps: int = 2  # split-K merge
+    # MoE experts (fused_moe) and quantized linears (quant_linear)
+    moe_table: tuple = MOE_TABLE  # path and configs by token count (`moe_config`)
+    moe_overlap: bool = False  # the shared expert on a side stream (`moe.MoEStep`); on once measured on the H200
+    linear_table: tuple = LINEAR_TABLE  # path and config by rows (`linear_config`)
 
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("m3serve_kernel_tuning", default=Tuning())
@@ -233,3 +267,41 @@ def insert_tokens(heads_pad: int) -> int:
 
 def topk_num_warps(num_blocks: int) -> int:
     return 4 if num_blocks > 512 else 1
+
+
+# ----------------------------------------------------------------------------------------------- MoE and linears
+def _mma_gemm_fits(cfg: dict, rows: tuple[int, ...], k_pads: tuple[int, ...]) -> bool:
+    """The mma grouped GEMM's tiles divide the weights: output rows by 16 p, K chunks by warps x unroll."""
+    r, per = 16 * cfg["p"], gemm_mma_kernels().NUM_WARPS * cfg["unroll"]
+    return all(n % r == 0 for n in rows) and all((k // CHUNK_K) % per == 0 for k in k_pads)
+
+
+def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[PackedWeight, ...],
+                 rows: tuple[int, ...], k_pads: tuple[int, ...]) -> tuple:
+    """(path, configs...) of the first row of ``table`` that fits T tokens of these weights on this device."""
+    mma = gemm_mma_kernels()
+    fast = (tuning().mma and mma is not None and mma.available(device)
+            and all(mma.supported(p) for p in weights))
+    portable = ("tl",) + (PORTABLE_GEMM,) * (len(table[0]) - 2)
+    for limit, path, *cfgs in table:
+        if limit is not None and T > limit:
+            continue
+        if path == "mma" and not (fast and all(_mma_gemm_fits(c, rows, k_pads) for c in cfgs)):
+            continue
+        if path == "tl" and device.type != "cuda":
+            return portable
+        return (path, *cfgs)
+    return portable
+
+
+def moe_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
+    """(path, gate_up config, down config) of the MoE expert GEMMs for T tokens of `moe.MoEWeights` ``w`` on this
+    device (`Tuning.moe_table`)."""
+    shared = (w.shared_gate_up, w.shared_down) if w.shared_gate_up is not None else ()
+    return _gemm_config(tuning().moe_table, T, device, (w.gate_up, w.down) + shared, (w.inter_pad, w.hidden),
+                        (w.gate_up.k_pad, w.down.k_pad))
+
+
+def linear_config(M: int, w: PackedWeight, device: torch.device) -> tuple[str, dict]:
+    """(path, config) of a quantized linear for M rows of ``w`` on this device (`Tuning.linear_table`)."""
+    return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,))

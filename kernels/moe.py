@@ -12,13 +12,13 @@ routed weights renormalised to sum to 1. Launches (no host synchronisation, fixe
 
 The shared expert (gate_up, down; one fp32 row per token) rides in the launches 3-4 (no extra pass over the
 activations, no extra launch). It needs no routing, so `MoEStep` can also run it on a side stream overlapped with
-1-4 (fork / join, capturable in a CUDA graph; ``overlap=True``, not yet measured on the H200).
+1-4 (fork / join, capturable in a CUDA graph; ``tuned(moe_overlap=True)``, not yet measured on the H200).
 
 Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
 decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
-steps); `MOE_TUNING` picks the path and tile shapes by token count. Weights are laid out once by `moe_prepare`
-(`weight_layout`): gate and up rows each padded to ``inter_pad`` (a multiple of 128, common to the routed and
-the shared expert), the down projections' K likewise.
+steps); `dispatch.moe_config` picks the path and tile shapes by token count (its table: `dispatch.MOE_TABLE`).
+Weights are laid out once by `moe_prepare` (`weight_layout`): gate and up rows each padded to ``inter_pad`` (a
+multiple of 128, common to the routed and the shared expert), the down projections' K likewise.
 """
 from __future__ import annotations
 
@@ -28,22 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import dispatch
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
 from .moe_router import Routing, route, route_ref
 from .codecs import cast_to
 from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
-
-# Token-count thresholds -> path and tile shapes (measured on the H200: docs/performance.md, NOTES-moe.md).
-# mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
-# tl: bm x bn output tiles of the portable kernels.
-MOE_TUNING = (
-    (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
-    (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
-    (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
-    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
-)
-PORTABLE = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
-OVERLAP_SHARED = False  # shared expert on a side stream (MoEStep); on once measured on the H200
 
 
 @dataclass
@@ -155,29 +144,6 @@ def combine(y: torch.Tensor, T: int, top_k: int, shared: bool, out: torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------------- layer
-def moe_config(T: int, w: MoEWeights, device: torch.device) -> tuple[str, dict, dict]:
-    """(path, gate_up config, down config) for T tokens on this device (`MOE_TUNING`)."""
-    mma = mma_kernels()
-    fast = mma is not None and mma.available(device) and all(
-        mma.supported(p) for p in (w.gate_up, w.down) + ((w.shared_gate_up, w.shared_down) if w.shared_gate_up
-                                                          else ()))
-    for limit, path, gu, dn in MOE_TUNING:
-        if limit is not None and T > limit:
-            continue
-        if path == "mma" and not (fast and _mma_shapes_ok(w, gu) and _mma_shapes_ok(w, dn)):
-            continue
-        if path == "tl" and device.type != "cuda":
-            return "tl", PORTABLE, PORTABLE
-        return path, gu, dn
-    return "tl", PORTABLE, PORTABLE
-
-
-def _mma_shapes_ok(w: MoEWeights, cfg: dict) -> bool:
-    r, per = 16 * cfg["p"], mma_kernels().NUM_WARPS * cfg["unroll"]
-    return (w.inter_pad % r == 0 and w.hidden % r == 0 and (w.gate_up.k_pad // CHUNK_K) % per == 0
-            and (w.down.k_pad // CHUNK_K) % per == 0)
-
-
 _SIDE_STREAMS: dict = {}
 
 
@@ -191,22 +157,21 @@ def _side_stream(device: torch.device):
 class MoEStep:
     """One layer call split into its launches, buffers allocated up front: `fused_moe` runs them (`run`), benchmarks
     time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`); with
-    ``overlap=True`` (CUDA) the shared expert (`shared_expert`: its gate_up and down, which need no routing) runs on
-    a side stream instead, overlapped with the router and the routed experts, and `combine` joins them (not yet
-    measured on the H200: off by default, see `OVERLAP_SHARED`)."""
+    ``Tuning.moe_overlap`` (CUDA) the shared expert (`shared_expert`: its gate_up and down, which need no routing)
+    runs on a side stream instead, overlapped with the router and the routed experts, and `combine` joins them (not
+    yet measured on the H200: off by default). Path and tile shapes: `dispatch.moe_config`."""
 
     def __init__(self, x, router_weight, correction_bias, weights: MoEWeights, *, top_k: int, routed_scaling: float,
-                 alpha: float, limit: float, config: tuple | None = None, out: torch.Tensor | None = None,
-                 overlap: bool | None = None):
+                 alpha: float, limit: float, out: torch.Tensor | None = None):
         if x.dim() != 2 or x.shape[1] != weights.hidden:
             raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
         self.x, self.rw, self.bias, self.w = x, router_weight, correction_bias, weights
         self.top_k, self.scaling, self.alpha, self.limit = top_k, routed_scaling, alpha, limit
         T = self.T = x.shape[0]
         self.out = torch.empty_like(x) if out is None else out
-        self.path, self.gu_cfg, self.dn_cfg = config or moe_config(T, weights, x.device)
+        self.path, self.gu_cfg, self.dn_cfg = dispatch.moe_config(T, weights, x.device)
         self.shared = weights.shared_gate_up is not None
-        self.overlap = self.shared and x.is_cuda and (overlap if overlap is not None else OVERLAP_SHARED)
+        self.overlap = self.shared and x.is_cuda and dispatch.tuning().moe_overlap
         self.A = T * top_k
         rows = self.A + (T if self.shared else 0)
         dev = x.device
@@ -274,15 +239,14 @@ class MoEStep:
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
-              top_k: int, routed_scaling: float, alpha: float, limit: float, config: tuple | None = None,
-              out: torch.Tensor | None = None, routing_out: list | None = None, overlap: bool | None = None
-              ) -> torch.Tensor:
+              top_k: int, routed_scaling: float, alpha: float, limit: float, out: torch.Tensor | None = None,
+              routing_out: list | None = None) -> torch.Tensor:
     """The whole MoE layer: x [T, H] -> [T, H] (x's dtype, or written into ``out``). ``router_weight`` [E, H]
-    fp32 and ``correction_bias`` [E] as the model holds them; ``config`` = (path, gate_up cfg, down cfg)
-    overrides `moe_config` (benchmarks); ``routing_out``, when given, receives the `Routing` (tests);
-    ``overlap`` = the shared expert on a side stream (default `OVERLAP_SHARED`)."""
+    fp32 and ``correction_bias`` [E] as the model holds them; ``routing_out``, when given, receives the `Routing`
+    (tests). Launch choices (path, tiles, the shared expert's stream): `dispatch.tuning`; benchmarks vary them
+    with `dispatch.tuned`."""
     step = MoEStep(x, router_weight, correction_bias, weights, top_k=top_k, routed_scaling=routed_scaling,
-                   alpha=alpha, limit=limit, config=config, out=out, overlap=overlap)
+                   alpha=alpha, limit=limit, out=out)
     y = step.run()
     if routing_out is not None and step.routing is not None:
         routing_out.append(step.routing)
@@ -321,5 +285,4 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
     return out.to(x.dtype)
 
 
-__all__ = ["MoEWeights", "MoEStep", "moe_prepare", "moe_prepare_module", "fused_moe", "fused_moe_ref", "combine",
-           "moe_config", "MOE_TUNING"]
+__all__ = ["MoEWeights", "MoEStep", "moe_prepare", "moe_prepare_module", "fused_moe", "fused_moe_ref", "combine"]

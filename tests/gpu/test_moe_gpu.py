@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from m3serve.kernels.grouped_gemm import mma_kernels
-from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_config, moe_prepare_module
+from m3serve.kernels.dispatch import moe_config, tuned
+from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_prepare_module
 from m3serve.kernels.moe_router import grouping_ref, route_ref
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref
 from m3serve.model.weights import QuantWeight
@@ -29,13 +30,20 @@ def _layer(expert_fmt: str):
     return _LAYERS[expert_fmt]
 
 
-def _run(cfg, moe, w, x, config=None, bias=None, overlap=None):
+def _run(cfg, moe, w, x, bias=None):
     out = torch.full_like(x, float("nan"))  # poisoned: every element must be written
     routing = []
     y = fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias if bias is None else bias, w,
                   top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha,
-                  limit=cfg.swiglu_limit, config=config, out=out, routing_out=routing, overlap=overlap)
+                  limit=cfg.swiglu_limit, out=out, routing_out=routing)
     return y, routing[0]
+
+
+def _run_with(config, cfg, moe, w, x):
+    """The layer with ``config`` = (path, gate_up cfg, down cfg) as the only row of the dispatch table."""
+    with tuned(moe_table=((None, *config),)):
+        assert moe_config(x.shape[0], w, x.device) == config  # dispatch takes it (shapes allow it)
+        return _run(cfg, moe, w, x)
 
 
 def _ref(cfg, moe, w, x, routing, bias=None):
@@ -87,8 +95,8 @@ def test_mma_and_portable_paths_agree(T):
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
     mma_cfg = ("mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=8, unroll=3))
     tl_cfg = ("tl", dict(bm=32, bn=64, num_warps=4, num_stages=3), dict(bm=32, bn=128, num_warps=4, num_stages=3))
-    ya, ra = _run(cfg, moe, w, x, mma_cfg)
-    yb, rb = _run(cfg, moe, w, x, tl_cfg)
+    ya, ra = _run_with(mma_cfg, cfg, moe, w, x)
+    yb, rb = _run_with(tl_cfg, cfg, moe, w, x)
     assert torch.equal(torch.sort(ra.ids, 1).values, torch.sort(rb.ids, 1).values)
     assert rel_err(ya, yb) < 1e-2
     assert rel_err(ya, _ref(cfg, moe, w, x, ra)) < 1e-2
@@ -99,8 +107,10 @@ def test_shared_expert_on_a_side_stream_matches_one_launch(T):
     """The shared expert overlapped on a side stream computes what its tiles compute inside the routed launches."""
     cfg, moe, w = _layer("nvfp4")
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
-    a, ra = _run(cfg, moe, w, x, overlap=True)
-    b, rb = _run(cfg, moe, w, x, overlap=False)
+    with tuned(moe_overlap=True):
+        a, ra = _run(cfg, moe, w, x)
+    with tuned(moe_overlap=False):
+        b, rb = _run(cfg, moe, w, x)
     assert torch.equal(torch.sort(ra.ids, 1).values, torch.sort(rb.ids, 1).values)
     assert rel_err(a, b) < 1e-6
 

@@ -97,3 +97,96 @@ def test_gates_on_cuda_devices(monkeypatch, cap, mma, asm):
     monkeypatch.delenv("M3SERVE_NVFP4_ASM")
     monkeypatch.setattr(platform, "rocm", lambda: True)
     assert not platform.nvfp4_mma_ok(dev) and not platform.nvfp4_asm_allowed(dev)
+
+
+# ---------------------------------------------------------------------------------- MoE experts, quantized linears
+CUDA = torch.device("cuda", 0)  # a device of type cuda (nothing runs on it: the choices only read its type)
+TOKENS = (1, 16, 64, 65, 512, 4096)
+MMA_8 = dict(p=1, nt=8, unroll=2)
+MMA_16 = dict(p=1, nt=16, unroll=2)
+SMALL_TL = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # the interpreter's / ROCm's / small-M portable tiles
+# what the tables of kernels/moe.py (MOE_TUNING) and kernels/quant_linear.py (LINEAR_TUNING, PORTABLE_*) selected
+MOE_TL = ("tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3))
+MOE_MMA = {1: ("mma", MMA_8, MMA_8), 16: ("mma", MMA_8, MMA_8), 64: ("mma", MMA_8, MMA_8),
+           65: ("mma", MMA_8, MMA_8), 512: ("mma", MMA_16, dict(p=2, nt=16, unroll=2)), 4096: MOE_TL}
+LARGE_TL = ("tl", dict(bm=64, bn=128, num_warps=8, num_stages=3))
+LINEAR_MMA = {1: ("mma", MMA_8), 16: ("mma", MMA_8), 64: ("mma", MMA_16), 65: ("mma", MMA_16), 512: LARGE_TL,
+              4096: LARGE_TL}
+LINEAR_TL = {1: ("tl", SMALL_TL), 16: ("tl", SMALL_TL), 64: ("tl", SMALL_TL), 65: LARGE_TL, 512: LARGE_TL,
+             4096: LARGE_TL}
+
+
+@pytest.fixture(scope="module")
+def gemm_weights():
+    """MoE weights (NVFP4 experts, MXFP8 shared expert) and an FP8 linear whose shapes every mma config divides."""
+    from m3serve.kernels.moe import moe_prepare_module
+    from m3serve.kernels.quant_linear import quant_linear_prepare
+    from m3serve.model.weights import QuantWeight
+    from support.moe import fill_random, random_moe, tiny_moe_config
+    g = torch.Generator().manual_seed(0)
+    moe = moe_prepare_module(random_moe(tiny_moe_config(hidden=1024, inter=1024, experts=2, top_k=1), "nvfp4",
+                                        "mxfp8", g))
+    qw = QuantWeight(256, 1024, "fp8")
+    fill_random(qw, g)
+    return moe, quant_linear_prepare(qw).packed
+
+
+def _mma_available(monkeypatch, yes: bool):
+    from m3serve.kernels import grouped_gemm_mma
+    monkeypatch.setattr(grouped_gemm_mma, "available", lambda device: yes)
+
+
+def test_moe_and_linear_defaults_select_the_measured_tables(monkeypatch, gemm_weights):
+    moe, lin = gemm_weights
+    _mma_available(monkeypatch, True)  # sm_89 / sm_90
+    assert {T: dispatch.moe_config(T, moe, CUDA) for T in TOKENS} == MOE_MMA
+    assert {M: dispatch.linear_config(M, lin, CUDA) for M in TOKENS} == LINEAR_MMA
+    _mma_available(monkeypatch, False)  # other CUDA devices
+    assert {T: dispatch.moe_config(T, moe, CUDA) for T in TOKENS} == dict.fromkeys(TOKENS, MOE_TL)
+    assert {M: dispatch.linear_config(M, lin, CUDA) for M in TOKENS} == LINEAR_TL
+    # off CUDA (the interpreter here) the small portable tiles, whatever the token count
+    assert {T: dispatch.moe_config(T, moe, CPU) for T in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL, SMALL_TL))
+    assert {M: dispatch.linear_config(M, lin, CPU) for M in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL))
+
+
+def test_mma_rows_need_shapes_the_tiles_divide_and_mma_on(monkeypatch, gemm_weights):
+    """A row whose tiles do not divide the weights is passed over (p=4: 64-row tiles; unroll=3: 12 K chunks); with
+    `Tuning.mma` off every mma row is."""
+    moe, lin = gemm_weights
+    _mma_available(monkeypatch, True)
+    wide = ("mma", dict(p=4, nt=8, unroll=2), MMA_8)
+    with tuned(moe_table=((16, *wide), (None, "mma", MMA_8, dict(p=1, nt=8, unroll=3)), (None, *MOE_TL))):
+        assert dispatch.moe_config(1, moe, CUDA) == wide  # 1024 rows = 16 tiles of 64
+        assert dispatch.moe_config(17, moe, CUDA) == MOE_TL  # 8 K chunks are not a multiple of 12
+    with tuned(linear_table=((None, "mma", dict(p=32, nt=8, unroll=2)), (None, "tl", SMALL_TL))):
+        assert dispatch.linear_config(1, lin, CUDA) == ("tl", SMALL_TL)  # 256 rows, tiles of 512
+    with tuned(mma=False):  # the portable kernels everywhere
+        assert dispatch.moe_config(1, moe, CUDA) == MOE_TL and dispatch.linear_config(1, lin, CUDA) == LINEAR_TL[1]
+
+
+def test_tuned_overrides_the_moe_and_linear_tables_inside_its_block(monkeypatch, gemm_weights):
+    """The choices come from `Tuning`'s tables: a benchmark's one-row table is taken inside the block only, and the
+    layer launches what dispatch picks."""
+    from m3serve.kernels import grouped_gemm_mma
+    from m3serve.kernels.quant_linear import QuantLinear, quant_linear
+    moe, lin = gemm_weights
+    _mma_available(monkeypatch, True)
+    assert Tuning().moe_table is dispatch.MOE_TABLE and Tuning().linear_table is dispatch.LINEAR_TABLE
+    assert Tuning().moe_overlap is False
+    mma_v = ("mma", dict(p=2, nt=32, unroll=1), dict(p=1, nt=16, unroll=1))
+    tl_v = ("tl", dict(bm=32, bn=64, num_warps=4, num_stages=3))
+    with tuned(moe_table=((None, *mma_v),), linear_table=((None, *tl_v),), moe_overlap=True) as t:
+        assert t.moe_overlap and tuning().moe_overlap
+        assert dispatch.moe_config(4096, moe, CUDA) == mma_v and dispatch.moe_config(1, moe, CUDA) == mma_v
+        assert dispatch.linear_config(1, lin, CUDA) == tl_v
+        with tuned(linear_table=((8, "mma", dict(p=2, nt=32, unroll=1)), (None, *tl_v))):  # nested
+            assert dispatch.linear_config(8, lin, CUDA) == ("mma", dict(p=2, nt=32, unroll=1))
+            assert dispatch.linear_config(9, lin, CUDA) == tl_v
+            seen = []
+            monkeypatch.setattr(grouped_gemm_mma, "to_x16", lambda x, k_pad: x)
+            monkeypatch.setattr(grouped_gemm_mma, "grouped_gemm_mma", lambda *a, **kw: seen.append(kw))
+            quant_linear(torch.randn(3, 1024), QuantLinear(256, 1024, packed=lin))  # the override is launched
+            assert seen and {k: seen[0][k] for k in ("p", "nt", "unroll")} == dict(p=2, nt=32, unroll=1)
+        assert dispatch.linear_config(8, lin, CUDA) == tl_v
+    assert dispatch.moe_config(4096, moe, CUDA) == MOE_TL and dispatch.moe_config(1, moe, CUDA) == MOE_MMA[1]
+    assert dispatch.linear_config(1, lin, CUDA) == LINEAR_MMA[1] and not tuning().moe_overlap

@@ -9,7 +9,8 @@ import torch
 
 from m3serve.kernels import weight_layout as WL
 from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, grouped_gemm_ref
-from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_config, moe_prepare_module
+from m3serve.kernels.dispatch import moe_config
+from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_prepare_module
 from m3serve.kernels.moe_router import grouping_ref, route, route_ref
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref
 from m3serve.model.weights import QuantWeight

@@ -14,7 +14,8 @@ import torch
 
 from m3serve.kernels import grouped_gemm_mma as mma
 from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
-from m3serve.kernels.moe import fused_moe, moe_config, moe_prepare_module
+from m3serve.kernels.dispatch import moe_config
+from m3serve.kernels.moe import fused_moe, moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare
 from m3serve.kernels.weight_layout import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.model.weights import QuantWeight
