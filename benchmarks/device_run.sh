@@ -35,14 +35,17 @@ for step in ${STEPS:-tests msa qkv}; do
             ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log" | tail -30 ;;
     server)
       purelib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      # the python backend's stub does not see PYTHONPATH (2026-12-03 on the H200: neither /tmp/p's m3serve nor numpy
+      # 1.26 from /tmp/site reached it, and numpy 2 empties the outputs it builds): numpy 1.26, tritonclient and the
+      # package go into site-packages itself (the machine is a throw-away copy)
       if [ -d .carry-server ]; then
-        mkdir -p /tmp/site && tar -xJf .carry-server/site312.tar.xz -C /tmp/site
+        rm -rf "$purelib"/numpy "$purelib"/numpy-*.dist-info "$purelib"/numpy.libs
+        tar -xJf .carry-server/site312.tar.xz -C "$purelib"
         tar -xJf .carry-server/pytriton312.tar.xz -C "$purelib"
       fi
-      # the python backend's stub did not import m3serve from PYTHONPATH's /tmp/p on the H200 (2026-12-03, cause not
-      # established): the package goes into site-packages beside torch
       rm -rf "$purelib/m3serve" && cp -r /tmp/p/m3serve "$purelib/m3serve"
-      PYTHONPATH=/tmp/site:$PYTHONPATH M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton \
+      python3 -c 'import numpy; print("numpy", numpy.__version__)'
+      M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton \
         M3SERVE_BENCH_WORK=/tmp/bench_server_work timeout "${SERVER_TIMEOUT:-300}" python3 benchmarks/bench_server.py \
         --out "$OUT/server" --geometry "${SERVER_LAYERS:-4}" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/bench_server.log" \
         | grep -v "^I1\|^W1" | tail -20 ;;
