@@ -186,3 +186,17 @@ def test_fp8_quant_weight_loads_per_tensor_and_per_channel_scales(gen):
         qw.load("weight_scale", torch.ones(3), index=0)
     with pytest.raises(ValueError):
         qw.load("weight", torch.zeros(4, 32, dtype=torch.uint8), index=0)
+
+
+@pytest.mark.parametrize("hidden,shared_fmt,method", [(64, "mxfp8", "DenseMoE"), (128, "nvfp4", "DenseMoE"),
+                                                       (64, "dense", "KernelMoE"), (128, "mxfp8", "KernelMoE")])
+def test_cuda_method_by_shared_expert(monkeypatch, hidden, shared_fmt, method):
+    """On CUDA a quantized shared expert rides in the fused kernel only in a validated format (MXFP8) at 128-multiple
+    shapes; otherwise the layer runs `DenseMoE` (the 64-wide MXFP8 one hit an illegal memory access on the H200)."""
+    import m3serve.model.layers.moe as moe_layers
+
+    cfg = tiny_moe_config(hidden=hidden, inter=128, shared_inter=128)
+    layer = random_moe(cfg, "nvfp4", shared_fmt, torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    monkeypatch.setattr(moe_layers, "KernelMoE", type("KernelMoE", (), {"__init__": lambda self, layer: None}))
+    got = moe_layers.select_moe_method(layer, torch.device("cuda"))
+    assert type(got).__name__ == method

@@ -28,7 +28,7 @@ from torch import nn
 
 from m3serve.config import ModelConfig
 from m3serve.distributed.parallel import Parallel
-from m3serve.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from m3serve.model.layers.linear import KERNEL_TILE, ColumnParallelLinear, RowParallelLinear
 from m3serve.model.layers.sharding import Shard
 from m3serve.model.weights import QuantWeight
 
@@ -162,8 +162,20 @@ class KernelMoE:
 
 
 # shared-expert formats the fused kernel ran with on the H200 (docs/performance.md); an NVFP4 shared expert in the
-# same launches hit an illegal memory access there (2026-12-03, tiny shapes): not used until that is fixed
+# same launches hit an illegal memory access there (2026-12-03, tiny shapes): not used until that is fixed. A
+# quantized shared expert rides in the launches only at the shapes it was validated with (N and K multiples of
+# KERNEL_TILE, as every M3 shape): the tiny test model's 64-wide MXFP8 shared expert hit an illegal memory access
+# there too (2026-12-03, second H200 run of the day; the M3.1-Flash geometry runs it)
 KERNEL_SHARED_FORMATS = ("dense", "mxfp8")
+
+
+def _kernel_shared_ok(layer: "SparseMoE") -> bool:
+    sh = layer.shared_experts
+    if sh.gate_up_proj.w.fmt == "dense":
+        return True
+    if sh.gate_up_proj.w.fmt not in KERNEL_SHARED_FORMATS:
+        return False
+    return all(n % KERNEL_TILE == 0 for p in (sh.gate_up_proj, sh.down_proj) for n in (p.w.n, p.w.k))
 
 
 def select_moe_method(layer: "SparseMoE", device: torch.device):
@@ -176,10 +188,10 @@ def select_moe_method(layer: "SparseMoE", device: torch.device):
         return TorchMoE()
     if e.gate_up_proj.fmt == "dense" and e.gate_up_proj.dtype == torch.float32:
         return DenseMoE()
-    shared = layer.shared_experts.gate_up_proj.w.fmt
-    if shared not in KERNEL_SHARED_FORMATS:
-        log.warning("MoE layer with a %s shared expert: the fused kernel is not validated for it; running every "
-                    "expert over every token instead (correct, slow)", shared)
+    if not _kernel_shared_ok(layer):
+        w = layer.shared_experts.gate_up_proj.w
+        log.warning("MoE layer with a %s shared expert (%dx%d): the fused kernel is not validated for it; running "
+                    "every expert over every token instead (correct, slow)", w.fmt, w.n, w.k)
         return DenseMoE()
     return KernelMoE(layer)
 
