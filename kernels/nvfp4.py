@@ -76,6 +76,17 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
+_E2M1_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_on(device: torch.device) -> torch.Tensor:
+    """`E2M1_VALUES` on ``device``, copied there once (the first call runs before any graph capture: warm-up)."""
+    t = _E2M1_ON.get(device)
+    if t is None:
+        t = _E2M1_ON[device] = E2M1_VALUES.to(device)
+    return t
+
+
 def _as_scalar_scale(s: ScaleLike, device: torch.device, name: str) -> torch.Tensor:
     t = torch.as_tensor(s, dtype=torch.float32, device=device)
     if t.numel() != 1:
@@ -127,8 +138,9 @@ def dequantize_nvfp4(
         raise ValueError(
             f"dequantize_nvfp4: block_scale shape {tuple(block_scale.shape)} does not match packed "
             f"{tuple(packed.shape)} (expected [..., {K // FP4_BLOCK}])")
-    s2 = _as_scalar_scale(scale_2, packed.device, "scale_2")
-    vals = E2M1_VALUES.to(packed.device)[unpack_fp4(packed).long()]
+    # a Python scale and the table already on the device: no host-to-device copy (capturable in a CUDA graph)
+    s2 = float(scale_2) if isinstance(scale_2, (int, float)) else _as_scalar_scale(scale_2, packed.device, "scale_2")
+    vals = _e2m1_on(packed.device)[unpack_fp4(packed).long()]
     vals = vals.reshape(*packed.shape[:-1], K // FP4_BLOCK, FP4_BLOCK)
     out = vals * block_scale.float().unsqueeze(-1) * s2
     return out.reshape(*packed.shape[:-1], K).to(dtype)
