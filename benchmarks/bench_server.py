@@ -149,7 +149,8 @@ def run_engine_direct(a, model_dir) -> list[dict]:
         engine = AsyncLLMEngine(cfg)
     try:
         async def go():
-            await _engine_level(engine, min(a.levels), 1, a.max_tokens, ids)  # warm-up (kernel compiles)
+            for c in a.levels:  # warm-up: every step shape the levels make compiles its kernels here, not timed
+                await _engine_level(engine, c, 1, a.max_tokens, ids)
             out = []
             for c in a.levels:
                 out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids))
@@ -261,7 +262,8 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
     kind, prompt = ("ids", a.prompt_ids) if model == "m3_ids" else ("text", PROMPT)
 
     async def go():
-        await bench.run_level(url, model, kind, min(a.levels), 2, prompt, max_tokens, True, 0.0, 600, False)
+        for c in a.levels:  # warm-up, as engine-direct's
+            await bench.run_level(url, model, kind, c, c, prompt, max_tokens, True, 0.0, 600, False)
         out = []
         for c in a.levels:
             await asyncio.sleep(0.4)
