@@ -222,9 +222,10 @@ class LLMEngine:
     def _launch_ahead(self, cur: "_InFlight") -> "_InFlight | None":
         """Queue the next decode step of `cur`'s sequences before `cur`'s tokens are back, when the step after `cur`
         can only be that: every running sequence decodes in `cur`, nothing waits for admission, no sampling option
-        reads the output tokens (penalties), no speculative decoding (its steps are scheduled from the accepted runs). Each sequence feeds the token `cur` samples (read on the device) at
-        the position after its last known token; one that `cur` brings to max_tokens is left out. A sequence that
-        `cur` ends otherwise (a stop token or string) wasted its row: `_complete` drops it."""
+        reads the output tokens (penalties), no speculative decoding (its steps follow the accepted runs). Each
+        sequence feeds the token `cur` samples (read on the device) at the position after its last known token; one
+        that `cur` brings to max_tokens is left out. A sequence that `cur` ends otherwise (a stop token or string)
+        wasted its row: `_complete` drops it. Steps that are not queued ahead are scheduled when `cur` is done."""
         sch = self.scheduler
         if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
                 or self.spec_stats is not None or sch.waiting or not cur.seqs or len(cur.seqs) != len(sch.running)):

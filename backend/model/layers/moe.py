@@ -164,8 +164,8 @@ class KernelMoE:
 # shared-expert formats the fused kernel ran with on the H200 (docs/performance.md); an NVFP4 shared expert in the
 # same launches hit an illegal memory access there (2026-12-03, tiny shapes): not used until that is fixed. A
 # quantized shared expert rides in the launches only at the shapes it was validated with (N and K multiples of
-# KERNEL_TILE, as every M3 shape): the tiny test model's 64-wide MXFP8 shared expert hit an illegal memory access
-# there too (2026-12-03, second H200 run of the day; the M3.1-Flash geometry runs it)
+# KERNEL_TILE, as every M3 shape): the tiny test model's 64-wide MXFP8 shared expert in the kernel failed with an
+# illegal memory access in the process too (2026-12-03; the M3.1-Flash geometry runs it)
 KERNEL_SHARED_FORMATS = ("dense", "mxfp8")
 
 
