@@ -34,7 +34,8 @@ def test_simple_sampling():
 
 def test_padded_buffers_match_the_eager_step(tiny_model_dir):
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", kv_cache_dtype="nvfp4",
-                                 max_model_len=256, num_gpu_blocks_override=24))
+                                 max_model_len=256, num_gpu_blocks_override=24,
+                                 async_scheduling=False))  # this test schedules the next step itself
     worker = eng.executor.worker
     cfg = worker.model.config
     g = torch.Generator().manual_seed(5)
