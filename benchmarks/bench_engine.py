@@ -74,6 +74,14 @@ def start_synthetic(engine, batch: int, context: int, max_tokens: int, g: torch.
     return rids
 
 
+def stop_synthetic(engine, rids: list[str]) -> None:
+    """Abort the synthetic sequences and drain the step queued ahead for them (async scheduling)."""
+    for rid in rids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def time_decode(engine, device, batch, context, steps, warmup=3, runs=3) -> float:
     """Seconds per engine step as served: `steps` consecutive `step()` calls timed together, no synchronisation in
     between (with async scheduling the next step is queued while this one runs, and the host's work overlaps the
@@ -91,10 +99,7 @@ def time_decode(engine, device, batch, context, steps, warmup=3, runs=3) -> floa
                 assert len(outs) == batch, (len(outs), batch)
             times.append((time.perf_counter() - t0) / steps)
     finally:
-        for rid in rids:
-            engine.abort_request(rid)
-        while engine.has_unfinished_requests():  # a step queued ahead for the aborted requests
-            engine.step()
+        stop_synthetic(engine, rids)
         sync(device)
     return sorted(times)[len(times) // 2]
 
@@ -150,10 +155,7 @@ def profile_decode(engine, device, batch, context, top=12) -> list[dict]:
                 engine.step()
             sync(device)
     finally:
-        for rid in rids:
-            engine.abort_request(rid)
-        while engine.has_unfinished_requests():
-            engine.step()
+        stop_synthetic(engine, rids)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     rows = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
     if not rows:  # seen once on the H200 (2026-12-03, a profile of the fourth engine built in the process)
