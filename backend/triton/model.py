@@ -23,7 +23,8 @@ model and loads it again with the parameter `m3serve_engine_failed`, which fails
 model is then UNAVAILABLE with the reason in the repository index, so `/v2/models/<m>/ready` and (strict
 readiness) `/v2/health/ready` answer not ready while the other models keep serving. Triton 2.51's python
 backend has no readiness hook (python_backend added `is_ready()` in r26.03), a stub that exits leaves the
-model READY, and an unloaded model counts as ready for the server: hence the failed load. An operator's
+model READY, and an unloaded model counts as ready for the server: hence the failed load. That load goes
+through the server's own HTTP endpoint, not `pb_utils.load_model` (server_control.py says why). An operator's
 `load` of the model (repository API) brings it back with a fresh engine. In the default control mode the
 server allows no model control: the model stays READY and answers UNAVAILABLE (logged at load time).
 
@@ -68,6 +69,7 @@ from m3serve.triton import schema  # noqa: E402
 from m3serve.triton.contract import Defaults, GenRequest, StopRequest  # noqa: E402
 from m3serve.triton.responder import Group, Item, Responder, log  # noqa: E402
 from m3serve.triton.schema import INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError  # noqa: E402
+from m3serve.triton.server_control import load_model_over_http, server_launch  # noqa: E402
 
 FAILED_PARAMETER = "m3serve_engine_failed"  # set on the load that marks a model whose engine died
 
@@ -110,26 +112,6 @@ def _version_dir(args: dict) -> str:
 
 def _read_inputs(request) -> dict[str, np.ndarray]:
     return {t.name(): t.as_numpy() for t in request.inputs()}
-
-
-def server_model_control_mode(argv: list[str] | None = None) -> str | None:
-    """The server's --model-control-mode ("none", "poll", "explicit"), read from the command line of the
-    stub's parent (the tritonserver process); None when the parent is not a tritonserver we can read."""
-    if argv is None:
-        try:
-            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            return None
-    if not argv or "tritonserver" not in os.path.basename(argv[0]):
-        return None
-    mode = "none"
-    for i, a in enumerate(argv):
-        if a.startswith("--model-control-mode="):
-            mode = a.split("=", 1)[1]
-        elif a == "--model-control-mode" and i + 1 < len(argv):
-            mode = argv[i + 1]
-    return mode
 
 
 class TritonPythonModel:
@@ -207,7 +189,8 @@ class TritonPythonModel:
             trust_request_chat_template=_truthy(self.params.get("trust_request_chat_template"), False),
         )
         self.contract = (TextContract if self.role == "text" else IdsContract)(defaults, self.tokenizer)
-        self.control_mode = server_model_control_mode()
+        self.server = server_launch()
+        self.control_mode = self.server.control_mode if self.server is not None else None
         if self.control_mode != "explicit":
             log(f"model '{self.name}': the server's model control mode is {self.control_mode or 'unknown'}: if "
                 "the engine dies the model stays ready (answering UNAVAILABLE); start tritonserver with "
@@ -383,12 +366,17 @@ class TritonPythonModel:
         except Exception as e:
             log(f"engine of model '{self.name}' dead ({reason}); cannot unload the model: {e}")
             return
+        if self.server.http_url is None:
+            log(f"engine of model '{self.name}' dead ({reason}): unloaded; the server's HTTP endpoint is off "
+                "(--allow-http=false), so it is not marked unavailable and the server reads ready again")
+            return
         log(f"engine of model '{self.name}' dead ({reason}): unloaded, marking it unavailable")
-        try:
-            pb_utils.load_model(self.name, config=json.dumps(config))
+        # the load fails on purpose (initialize sees FAILED_PARAMETER); over HTTP: server_control.py says why
+        error = load_model_over_http(self.server, self.name, config)
+        if error is None:
             log(f"model '{self.name}': the marking load unexpectedly succeeded")
-        except Exception as e:
-            log(f"model '{self.name}' marked unavailable: {e}")
+        else:
+            log(f"model '{self.name}' marked unavailable: {error}")
 
     # ------------------------------------------------------------------------------------------------
     def finalize(self):
