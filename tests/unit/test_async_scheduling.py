@@ -29,7 +29,8 @@ def _run(make_engine, eu, async_scheduling: bool, late=None, abort_at=None):
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     probe = make_engine(max_num_seqs=1, num_gpu_blocks_override=32, async_scheduling=False)
     probe.add_request("p", prompt_token_ids=prompts[2], sampling_params=greedy)
-    toks, text = _probe(probe)
+    toks, _, outs = eu.run_to_completion(probe)["p"]
+    text = "".join(o.text for o in outs)
     eos_like, stop = toks[3], text[len(text) // 2:len(text) // 2 + 2]  # met after a few steps (r2), mid-run (r5)
     for i, sp in enumerate(_params(eos_like, stop)):
         eng.add_request(f"r{i}", prompt_token_ids=prompts[2 if i == 5 else i], sampling_params=sp)
@@ -52,14 +53,6 @@ def _run(make_engine, eu, async_scheduling: bool, late=None, abort_at=None):
         assert step < 500
     assert eng.block_manager.num_free_pages == eng.block_manager.num_pages
     return res, eng, ahead
-
-
-def _probe(engine) -> tuple[list[int], str]:
-    toks, text = [], ""
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            toks, text = toks + o.new_token_ids, text + o.text
-    return toks, text
 
 
 def _collect(res, o):

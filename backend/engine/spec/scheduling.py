@@ -21,7 +21,7 @@ from m3serve.engine.sequence import Sequence
 
 def can_speculate(sp: SamplingParams) -> bool:
     """The request's sampling is one the draft/verify pair reproduces exactly (no penalties)."""
-    return sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
+    return not sp.has_penalties
 
 
 def num_draft_tokens(seq: Sequence, k: int) -> int:
