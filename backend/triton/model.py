@@ -368,7 +368,8 @@ class TritonPythonModel:
             return
         if self.server.http_url is None:
             log(f"engine of model '{self.name}' dead ({reason}): unloaded; the server's HTTP endpoint is off "
-                "(--allow-http=false), so it is not marked unavailable and the server reads ready again")
+                "(--allow-http=false) or its port unreadable, so it is not marked unavailable and the server reads "
+                "ready again")
             return
         log(f"engine of model '{self.name}' dead ({reason}): unloaded, marking it unavailable")
         # the load fails on purpose (initialize sees FAILED_PARAMETER); over HTTP: server_control.py says why

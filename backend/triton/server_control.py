@@ -59,7 +59,8 @@ def _http_url(flags: dict[str, str]) -> str | None:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{int(flags.get('http-port') or 8000)}"
+    port = flags.get("http-port") or "8000"
+    return f"http://{host}:{port}" if port.isdigit() else None  # a port we cannot read: no marking, no crash
 
 
 def server_launch(argv: list[str] | None = None) -> ServerLaunch | None:

@@ -22,6 +22,7 @@ BIN = "/opt/tritonserver/bin/tritonserver"
      ServerLaunch("poll", "http://10.1.2.3:9000")),
     ([BIN, "--model-control-mode=explicit", "--allow-http=false"], ServerLaunch("explicit", None)),
     ([BIN, "--allow-http", "0"], ServerLaunch("none", None)),
+    ([BIN, "--http-port=http"], ServerLaunch("none", None)),
     ([BIN, "--http-address=::", "--http-port=8001"], ServerLaunch("none", "http://[::1]:8001")),
     ([BIN, "--http-address=fe80::1"], ServerLaunch("none", "http://[fe80::1]:8000")),
     ([BIN, "--model-control-mode=none", "--model-control-mode=explicit"],
