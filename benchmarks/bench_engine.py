@@ -82,10 +82,11 @@ def stop_synthetic(engine, rids: list[str]) -> None:
         engine.step()
 
 
-def time_decode(engine, device, batch, context, steps, warmup=3, runs=3) -> float:
+def time_decode(engine, device, batch, context, steps, warmup=3, runs=3) -> tuple[float, float]:
     """Seconds per engine step as served: `steps` consecutive `step()` calls timed together, no synchronisation in
     between (with async scheduling the next step is queued while this one runs, and the host's work overlaps the
-    device's; each call still waits for its step's tokens), the median of `runs` such runs."""
+    device's; each call still waits for its step's tokens), the median of `runs` such runs; and the share of that
+    run the host spent waiting for sampled tokens (near 0: the host's per-step work, not the GPU, sets the pace)."""
     g = torch.Generator().manual_seed(context + batch)
     rids = start_synthetic(engine, batch, context, runs * steps + warmup + 4, g)
     times = []
@@ -93,11 +94,12 @@ def time_decode(engine, device, batch, context, steps, warmup=3, runs=3) -> floa
         for _ in range(warmup):
             assert len(engine.step()) == batch
         for _ in range(runs):
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), engine.device_wait_s
             for _ in range(steps):
                 outs = engine.step()
                 assert len(outs) == batch, (len(outs), batch)
-            times.append((time.perf_counter() - t0) / steps)
+            wall = time.perf_counter() - t0
+            times.append((wall / steps, (engine.device_wait_s - w0) / wall))
     finally:
         stop_synthetic(engine, rids)
         sync(device)
@@ -151,9 +153,11 @@ def profile_decode(engine, device, batch, context, top=12) -> list[dict]:
         sync(device)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
             for _ in range(5):
                 engine.step()
             sync(device)
+            wall = time.perf_counter() - t0
     finally:
         stop_synthetic(engine, rids)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -162,8 +166,9 @@ def profile_decode(engine, device, batch, context, top=12) -> list[dict]:
         print(f"profile b={batch} ctx={context}: the profiler recorded no {key}", flush=True)
     total = sum(getattr(e, key) for e in rows) or 1.0
     rows.sort(key=lambda e: -getattr(e, key))
-    return [{"name": e.key[:90], "us_per_step": getattr(e, key) / 5, "share": getattr(e, key) / total}
-            for e in rows[:top]]
+    return {"wall_us_per_step": 1e6 * wall / 5, "kernel_us_per_step": total / 5,  # under the profiler
+            "kernels": [{"name": e.key[:90], "us_per_step": getattr(e, key) / 5, "share": getattr(e, key) / total}
+                        for e in rows[:top]]}
 
 
 def build(num_layers, dense_layers, device, args, max_context):
@@ -238,15 +243,15 @@ def main(argv=None) -> int:
     for ctx in a.contexts:
         for batch in a.batches:
             touched = experts_touched(engine, batch, ctx)
-            t = time_decode(engine, device, batch, ctx, a.steps)
+            t, wait = time_decode(engine, device, batch, ctx, a.steps)
             floor = step_bytes(wb, cfg, batch, ctx, touched)
             row = {"batch": batch, "context": ctx, "step_s": t, "tokens_per_s_per_user": 1 / t,
                    "experts_touched": touched, "roofline_bytes": floor, "roofline_s": floor / bw,
-                   "share_of_roofline": floor / bw / t}
+                   "share_of_roofline": floor / bw / t, "host_wait_share": wait}
             res["decode"].append(row)
             print(f"decode b={batch:3d} ctx={ctx:7d}: {t * 1e3:8.3f} ms  {1 / t:7.1f} tok/s/user  experts "
                   f"{sum(touched) / len(touched):5.1f}/layer  roofline {floor / bw * 1e3:7.3f} ms  "
-                  f"{100 * floor / bw / t:5.1f}%", flush=True)
+                  f"{100 * floor / bw / t:5.1f}%  host waits {100 * wait:4.1f}%", flush=True)
             save(res, a.out)
     res["profile"] = {f"b{b}_ctx{c}": profile_decode(engine, device, b, c)
                       for b, c in ((1, a.scaling_context), (max(a.batches), a.scaling_context),
@@ -269,15 +274,19 @@ def main(argv=None) -> int:
     release()
     res["scaling"] = []
     for b in (1, max(a.batches)):
-        moe = (scale[f"D+{a.layers - 1}M"][b] - scale["D+M"][b]) / (a.layers - 2)
-        dense = scale["D+D+M"][b] - scale["D+M"][b]
-        head = scale["D+M"][b] - moe - dense
+        t = {name: v[b][0] for name, v in scale.items()}
+        moe = (t[f"D+{a.layers - 1}M"] - t["D+M"]) / (a.layers - 2)
+        dense = t["D+D+M"] - t["D+M"]
+        head = t["D+M"] - moe - dense
         est60 = head + 3 * dense + 57 * moe
+        waits = {name: v[b][1] for name, v in scale.items()}
         res["scaling"].append({"batch": b, "context": a.scaling_context, "moe_layer_s": moe, "dense_layer_s": dense,
                                "head_s": head, "estimated_60_layer_step_s": est60,
-                               "estimated_60_layer_tokens_per_s_per_user": 1 / est60})
+                               "estimated_60_layer_tokens_per_s_per_user": 1 / est60, "host_wait_shares": waits})
+        bound = [name for name, w in waits.items() if w < 0.05]  # the host, not the GPU, set these steps' pace
         print(f"scaling b={b}: MoE layer {moe * 1e3:.3f} ms, dense layer {dense * 1e3:.3f} ms, head {head * 1e3:.3f} "
-              f"ms -> 60 layers {est60 * 1e3:.2f} ms/step, {1 / est60:.1f} tok/s/user", flush=True)
+              f"ms -> 60 layers {est60 * 1e3:.2f} ms/step, {1 / est60:.1f} tok/s/user"
+              + (f" (host-bound: {', '.join(bound)}; the split is not the GPU's)" if bound else ""), flush=True)
     save(res, a.out)
     with open(os.path.join(a.out, "bench_engine.md"), "w") as f:
         f.write(table(res))
@@ -289,21 +298,23 @@ def table(res) -> str:
     lines = [f"copy {res['copy_bytes_per_s'] / 1e12:.3f} TB/s, {res['layers']} layers, CUDA graphs {res['cuda_graphs']}",
              "", "| prompt | TTFT ms |", "|---|---|"]
     lines += [f"| {r['prompt_tokens']} | {r['ttft_s'] * 1e3:.1f} |" for r in res["ttft"]]
-    lines += ["", "| batch | context | step ms | tok/s/user | experts/layer | roofline ms | share |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| batch | context | step ms | tok/s/user | experts/layer | roofline ms | share | host waits |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in res["decode"]:
         e = sum(r["experts_touched"]) / max(1, len(r["experts_touched"]))
         lines.append(f"| {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.3f} | {r['tokens_per_s_per_user']:.1f} | "
-                     f"{e:.1f} | {r['roofline_s'] * 1e3:.3f} | {100 * r['share_of_roofline']:.1f}% |")
+                     f"{e:.1f} | {r['roofline_s'] * 1e3:.3f} | {100 * r['share_of_roofline']:.1f}% | "
+                     f"{100 * r['host_wait_share']:.0f}% |")
     lines += ["", "| batch | MoE layer ms | dense layer ms | head ms | 60 layers ms/step | tok/s/user |",
               "|---|---|---|---|---|---|"]
     for r in res.get("scaling", []):
         lines.append(f"| {r['batch']} | {r['moe_layer_s'] * 1e3:.3f} | {r['dense_layer_s'] * 1e3:.3f} | "
                      f"{r['head_s'] * 1e3:.3f} | {r['estimated_60_layer_step_s'] * 1e3:.2f} | "
                      f"{r['estimated_60_layer_tokens_per_s_per_user']:.1f} |")
-    for name, rows in res.get("profile", {}).items():
-        lines += ["", f"profile {name}:"] + [f"  {100 * r['share']:5.1f}%  {r['us_per_step']:9.1f} us/step  {r['name']}"
-                                            for r in rows]
+    for name, p in res.get("profile", {}).items():
+        lines += ["", f"profile {name}: {p['kernel_us_per_step']:.1f} us of kernels per step, "
+                      f"{p['wall_us_per_step']:.1f} us wall per step (profiled)"]
+        lines += [f"  {100 * r['share']:5.1f}%  {r['us_per_step']:9.1f} us/step  {r['name']}" for r in p["kernels"]]
     return "\n".join(lines) + "\n"
 
 

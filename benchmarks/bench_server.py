@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -38,47 +39,65 @@ PROMPT = "Please write a short poem about the sea, the sky, and the stars at nig
 
 # ---- the zero-cost engine (loaded by the m3serve backend through the engine_factory parameter) ----------
 class _NullEngine:
-    """Streams one token per output, as fast as the event loop runs: no model, no pages."""
+    """Streams one token per output from its own thread, as fast as it can hand them over: no model, no pages."""
 
     def __init__(self, config):
         from m3serve.text.tokenizer import Tokenizer
 
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+        self._cv = threading.Condition()
+        self._active: dict[str, list] = {}  # request id -> [sink, tokens left, tokens sent, prompt tokens]
         self._aborted: set[str] = set()
-        self._running = 0
         self._tokens = 0
+        self._stop = False
+        threading.Thread(target=self._run, name="null-engine", daemon=True).start()
 
-    async def generate(self, request_id, prompt=None, prompt_token_ids=None, sampling_params=None,
-                       reasoning_parser=None, chat_template_kwargs=None):
+    async def prepare(self, prompt=None, prompt_token_ids=None, sampling_params=None, reasoning_parser=None,
+                      chat_template_kwargs=None):
+        n_prompt = len(prompt_token_ids) if prompt_token_ids else len(self.tokenizer.encode(prompt or ""))
+        return n_prompt, sampling_params.max_tokens or 16
+
+    def submit(self, request_id, prepared, sink):
+        with self._cv:
+            self._active[request_id] = [sink, prepared[1], 0, prepared[0]]
+            self._cv.notify()
+
+    def _run(self):
         from m3serve.engine.outputs import RequestOutput
 
-        n_prompt = len(prompt_token_ids) if prompt_token_ids else len(self.tokenizer.encode(prompt or ""))
-        n = sampling_params.max_tokens or 16
-        self._running += 1
-        try:
-            for i in range(n):
-                await asyncio.sleep(0)
-                last = i == n - 1 or request_id in self._aborted
-                self._tokens += 1
-                yield RequestOutput(request_id, [65], text="x", finished=last,
-                                    finish_reason=("abort" if request_id in self._aborted else "length") if last
-                                    else None, num_prompt_tokens=n_prompt, num_output_tokens=i + 1,
-                                    cumulative_logprob=0.0)
-                if last:
+        while True:
+            with self._cv:
+                while not self._active and not self._stop:
+                    self._cv.wait()
+                if self._stop:
                     return
-        finally:
-            self._running -= 1
-            self._aborted.discard(request_id)
+                batch = list(self._active.items())
+            for rid, st in batch:
+                sink, left, sent, n_prompt = st
+                aborted = rid in self._aborted
+                last = left <= 1 or aborted
+                st[1], st[2] = left - 1, sent + 1
+                self._tokens += 1
+                sink(RequestOutput(rid, [65], text="x", finished=last,
+                                   finish_reason=("abort" if aborted else "length") if last else None,
+                                   num_prompt_tokens=n_prompt, num_output_tokens=sent + 1, cumulative_logprob=0.0))
+                if last:
+                    with self._cv:
+                        self._active.pop(rid, None)
+                        self._aborted.discard(rid)
+            time.sleep(0)  # one round of tokens per "step"; the response thread gets the GIL in between
 
     def abort_sync(self, request_id):
-        self._aborted.add(request_id)
+        with self._cv:
+            if request_id in self._active:
+                self._aborted.add(request_id)
 
     async def abort(self, request_id):
         self.abort_sync(request_id)
 
     def stats(self):
-        return {"num_running": self._running, "num_waiting": 0, "num_free_pages": 1, "num_total_pages": 1,
+        return {"num_running": len(self._active), "num_waiting": 0, "num_free_pages": 1, "num_total_pages": 1,
                 "kv_cache_usage": 0.0, "num_preemptions": 0, "prefix_cache_hit_tokens": 0,
                 "prompt_tokens_total": 0, "generation_tokens_total": self._tokens}
 
@@ -86,7 +105,9 @@ class _NullEngine:
         return True
 
     def shutdown(self):
-        pass
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
 
 
 def null_engine(config):
@@ -127,13 +148,23 @@ async def _engine_level(engine, c, n_per_user, max_tokens, prompt_ids=None):
             if n > n_first and last > first:
                 rates.append((n - n_first) / (last - first))
 
+    st0 = engine.stats()
     t0 = time.perf_counter()
     await asyncio.gather(*(user(u) for u in range(c)))
     wall = time.perf_counter() - t0
+    st1 = engine.stats()
     ttfts.sort()
     return {"concurrency": c, "requests": c * n_per_user, "output_tokens": total, "wall_s": wall,
             "tokens_per_s_total": total / wall, "tokens_per_s_per_user_mean": sum(rates) / len(rates),
-            "ttft_ms_p50": 1000 * ttfts[len(ttfts) // 2]}
+            "ttft_ms_p50": 1000 * ttfts[len(ttfts) // 2], **engine_pace(st0, st1, wall)}
+
+
+def engine_pace(before: dict, after: dict, wall: float) -> dict:
+    """Engine steps per second and the share of the wall time its thread waited for the device (near 0: host-bound)
+    between two readings of the engine's counters (`stats()`, or the server's metrics under the same names)."""
+    steps = after.get("num_steps", 0) - before.get("num_steps", 0)
+    wait = after.get("device_wait_seconds", 0.0) - before.get("device_wait_seconds", 0.0)
+    return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": wait / wall}
 
 
 def run_engine_direct(a, model_dir) -> list[dict]:
@@ -149,8 +180,10 @@ def run_engine_direct(a, model_dir) -> list[dict]:
         engine = AsyncLLMEngine(cfg)
     try:
         async def go():
-            for c in a.levels:  # warm-up: every step shape the levels make compiles its kernels here, not timed
-                await _engine_level(engine, c, 1, a.max_tokens, ids)
+            for c in a.levels:  # warm-up: the timed runs themselves, once (their prefill chunks and the mixed steps
+                # of staggered arrivals compile kernels of new shapes: 2026-12-03 on the H200 a warm-up of one request
+                # per user left C = 64 compiling inside the timed run)
+                await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids)
             out = []
             for c in a.levels:
                 out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids))
@@ -252,7 +285,8 @@ def server_counters(mport, model) -> dict:
     with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
         text = f.read().decode()
     out = {}
-    for name in ("m3serve:responses_total", "m3serve:response_send_seconds_total", "vllm:generation_tokens_total"):
+    for name in ("m3serve:responses_total", "m3serve:response_send_seconds_total", "vllm:generation_tokens_total",
+                 "m3serve:engine_steps_total", "m3serve:engine_device_wait_seconds_total"):
         m = re.search(re.escape(name) + r'\{[^}]*model="' + re.escape(model) + r'"[^}]*\}\s+(\S+)', text)
         out[name] = float(m.group(1)) if m else 0.0
     return out
@@ -263,7 +297,8 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
 
     async def go():
         for c in a.levels:  # warm-up, as engine-direct's
-            await bench.run_level(url, model, kind, c, c, prompt, max_tokens, True, 0.0, 600, False)
+            await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True, 0.0, 600,
+                                  False)
         out = []
         for c in a.levels:
             await asyncio.sleep(0.4)
@@ -272,6 +307,9 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
                                        0.0, 600, False)
             await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
             after = server_counters(mport, model)
+            lv.update(engine_pace(*({"num_steps": x["m3serve:engine_steps_total"],
+                                     "device_wait_seconds": x["m3serve:engine_device_wait_seconds_total"]}
+                                    for x in (before, after)), lv["wall_s"]))
             n = after["m3serve:responses_total"] - before["m3serve:responses_total"]
             sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
             lv["server_responses"] = n
@@ -290,13 +328,15 @@ def summarize(res) -> str:
              "us per response in send() |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     if not res["null"]:  # --geometry: engine-direct vs the server only
-        lines = lines[:1] + ["|---|---|---|---|---|---|---|"]
+        lines = lines[:1] + ["|---|---|---|---|---|---|---|---|---|"]
         lines[0] = ("| C | engine-direct tok/s | server tok/s | server / engine | server TTFT p50 ms | server ITL p50 ms | "
-                    "server resp/req |")
+                    "server resp/req | engine steps/s (direct / server) | engine waits for the GPU (direct / server) |")
         for e, s in zip(res["engine"], res["server"]):
             lines.append(f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {s['tokens_per_s_total']:.0f} | "
                          f"{s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | {s['ttft_ms'][50]:.1f} | "
-                         f"{s['itl_ms'][50]:.2f} | {s['responses_per_request_mean'] or 0:.0f} |")
+                         f"{s['itl_ms'][50]:.2f} | {s['responses_per_request_mean'] or 0:.0f} | "
+                         f"{e['engine_steps_per_s']:.0f} / {s['engine_steps_per_s']:.0f} | "
+                         f"{100 * e['engine_device_wait_share']:.0f}% / {100 * s['engine_device_wait_share']:.0f}% |")
         return "\n".join(lines)
     for e, s, n in zip(res["engine"], res["server"], res["null"]):
         resp = n["requests"] * (n["responses_per_request_mean"] or 0)

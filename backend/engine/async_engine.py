@@ -6,7 +6,9 @@
     engine.shutdown()
 
 Only the engine thread touches the `LLMEngine`'s state; callers hand it commands (add, abort) through a
-locked queue, and outputs go back to each caller's own event loop with `call_soon_threadsafe`. Requests are
+locked queue, and outputs go back to each caller's own event loop with `call_soon_threadsafe` (one call per loop
+and step). A server with a response thread of its own can skip the event loop: `submit` hands each output to a
+callable on the engine thread (the Triton model's path: no per-output hop through asyncio). Requests are
 validated and tokenized (chat templates rendered, under their time bound) on a small worker pool, so a slow
 prompt holds neither the caller's loop nor the step loop (it only shares the CPU with them).
 
@@ -26,6 +28,7 @@ import functools
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from m3serve.config import EngineConfig
@@ -55,6 +58,29 @@ class _Stream:
             return True
         except RuntimeError:  # the caller's loop is closed
             return False
+
+
+class _Sink:
+    """A request whose outputs go to a callable on the engine thread (`AsyncLLMEngine.submit`)."""
+
+    __slots__ = ("request_id", "fn")
+
+    def __init__(self, request_id: str, fn: Callable[[object], None]):
+        self.request_id, self.fn = request_id, fn
+
+    def put(self, item) -> bool:
+        try:
+            self.fn(item)
+            return True
+        except Exception:  # the receiver's fault: its request is aborted, the engine goes on
+            log.exception("the output receiver of request %s failed", self.request_id)
+            return False
+
+
+def _put_all(items: list[tuple[_Stream, object, RequestOutput]]) -> None:
+    """On the callers' loop: queue a step's outputs on their streams."""
+    for stream, item, _ in items:
+        stream.queue.put_nowait(item)
 
 
 class AsyncLLMEngine:
@@ -104,13 +130,7 @@ class AsyncLLMEngine:
         req = prepared if prepared is not None else await self.prepare(
             prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs)
         stream = _Stream(request_id, asyncio.get_running_loop())
-        with self._cv:
-            self._check_alive()
-            if request_id in self._streams:
-                raise InvalidRequest("request_id", f"request {request_id!r} is already running")
-            self._streams[request_id] = stream
-            self._commands.append(("add", request_id, req))
-            self._cv.notify()
+        self._add(request_id, stream, req)
         finished = False
         try:
             while True:
@@ -125,6 +145,22 @@ class AsyncLLMEngine:
         finally:
             if not finished:  # the caller stopped listening (closed, cancelled): free its pages
                 self._send(("abort", request_id, stream))
+
+    def submit(self, request_id: str, prepared: PreparedRequest, sink: Callable[[object], None]) -> None:
+        """Thread-safe, no event loop: start a request `prepare` returned. Its `RequestOutput` deltas (the last with
+        finished=True), or the exception that ends it (`RequestFailed`, `EngineDeadError`), go to `sink` on the
+        engine thread, in order, between steps: `sink` must be quick and must not block (a queue's put). Raises,
+        without calling `sink`, `InvalidRequest` for an id already running and `EngineDeadError`."""
+        self._add(request_id, _Sink(request_id, sink), prepared)
+
+    def _add(self, request_id: str, stream: "_Stream | _Sink", req: PreparedRequest) -> None:
+        with self._cv:
+            self._check_alive()
+            if request_id in self._streams:
+                raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+            self._streams[request_id] = stream
+            self._commands.append(("add", request_id, req))
+            self._cv.notify()
 
     async def abort(self, request_id: str) -> None:
         self.abort_sync(request_id)
@@ -268,15 +304,30 @@ class AsyncLLMEngine:
             self._deliver([out])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._cv:
+        """Hand a step's outputs to their streams: one wake-up of each callers' event loop per step, not one per
+        output (at 64 running requests, 64 cross-thread calls a step were host time the GIL serialised)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, object, RequestOutput]]] = {}
+        direct: list[tuple[_Sink, object, RequestOutput]] = []
+        with self._cv:
+            for out in outputs:
                 stream = self._streams.get(out.request_id)
-                if stream is not None and out.finished:
+                if stream is None:
+                    continue
+                if out.finished:
                     del self._streams[out.request_id]
-            if stream is None:
-                continue
-            item = RequestFailed(out.error) if isinstance(out, FailedOutput) else out
-            if not stream.put(item) and not out.finished:
+                item = RequestFailed(out.error) if isinstance(out, FailedOutput) else out
+                if isinstance(stream, _Sink):
+                    direct.append((stream, item, out))
+                else:
+                    by_loop.setdefault(stream.loop, []).append((stream, item, out))
+        lost = [out for sink, item, out in direct if not sink.put(item)]
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the callers' loop is closed: nobody listens to these requests
+                lost += [out for _, _, out in items]
+        for out in lost:
+            if not out.finished:
                 self.engine.abort_request(out.request_id)
                 with self._cv:
                     self._streams.pop(out.request_id, None)

@@ -134,7 +134,7 @@ class BlockManager:
         for pid in reversed(seq.pages[keep:]):
             assert self.pages[pid].ref_count == 1 and self.pages[pid].hash is None, f"page {pid} is shared"
             self._release(pid)
-        del seq.pages[keep:]
+        seq.pages.truncate(keep)
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full and computed in the prefix cache."""

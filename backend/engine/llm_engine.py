@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens (the rest is host work)
         self._inflight: _InFlight | None = None  # the step queued on the device, its tokens not yet processed
 
     # ---- setup helpers ---------------------------------------------------------------------------
@@ -255,7 +257,9 @@ class LLMEngine:
         try:
             if cur.error is not None:
                 raise cur.error
+            t0 = time.perf_counter()
             sampled = cur.out.result()
+            self.device_wait_s += time.perf_counter() - t0
         except Exception as e:
             return self._failed_step(batch.seqs, e)
         rows = self._rows(sampled, seqs)
@@ -385,7 +389,8 @@ class LLMEngine:
             "num_preemptions": sch.num_preemptions, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
-            "num_steps": self.num_steps, "num_chunked_prefills": sch.num_chunked_prefills,
+            "num_steps": self.num_steps, "device_wait_seconds": self.device_wait_s,
+            "num_chunked_prefills": sch.num_chunked_prefills,
             "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,
             **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }

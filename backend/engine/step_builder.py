@@ -5,6 +5,7 @@ A speculating sequence (k drafts) feeds its anchor and k placeholder tokens at t
 lookahead pages); its sampling row points at the anchor, and `StepInput.spec` tells the worker where the drafts go."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from m3serve.engine.scheduler import ScheduledBatch
@@ -42,7 +43,7 @@ class StepBuilder:
         `num_tokens` (the host does not know it yet)."""
         bs = self.block_size
         ahead = int(prev_rows is not None)  # tokens of each sequence that the running step is still sampling
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+        ids, pos, qsl, seq_lens = [], [], [0], []
         sample_rows, sample_seqs, spec = [], [], []
         drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
         for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
@@ -51,8 +52,6 @@ class StepBuilder:
             known = seq.token_ids[start:end - k]
             ids += known + [0] * (n - len(known))  # the worker writes the drafts (or the pending token) over these
             pos += range(start, end)
-            pages = seq.pages
-            slots += [pages[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             if k:
@@ -62,13 +61,18 @@ class StepBuilder:
             elif end == seq.num_tokens + ahead:
                 sample_rows.append(qsl[-1] - 1)
                 sample_seqs.append(seq)
-        tables = _padded([s.pages for s in batch.seqs]).clamp_(min=0).to(torch.int32)
+        tables = np.zeros((len(batch.seqs), max([1] + [len(s.pages) for s in batch.seqs])), dtype=np.int32)
+        for i, seq in enumerate(batch.seqs):
+            tables[i, :len(seq.pages)] = seq.pages.array
+        positions = np.array(pos, dtype=np.int64)
+        token_seq = np.repeat(np.arange(len(batch.seqs)), batch.num_new_tokens)
+        slots = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         step = StepInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.from_numpy(positions),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, is_decode=all(n == 1 for n in batch.num_new_tokens),
-            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens), block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens), block_tables=torch.from_numpy(tables),
+            slot_mapping=torch.from_numpy(slots),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=self.sampling(sample_seqs, ahead) if sample_seqs else None,
             spec=self._spec(spec, len(sample_rows)) if spec else None,

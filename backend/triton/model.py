@@ -13,8 +13,9 @@ One file, four roles (config parameter `m3serve_role`, else guessed from the dec
 
 Threads of an LLM instance (text / ids):
   stub main thread   initialize / execute / finalize: parse, validate, queue; never blocks on the engine
-  engine loop        asyncio loop running one coroutine per Triton request (`engine.generate`)
-  engine threads     owned by AsyncLLMEngine (the step loop, a small pool preparing requests)
+  engine loop        asyncio loop starting each Triton request's engine requests (`engine.prepare`, `submit`)
+  engine threads     owned by AsyncLLMEngine (the step loop, a small pool preparing requests); the step loop
+                     hands each output straight to the responder's queue
   responder          the only thread that calls into the server: send / is_cancelled / metrics / model control
 
 A dead engine (a device fault: see engine/faults.py): the responder fails the open requests with UNAVAILABLE,
@@ -34,11 +35,13 @@ Config parameters (all optional): m3serve_role, default_max_tokens (16), REPORT_
 chat template sent in chat_template_kwargs is refused), utf8_stream_boundaries ("true": m3_ids streams whole
 UTF-8 characters), tokenizer_dir, skip_special_tokens and max_model_len (pre/postprocessing).
 Testing/benchmark hook: parameter engine_factory or $M3SERVE_ENGINE_FACTORY = "module:function" or
-"/path/file.py:function" builds the engine from the EngineConfig instead of AsyncLLMEngine.
+"/path/file.py:function" builds the engine from the EngineConfig instead of AsyncLLMEngine (an object with
+AsyncLLMEngine's `prepare`, `submit`, `abort_sync`, `stats`, `is_healthy` and `shutdown`).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import importlib
 import importlib.util
@@ -314,10 +317,10 @@ class TritonPythonModel:
     async def _drive_group(self, items: list[tuple[Item, GenRequest]]) -> None:
         """Run the engine requests of one Triton request. A batch is validated as a whole first (the engine's
         `prepare`), so an invalid item fails the request before any item streams."""
-        prepare = getattr(self.engine, "prepare", None)
         prepared = [None] * len(items)
-        if len(items) > 1 and prepare is not None:
-            results = await asyncio.gather(*(prepare(**r.engine_args()) for _, r in items), return_exceptions=True)
+        if len(items) > 1:
+            results = await asyncio.gather(*(self.engine.prepare(**r.engine_args()) for _, r in items),
+                                           return_exceptions=True)
             for (item, r), res in zip(items, results):
                 if isinstance(res, BaseException):
                     self.responder.end(item, *self._error_reply(r, res))
@@ -326,17 +329,25 @@ class TritonPythonModel:
         await asyncio.gather(*(self._drive(item, r, p) for (item, r), p in zip(items, prepared)))
 
     async def _drive(self, item: Item, r: GenRequest, prepared=None) -> None:
-        code = message = None
+        """Start one engine request. Its outputs go from the engine thread straight to the response thread's queue
+        (`submit`): no per-token hop through this event loop, whose coroutines would compete with the engine thread
+        for the GIL at every step."""
         try:
-            kwargs = r.engine_args() if prepared is None else {"prepared": prepared}
-            async for out in self.engine.generate(item.rid, **kwargs):
-                self.responder.output(item, out)
+            if prepared is None:
+                prepared = await self.engine.prepare(**r.engine_args())
+            self.engine.submit(item.rid, prepared, functools.partial(self._on_output, item, r))
         except Exception as e:
-            code, message = self._error_reply(r, e)
+            self.responder.end(item, *self._error_reply(r, e))
         except BaseException:  # CancelledError at shutdown: the request still gets a FINAL
             self.responder.end(item, UNAVAILABLE, "the model is being unloaded")
             raise
-        self.responder.end(item, code, message)
+
+    def _on_output(self, item: Item, r: GenRequest, out) -> None:
+        """On the engine thread: an output of `item`, or the exception that ended it, to the response thread."""
+        if isinstance(out, BaseException):
+            self.responder.end(item, *self._error_reply(r, out))
+        else:
+            self.responder.output(item, out)
 
     def _error_reply(self, r: GenRequest, e: BaseException) -> tuple[str, str]:
         """(code, message) of an engine error, named as the client sent the request."""

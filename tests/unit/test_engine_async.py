@@ -336,3 +336,46 @@ def test_shutdown_fails_pending_and_joins(make_async, eu):
         asyncio.run(collect(eng, "after", prompt_token_ids=[1]))
     assert not any(t.name == "m3serve-engine" and t.is_alive() for t in threading.enumerate()
                    if t is eng._thread)
+
+
+def test_submit_hands_outputs_to_a_callable_on_the_engine_thread(make_async, eu, reference_greedy):
+    """`submit` (the Triton model's path): each output goes to the request's callable on the engine thread, in
+    order, without an event loop; a step's failure arrives as the exception; a receiver that raises loses only its
+    own request (aborted, its pages back); an id already running is refused without calling the receiver."""
+    eng = make_async()
+    prompts = eu.random_prompts([12, 30, 7], seed=50)
+    got: dict[str, list] = {"a": [], "b": [], "bad": []}
+    threads, done, first, hold = set(), threading.Event(), threading.Event(), threading.Event()
+
+    def sink(rid, out):
+        threads.add(threading.current_thread().name)
+        got[rid].append(out)
+        if rid == "a" and len(got[rid]) == 1:  # hold the engine thread: "a" is surely still running
+            first.set()
+            hold.wait(30)
+        if rid == "bad" and len(got[rid]) == 2:
+            raise ValueError("receiver broke")
+        if all(got[r] and (isinstance(got[r][-1], BaseException) or got[r][-1].finished) for r in ("a", "b")):
+            done.set()
+
+    async def prepare(p, n):
+        return await eng.prepare(prompt_token_ids=p, sampling_params=greedy(n))
+
+    prepared = [asyncio.run(prepare(p, n)) for p, n in zip(prompts, (9, 6, 20))]
+    for rid, req in zip(("a", "b", "bad"), prepared):
+        eng.submit(rid, req, lambda out, rid=rid: sink(rid, out))
+    assert first.wait(30)
+    with pytest.raises(InvalidRequest, match="already running"):
+        eng.submit("a", prepared[0], lambda out: got["a"].append(("second receiver", out)))
+    hold.set()
+    assert done.wait(30)
+    for rid, p, n in (("a", prompts[0], 9), ("b", prompts[1], 6)):
+        assert [t for o in got[rid] for t in o.new_token_ids] == reference_greedy(p, n)
+        assert got[rid][-1].finished and not any(o.finished for o in got[rid][:-1])
+    assert len(got["bad"]) == 2 and not got["bad"][-1].finished  # nothing more after the receiver failed
+    assert threads == {"m3serve-engine"} and wait_for(lambda: all_pages_free(eng))
+    fail_on_call(eng.engine.executor, "launch", 2, RuntimeError("triton kernel: out of resources"))
+    failed = threading.Event()
+    eng.submit("c", asyncio.run(prepare(prompts[2], 8)),
+               lambda out: failed.set() if isinstance(out, RequestFailed) and "out of resources" in str(out) else None)
+    assert failed.wait(30) and eng.is_healthy() and wait_for(lambda: all_pages_free(eng))

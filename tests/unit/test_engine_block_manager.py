@@ -2,9 +2,12 @@
 adds / aborts / preemptions on a tiny pool that must leave no page behind."""
 import random
 
+import numpy as np
+import pytest
+
 from m3serve.engine.block_manager import BlockManager
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.sequence import Sequence
+from m3serve.engine.sequence import PageTable, Sequence
 
 B = 4
 
@@ -159,3 +162,19 @@ def test_fcfs_no_starvation(make_engine, eu):
     assert not eng.has_unfinished_requests()
     assert all(admitted["big"] <= admitted[s.request_id] for s in small)
     assert big.finish_reason == "length"
+
+
+def test_page_table_reads_like_a_list():
+    t = PageTable([5, 6])
+    for p in range(7, 40):
+        t.append(p)
+    assert len(t) == 35 and t[0] == 5 and t[-1] == 39 and t[2:4] == [7, 8] and list(t)[:3] == [5, 6, 7]
+    assert list(reversed(t))[:2] == [39, 38] and t == list(range(5, 40)) and t != list(range(5, 39))
+    assert t.array.dtype == np.int32 and t.array.tolist() == list(range(5, 40))
+    t.truncate(3)
+    assert t == [5, 6, 7] and t.array.tolist() == [5, 6, 7] and 3 not in set(t)
+    with pytest.raises(IndexError):
+        t[3]
+    seq = Sequence("s", 0, [1], SamplingParams(), 4)
+    seq.pages = [4, 2]
+    assert isinstance(seq.pages, PageTable) and seq.pages == [4, 2] and type(seq.pages[1]) is int

@@ -74,3 +74,24 @@ def test_step_input_broadcasts_to_another_rank():
         received = torch.load(result, weights_only=False)
     assert isinstance(received, StepInput)
     assert_same(StepBuilder(B, {2}).build(_scheduled())[0], received)
+
+
+def test_block_table_rows_follow_page_changes():
+    """Rows of the block table come from each sequence's page array: grown past its first capacity, trimmed, then
+    grown again (a rejected draft's lookahead page returned, a new one taken), and replaced (freed, readmitted)."""
+    s = Sequence("s", 0, list(range(72)), SamplingParams(temperature=0.0), 10)
+    for p in range(40):
+        s.pages.append(100 + p)
+    s.pages.truncate(18)
+    s.pages.append(7)
+    s.num_computed_tokens = 71
+    other = Sequence("o", 1, [1, 2], SamplingParams(temperature=0.0), 10)
+    other.pages, other.num_computed_tokens = [9], 1
+    batch = ScheduledBatch([s, other], [1, 1], [0, 0])
+    step, _ = StepBuilder(B, set()).build(batch)
+    assert step.block_tables.tolist() == [[100 + p for p in range(18)] + [7], [9] + [0] * 18]
+    assert step.slot_mapping.tolist() == [117 * B + 3, 9 * B + 1] and step.positions.tolist() == [71, 1]
+    ahead, _ = StepBuilder(B, set()).build(batch, prev_rows=[0, 1])  # the tokens a running step samples
+    assert ahead.slot_mapping.tolist() == [7 * B + 0, 9 * B + 2] and ahead.positions.tolist() == [72, 2]
+    s.pages = []
+    assert not s.pages and step.block_tables[0, 18] == 7  # the step's table is a copy, not a view of the pages

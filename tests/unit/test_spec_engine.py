@@ -64,7 +64,7 @@ def check_draft_cache(eng, model):
         with TapRecorder(model, drafter.draft.tap_layers) as taps:
             ReferenceRunner(model).hidden(seq.token_ids[:c])
         rows = drafter.draft.context_kv(taps.take(), torch.arange(c))
-        table = torch.tensor([seq.pages])
+        table = torch.tensor([seq.pages.tolist()])
         for layer, (k, v) in enumerate(rows):
             ck, cv = drafter.cache.gather(layer, table)
             assert torch.allclose(ck[0, :c], k, atol=2e-3, rtol=1e-3), (seq, layer)
@@ -444,8 +444,9 @@ def test_model_json_and_cli_take_the_launch_line(tiny_model_dir, tmp_path):
     assert main(common + ["--speculative-config", '{"method": "dspark"}']) == 2
 
 
-def test_triton_metrics_export_the_spec_counters():
-    """backend/triton/metrics.py reads stats(): the vLLM spec-decode counters grow by the stats' deltas."""
+def test_triton_metrics_export_the_engine_counters():
+    """backend/triton/metrics.py reads stats(): the vLLM spec-decode counters and the engine thread's step and
+    device-wait counters grow by the stats' deltas."""
     from types import SimpleNamespace
 
     from m3serve.triton.metrics import Metrics
@@ -467,10 +468,13 @@ def test_triton_metrics_export_the_spec_counters():
 
     metrics = Metrics(SimpleNamespace(MetricFamily=Family), {"model": "m3"}, 512)
     stats = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 9,
-             "spec_decode_acceptance_rate": 0.75}
+             "spec_decode_acceptance_rate": 0.75, "num_steps": 4, "device_wait_seconds": 0.25}
     metrics.engine_stats(stats, 0)
-    metrics.engine_stats({**stats, "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 20}, 0)
+    metrics.engine_stats({**stats, "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 20, "num_steps": 7,
+                          "device_wait_seconds": 0.5}, 0)
     m = {k: v.value for k, v in Family.all.items()}
     assert (m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"],
             m["vllm:spec_decode_num_accepted_tokens_total"]) == (5, 20, 9)
     assert m["vllm:spec_decode_draft_acceptance_rate"] == 0.75
+    # the engine thread's own counters (steps, seconds waiting for the device) follow the engine's totals
+    assert (m["m3serve:engine_steps_total"], m["m3serve:engine_device_wait_seconds_total"]) == (7, 0.5)
