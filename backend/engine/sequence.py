@@ -55,7 +55,8 @@ class SequenceText:
 class PageTable:
     """A sequence's page ids in order: its row of the block table. The ids live in a growing int32 array, so a step's
     block table is one row copy per sequence (`array`), not a conversion of Python lists: at 64 sequences x 1,025
-    pages (128K tokens) that conversion took 4-11 ms of host time per decode step. The block manager changes it
+    pages (128K tokens) that conversion took about 12 ms on a 2-core host and left the GPU idle a third of the
+    decode step on the H200 (docs/performance.md, engine run 3). The block manager changes it
     only by `append`, `truncate` and reassignment (`Sequence.pages = []`); reading works as on a list of ints."""
 
     __slots__ = ("_ids", "_n")
