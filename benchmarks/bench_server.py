@@ -148,15 +148,37 @@ async def _engine_level(engine, c, n_per_user, max_tokens, prompt_ids=None):
             if n > n_first and last > first:
                 rates.append((n - n_first) / (last - first))
 
-    st0 = engine.stats()
+    st0, unix0 = engine.stats(), time.time()
     t0 = time.perf_counter()
     await asyncio.gather(*(user(u) for u in range(c)))
     wall = time.perf_counter() - t0
-    st1 = engine.stats()
+    st1, unix1 = engine.stats(), time.time()
     ttfts.sort()
     return {"concurrency": c, "requests": c * n_per_user, "output_tokens": total, "wall_s": wall,
             "tokens_per_s_total": total / wall, "tokens_per_s_per_user_mean": sum(rates) / len(rates),
-            "ttft_ms_p50": 1000 * ttfts[len(ttfts) // 2], **engine_pace(st0, st1, wall)}
+            "ttft_ms_p50": 1000 * ttfts[len(ttfts) // 2], "t_start": unix0, "t_end": unix1,
+            **engine_pace(st0, st1, wall)}
+
+
+def compiles_in(levels: list[dict], compiles) -> None:
+    """Count the kernel compiles (unix time, seconds, kernel) that fell inside each timed level: a stall the level's
+    figures include (geometry.log_compiles)."""
+    for lv in levels:
+        inside = [(dt, name) for t, dt, name in compiles if lv["t_start"] <= t <= lv["t_end"]]
+        lv["compiles"] = len(inside)
+        lv["compile_s"] = sum(dt for dt, _ in inside)
+        lv["compiled"] = sorted({name.split("[")[0] for _, name in inside})
+
+
+def server_compiles(log_path: str) -> list[tuple[float, float, str]]:
+    """The `[compile]` lines the server's stub printed into its log."""
+    out = []
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if line.startswith("[compile] "):
+                _, t, dt, name = line.rstrip("\n").split(" ", 3)
+                out.append((float(t), float(dt), name))
+    return out
 
 
 def engine_pace(before: dict, after: dict, wall: float) -> dict:
@@ -302,9 +324,10 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
         out = []
         for c in a.levels:
             await asyncio.sleep(0.4)
-            before = server_counters(mport, model)
+            before, t_start = server_counters(mport, model), time.time()
             lv = await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True,
                                        0.0, 600, False)
+            lv["t_start"], lv["t_end"] = t_start, time.time()
             await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
             after = server_counters(mport, model)
             lv.update(engine_pace(*({"num_steps": x["m3serve:engine_steps_total"],
@@ -414,6 +437,15 @@ def main(argv=None) -> int:
                                                      "m3serve:kv_cache_free_pages"))]
     finally:
         stop_server(proc)
+    if a.geometry:  # kernel compiles inside timed levels (geometry.log_compiles: engine-direct here, the server's log)
+        from geometry import COMPILES
+        compiles_in(res["engine"], COMPILES)
+        compiles_in(res.get("server", []), server_compiles(log_path))
+        for side in ("engine", "server"):
+            for lv in res.get(side, []):
+                if lv.get("compiles"):
+                    print(f"[{side}] c={lv['concurrency']}: {lv['compiles']} kernel compiles in the timed run "
+                          f"({lv['compile_s']:.2f} s): {', '.join(lv['compiled'])}", file=sys.stderr, flush=True)
     nan = float("nan")
     if not res["engine"]:
         res["engine"] = [{"concurrency": c, "tokens_per_s_total": nan} for c in a.levels]

@@ -92,10 +92,40 @@ def async_engine(config: EngineConfig):
     device = "cpu" if smoke else "cuda"
     cfg = flash_geometry(int(os.environ.get("M3SERVE_GEOMETRY_LAYERS", "4")), **(SMOKE if smoke else {}))
     model = random_model(cfg, device)
+    if not smoke:
+        log_compiles()
     engine = make_engine(model, device=device, dtype="bfloat16", max_model_len=config.max_model_len,
                          max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
                          max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
     return AsyncLLMEngine(engine.config, engine=engine)
+
+
+COMPILES: list[tuple[float, float, str]] = []  # (unix time, seconds, kernel) of each compile `log_compiles` saw
+
+
+def log_compiles() -> None:
+    """Print every Triton kernel compile (or load from Triton's disk cache) of this process to stderr with its wall
+    time and specialization: `[compile] <unix time> <seconds> <kernel>[...](<args>)`. A compile inside a timed run is
+    a stall the benchmark must not count as serving speed (the server's lines land in its log)."""
+    import sys
+    import time
+
+    import triton
+
+    started: dict[str, float] = {}
+    if triton.knobs.runtime.jit_post_compile_hook is not None:
+        return  # installed already (engine-direct builds the engine once per run)
+
+    def before(*, key, repr, **_):
+        started[str(key)] = time.perf_counter()
+
+    def after(*, key, repr, **_):
+        dt = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        COMPILES.append((time.time(), dt, repr))
+        print(f"[compile] {time.time():.3f} {dt:.3f} {repr[:400]}", file=sys.stderr, flush=True)
+
+    triton.knobs.runtime.jit_cache_hook = before
+    triton.knobs.runtime.jit_post_compile_hook = after
 
 
 # ---- byte accounting --------------------------------------------------------------------------------------

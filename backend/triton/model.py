@@ -336,6 +336,8 @@ class TritonPythonModel:
             if prepared is None:
                 prepared = await self.engine.prepare(**r.engine_args())
             self.engine.submit(item.rid, prepared, functools.partial(self._on_output, item, r))
+            if item.done:  # cancelled (or the model closing) while it was being prepared: its abort came too early
+                self.engine.abort_sync(item.rid)
         except Exception as e:
             self.responder.end(item, *self._error_reply(r, e))
         except BaseException:  # CancelledError at shutdown: the request still gets a FINAL
