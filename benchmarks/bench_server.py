@@ -167,7 +167,7 @@ def compiles_in(levels: list[dict], compiles) -> None:
         inside = [(dt, name) for t, dt, name in compiles if lv["t_start"] <= t <= lv["t_end"]]
         lv["compiles"] = len(inside)
         lv["compile_s"] = sum(dt for dt, _ in inside)
-        lv["compiled"] = sorted({name.split("[")[0] for _, name in inside})
+        lv["compiled"] = sorted({name.split()[0] for _, name in inside})
 
 
 def server_compiles(log_path: str) -> list[tuple[float, float, str]]:
@@ -351,15 +351,17 @@ def summarize(res) -> str:
              "us per response in send() |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     if not res["null"]:  # --geometry: engine-direct vs the server only
-        lines = lines[:1] + ["|---|---|---|---|---|---|---|---|---|"]
+        lines = lines[:1] + ["|---|---|---|---|---|---|---|---|---|---|"]
         lines[0] = ("| C | engine-direct tok/s | server tok/s | server / engine | server TTFT p50 ms | server ITL p50 ms | "
-                    "server resp/req | engine steps/s (direct / server) | engine waits for the GPU (direct / server) |")
+                    "server resp/req | engine steps/s (direct / server) | engine waits for the GPU (direct / server) | "
+                    "kernel compiles in the timed run (direct / server) |")
         for e, s in zip(res["engine"], res["server"]):
             lines.append(f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {s['tokens_per_s_total']:.0f} | "
                          f"{s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | {s['ttft_ms'][50]:.1f} | "
                          f"{s['itl_ms'][50]:.2f} | {s['responses_per_request_mean'] or 0:.0f} | "
                          f"{e['engine_steps_per_s']:.0f} / {s['engine_steps_per_s']:.0f} | "
-                         f"{100 * e['engine_device_wait_share']:.0f}% / {100 * s['engine_device_wait_share']:.0f}% |")
+                         f"{100 * e['engine_device_wait_share']:.0f}% / {100 * s['engine_device_wait_share']:.0f}% | "
+                         f"{e.get('compiles', '-')} / {s.get('compiles', '-')} |")
         return "\n".join(lines)
     for e, s, n in zip(res["engine"], res["server"], res["null"]):
         resp = n["requests"] * (n["responses_per_request_mean"] or 0)

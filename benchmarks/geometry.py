@@ -104,28 +104,27 @@ COMPILES: list[tuple[float, float, str]] = []  # (unix time, seconds, kernel) of
 
 
 def log_compiles() -> None:
-    """Print every Triton kernel compile (or load from Triton's disk cache) of this process to stderr with its wall
-    time and specialization: `[compile] <unix time> <seconds> <kernel>[...](<args>)`. A compile inside a timed run is
-    a stall the benchmark must not count as serving speed (the server's lines land in its log)."""
+    """Print every Triton kernel compile of this process (a fresh one, or a load from Triton's disk cache) to stderr:
+    `[compile] <unix time> <seconds> <kernel> <fresh|cached>`. A compile inside a timed run is a stall the benchmark
+    must not count as serving speed (the server's lines land in its log). Triton's compilation listener, not the JIT
+    hooks: those serialize each specialization to JSON first, which fails for the Gluon kernels' layouts
+    (2026-12-03 on the H200: `DistributedLinearLayout is not JSON serializable` in the mma MoE kernel's compile)."""
     import sys
     import time
 
     import triton
 
-    started: dict[str, float] = {}
-    if triton.knobs.runtime.jit_post_compile_hook is not None:
+    if triton.knobs.compilation.listener is not None:
         return  # installed already (engine-direct builds the engine once per run)
 
-    def before(*, key, repr, **_):
-        started[str(key)] = time.perf_counter()
+    def listener(*, src, times, cache_hit, **_):
+        seconds = (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+        name = getattr(src, "name", type(src).__name__)
+        COMPILES.append((time.time(), seconds, name))
+        print(f"[compile] {time.time():.3f} {seconds:.3f} {name} {'cached' if cache_hit else 'fresh'}",
+              file=sys.stderr, flush=True)
 
-    def after(*, key, repr, **_):
-        dt = time.perf_counter() - started.pop(str(key), time.perf_counter())
-        COMPILES.append((time.time(), dt, repr))
-        print(f"[compile] {time.time():.3f} {dt:.3f} {repr[:400]}", file=sys.stderr, flush=True)
-
-    triton.knobs.runtime.jit_cache_hook = before
-    triton.knobs.runtime.jit_post_compile_hook = after
+    triton.knobs.compilation.listener = listener
 
 
 # ---- byte accounting --------------------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+"""The benchmarks' compile log (benchmarks/geometry.py `log_compiles`, bench_server's count per timed level): Triton
+calls the listener as its compiler does, the lines parse back from a server log, compiles are counted by level."""
+import importlib.util
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+triton = pytest.importorskip("triton")
+
+
+def _load(name):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.pop(0)
+
+
+def test_compiles_are_logged_parsed_and_counted_by_level(tmp_path, capsys, monkeypatch):
+    geometry, bench = _load("geometry"), _load("bench_server")
+    monkeypatch.setattr(triton.knobs.compilation, "listener", None)
+    geometry.log_compiles()
+    listener = triton.knobs.compilation.listener
+    times = triton.knobs.CompileTimes(ir_initialization=250_000, lowering_stages=[("ttir", 500_000),
+                                                                                  ("cubin", 750_000)],
+                                      store_results=0)
+    listener(src=SimpleNamespace(name="_msa_decode_kernel"), metadata={}, metadata_group={}, times=times,
+             cache_hit=False)
+    t, seconds, name = geometry.COMPILES[-1]
+    assert seconds == 1.5 and name == "_msa_decode_kernel"
+    log = tmp_path / "tritonserver.log"
+    log.write_text("I1203 12:00:00 server line\n" + capsys.readouterr().err
+                   + f"[compile] {t + 100:.3f} 0.010 _topk_kernel cached\n")
+    parsed = bench.server_compiles(str(log))
+    assert [(round(x[1], 3), x[2]) for x in parsed] == [(1.5, "_msa_decode_kernel fresh"),
+                                                        (0.01, "_topk_kernel cached")]
+    levels = [{"t_start": t - 1, "t_end": t + 1}, {"t_start": t + 50, "t_end": t + 200}, {"t_start": 0, "t_end": 1}]
+    bench.compiles_in(levels, parsed)
+    assert [(lv["compiles"], lv["compiled"]) for lv in levels] == [(1, ["_msa_decode_kernel"]),
+                                                                   (1, ["_topk_kernel"]), (0, [])]
+    assert levels[0]["compile_s"] == pytest.approx(1.5, abs=1e-3)
