@@ -212,19 +212,17 @@ def test_ids_model_batch_and_final_flag(server):
 
 
 def test_ids_explicit_stop_request(server):
-    LONG = 1000  # tokens the stopped request would make (it must end before: a few hundred ms at most)
     """TensorRT-LLM style: a request with stop=true and the same request_id ends the running one."""
-    result = {}
+    LONG = 1000  # tokens the stopped request would make; it is stopped once it streams (a few ms later)
+    result, streaming = {}, threading.Event()
 
     def long_run():
         ins = [inp("input_ids", [[5, 7, 9]], np.int32), inp("request_output_len", [[LONG]], np.int32),
                inp("streaming", [[True]], bool), inp("end_id", [[-1]], np.int32)]
-        result["r"] = run_stream(server.grpc_url, "m3_ids", ins, request_id="stop-me")
+        result["r"] = run_stream(server.grpc_url, "m3_ids", ins, request_id="stop-me", first=streaming)
     t = threading.Thread(target=long_run)
     t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _engine_state(server, "m3_ids")[0] != 1:
-        time.sleep(0.02)
+    assert streaming.wait(30)
     responses, error = run_stream(server.grpc_url, "m3_ids", [inp("input_ids", [[1]], np.int32),
                                                               inp("stop", [[True]], bool)], request_id="stop-me")
     assert error is None and len(responses) == 1 and is_final(responses[0])

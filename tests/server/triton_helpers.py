@@ -51,8 +51,9 @@ def is_final(result) -> bool:
 
 
 def run_stream(url: str, model: str, inputs, *, timeout: float = 120.0, request_id: str = "r",
-               parameters: dict | None = None, empty_final: bool = True):
-    """One request over its own gRPC stream; returns (responses, error) at FINAL or error."""
+               parameters: dict | None = None, empty_final: bool = True, first=None):
+    """One request over its own gRPC stream; returns (responses, error) at FINAL or error. `first` (an Event) is set
+    when the first response arrives."""
     client = grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -67,6 +68,8 @@ def run_stream(url: str, model: str, inputs, *, timeout: float = 120.0, request_
                 error = e
                 break
             responses.append(r)
+            if first is not None:
+                first.set()
             if is_final(r):
                 break
     finally:
