@@ -350,6 +350,7 @@ def summarize(res) -> str:
              "server resp/req | null-engine resp/s (1 token each) | us per response (end to end) | "
              "us per response in send() |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")  # a side that failed (its placeholders carry no counters)
     if not res["null"]:  # --geometry: engine-direct vs the server only
         lines = lines[:1] + ["|---|---|---|---|---|---|---|---|---|---|"]
         lines[0] = ("| C | engine-direct tok/s | server tok/s | server / engine | server TTFT p50 ms | server ITL p50 ms | "
@@ -359,8 +360,9 @@ def summarize(res) -> str:
             lines.append(f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {s['tokens_per_s_total']:.0f} | "
                          f"{s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | {s['ttft_ms'][50]:.1f} | "
                          f"{s['itl_ms'][50]:.2f} | {s['responses_per_request_mean'] or 0:.0f} | "
-                         f"{e['engine_steps_per_s']:.0f} / {s['engine_steps_per_s']:.0f} | "
-                         f"{100 * e['engine_device_wait_share']:.0f}% / {100 * s['engine_device_wait_share']:.0f}% | "
+                         f"{e.get('engine_steps_per_s', nan):.0f} / {s.get('engine_steps_per_s', nan):.0f} | "
+                         f"{100 * e.get('engine_device_wait_share', nan):.0f}% / "
+                         f"{100 * s.get('engine_device_wait_share', nan):.0f}% | "
                          f"{e.get('compiles', '-')} / {s.get('compiles', '-')} |")
         return "\n".join(lines)
     for e, s, n in zip(res["engine"], res["server"], res["null"]):

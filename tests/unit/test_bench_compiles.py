@@ -45,3 +45,16 @@ def test_compiles_are_logged_parsed_and_counted_by_level(tmp_path, capsys, monke
     assert [(lv["compiles"], lv["compiled"]) for lv in levels] == [(1, ["_msa_decode_kernel"]),
                                                                    (1, ["_topk_kernel"]), (0, [])]
     assert levels[0]["compile_s"] == pytest.approx(1.5, abs=1e-3)
+
+
+def test_server_table_survives_a_failed_side():
+    """A side that failed (engine-direct's engine, or the server's model, did not load) leaves placeholder rows
+    without counters: the table still comes out, with nan where nothing was measured."""
+    bench = _load("bench_server")
+    nan = float("nan")
+    res = {"null": [], "engine": [{"concurrency": 1, "tokens_per_s_total": nan}],
+           "server": [{"concurrency": 1, "tokens_per_s_total": 600.0, "ttft_ms": {50: 14.0}, "itl_ms": {50: 1.5},
+                       "responses_per_request_mean": 128, "engine_steps_per_s": 590.0,
+                       "engine_device_wait_share": 0.3, "compiles": 0}]}
+    row = bench.summarize(res).splitlines()[-1]
+    assert row.startswith("| 1 | nan | 600 | nan |") and "nan / 590" in row and "nan% / 30%" in row
