@@ -97,7 +97,8 @@ def test_request_chat_template_is_bounded_in_time_and_others_go_on(faulty_server
     assert error is None and len(responses) >= 2
     _, slow_error = result["slow"]
     assert slow_error is not None and "within 1 s" in str(slow_error) and "messages" in str(slow_error), slow_error
-    assert 1.0 <= result["t_slow"] < 10 and t_fast < result["t_slow"], (t_fast, result["t_slow"])
+    # the looping render yields the GIL: the short request does not wait for the bound (0.17 s against 1.0 s here)
+    assert 1.0 <= result["t_slow"] < 10 and t_fast < result["t_slow"] / 2, (t_fast, result["t_slow"])
 
 
 def test_step_fault_fails_that_steps_request_and_the_engine_goes_on(faulty_server):
