@@ -142,7 +142,7 @@ def time_ttft(engine, device, prompt_len, g) -> float:
     return time.perf_counter() - t0
 
 
-def profile_decode(engine, device, batch, context, top=12) -> list[dict]:
+def profile_decode(engine, device, batch, context, top=12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(1)
