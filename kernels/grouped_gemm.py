@@ -139,7 +139,7 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
     tl.store(out_ptr + orow[:, None] * so + cols[None, :], cast_to(y, out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "cap", "n_plain_tiles", "x_off", "out_off"])
 def _grouped_gemm_kernel(
     x_ptr, sx,
     w_data, w_scale, w_rows,

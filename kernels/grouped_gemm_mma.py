@@ -267,7 +267,7 @@ def _tile(x_ptr, sx, xrow, nrows, orow, wt, data, scale, rsc, g, row0, NT16, KC,
                  mask=(rows < N_OUT)[:, None] & nmask[None, :])
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["T", "cap", "n_plain_tiles", "x_off", "out_off"])
 def _grouped_gemm_mma_kernel(
     x_ptr, sx,
     w_data, w_scale, w_rows,

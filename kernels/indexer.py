@@ -84,7 +84,7 @@ def indexer_prefill_ref(iq, cache: LayerCache, block_tables, query_start_loc, po
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks_per_prog", "nb"])
 def _indexer_scores_kernel(
     iq_ptr, siq_t, siq_h,
     kd_ptr, skd_p, skd_t,
@@ -152,7 +152,7 @@ def _indexer_scores_kernel(
             tl.store(out_ptr + tok.to(tl.int64) * so_t + hh * so_h + blk, neg, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nb"])
 def _topk_kernel(sc_ptr, nb, H, bt_ptr, sbt_s, ids_ptr, pg_ptr, TOPK: tl.constexpr, NB_PAD: tl.constexpr,
                  PAGES: tl.constexpr):
     """One (token, head) row of block scores: the top-k block ids, descending, -1 for -inf (ties: lowest id

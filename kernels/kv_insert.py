@@ -95,7 +95,7 @@ def _quant_store(x_ptr, sx_t, sx_h, dst_ptr, sd_p, sd_h, sd_t, sb_ptr, ss_p, ss_
             tl.store(dst_ptr + dst_row[:, None] + dd, cast_to(x, dst_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _kv_insert_kernel(
     slot_ptr, T,
     k_ptr, v_ptr, sx_t, sx_h,

@@ -120,7 +120,7 @@ def moe_prepare_module(moe, dtype: torch.dtype | None = None) -> MoEWeights:
 
 
 # ----------------------------------------------------------------------------------------------------- combine
-@triton.jit
+@triton.jit(do_not_specialize=["T", "A"])
 def _combine_kernel(y_ptr, out_ptr, so, T, H, A, TOPK: tl.constexpr, SHARED: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)

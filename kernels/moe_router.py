@@ -50,7 +50,7 @@ def x16_position(k):
     return (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _router_logits_kernel(
     x_ptr, sx, w_ptr, part_ptr, counts_ptr, x16_ptr, sx16,
     T, H, H_PAD, E, KSL,
@@ -99,7 +99,7 @@ def _select(sel, cols, j: tl.constexpr):
     return tl.argmax(sel, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "cap"])
 def _router_topk_kernel(
     part_ptr, KS, bias_ptr, ids_ptr, w_ptr, counts_ptr, bucket_ptr, cap, T, E,
     TOPK: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr, KS_PAD: tl.constexpr,

@@ -178,7 +178,7 @@ def _tile_slots(d_ptr, s_ptr, page, h, t_off, mask, sd_p, sd_h, sd_t, ss_p, ss_h
         return x, x, x, x, x, x, x, x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split", "nsplit"])
 def _msa_decode_kernel(
     q_ptr, sq_s, sq_h,
     k_ptr, v_ptr, sd_p, sd_h, sd_t,
@@ -305,7 +305,7 @@ def _store_slot(orow, x, k: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, gm,
         tl.store(orow + cols[None, :], cast_to(x, orow.dtype.element_ty), mask=gm[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nsplit"])
 def _merge_splits_kernel(op_ptr, lse_ptr, out_ptr, so_s, so_h, H_q, nsplit, NS_PAD: tl.constexpr,
                          D: tl.constexpr):
     """Log-sum-exp merge of the split-K partials of one (sequence, query head)."""

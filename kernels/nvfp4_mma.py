@@ -170,7 +170,7 @@ def prescale(sc, MODE: gl.constexpr):
     return sc
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["blocks_per_prog", "nb"])
 def _indexer_decode_kernel(
     iq_ptr, siq_s, siq_h,
     kd_ptr, ks_ptr,
@@ -349,7 +349,7 @@ def _att_step(q, tile, lim, ctok, acc, m_i, l_i, qk_scale, KMODE: gl.constexpr):
     return mma_v2(pa, v, acc * alpha[:, :, None]), m_new, l_i
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["blocks_per_split", "nsplit"])
 def _msa_decode_kernel(
     q_ptr, sq_s, sq_h,
     k_ptr, v_ptr, sd_p, ks_ptr, vs_ptr, ss_p,

@@ -159,7 +159,7 @@ def _head_rows(src_ptr, s_t, col0, t0, T, w_ptr, eps, cos_ptr, sin_ptr, cs_t,
             tl.store(dst_ptr + dst_row[:, None, None] + dd, cast_to(y, dst_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _qkv_insert_kernel(
     qkv_ptr, s_t, T, cos_ptr, sin_ptr, cs_t, eps, slot_ptr, B,
     qw_ptr, kw_ptr, iqw_ptr, ikw_ptr,

@@ -145,7 +145,7 @@ def _sample_split_kernel(logits_ptr, stride, temp_ptr, inv_t_ptr, seed_ptr, pos_
     tl.store(part_ptr + 2 * n_part + out, tl.sum(s * tl.exp(m - mm), axis=0))  # NaN when mm = -inf: stage 2 drops it
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _sample_reduce_kernel(logits_ptr, stride, part_ptr, part_i_ptr, tok_ptr, lp_ptr, SPLITS, BLOCK_S: tl.constexpr):
     """Stage 2, program (row): the token is the smallest index among the splits holding the best score (the global
     first index), 0 on a row of -inf only (as torch's argmax); lse combines the splits' (max, sum)."""

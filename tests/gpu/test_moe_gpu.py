@@ -4,6 +4,7 @@ shared FFN 3072): NVFP4 and MXFP8 experts with the MXFP8 shared expert, against 
 graph. Skipped without CUDA (CI runs the same kernels in the interpreter on small shapes: tests/kernels)."""
 import pytest
 import torch
+import triton
 
 from m3serve.kernels.grouped_gemm import mma_kernels
 from m3serve.kernels.dispatch import moe_config, tuned
@@ -152,6 +153,26 @@ def test_cuda_graph_capture_matches_eager(T):
     fresh, _ = _run(cfg, moe, w, x)
     assert rel_err(out, fresh) < 1e-5  # only the order of the top-k rows' fp32 sums may differ
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("t_first,t_then", [(65, 80), (100, 112), (257, 272)])
+def test_a_new_token_count_compiles_nothing(t_first, t_then):
+    """A prefill step of a new length reuses the kernels its dispatch row already compiled: token counts, and the
+    capacities and offsets that follow from them, are not specialized on (Triton would compile again for each
+    divisibility by 16; 2026-12-03 on the H200 one such compile of the mma MoE kernel stalled the server benchmark
+    3 s inside a timed run). The lengths of a pair differ in that divisibility and share their dispatch row."""
+    cfg, moe, w = _layer("nvfp4")
+    assert moe_config(t_first, w, torch.device(DEV)) == moe_config(t_then, w, torch.device(DEV))
+    compiles = []
+    old = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = lambda *, src, **_: compiles.append(getattr(src, "name", "?"))
+    try:
+        _run(cfg, moe, w, torch.randn(t_first, cfg.hidden_size, device=DEV, dtype=torch.bfloat16))
+        first = len(compiles)
+        _run(cfg, moe, w, torch.randn(t_then, cfg.hidden_size, device=DEV, dtype=torch.bfloat16))
+    finally:
+        triton.knobs.compilation.listener = old
+    assert compiles[first:] == []
 
 
 def test_config_table_picks_the_mma_path_for_decode():
