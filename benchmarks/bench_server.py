@@ -240,6 +240,8 @@ def write_repo(a, model_dir, repo) -> None:
             cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
                                                 f'"{factory}" }} }},\n  {{ key: "coalesce_responses" value: '
                                                 f'{{ string_value: "false" }} }},\n')
+        cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_process" value: {{ string_value: '
+                                            f'"{a.engine_process}" }} }},\n')
         with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
             f.write(cfg)
         with open(os.path.join(repo, name, "1", "model.json"), "w") as f:
@@ -394,6 +396,8 @@ def main(argv=None) -> int:
                    help="the M3.1-Flash geometry cut to LAYERS layers, random weights (benchmarks/geometry.py), "
                         "served through m3_ids with random prompt ids; no null engine")
     p.add_argument("--prompt-len", type=int, default=128, help="--geometry: prompt length in token ids")
+    p.add_argument("--engine-process", choices=("true", "false"), default="true",
+                   help="the server's engine in a process of its own (the model's default) or on threads of the stub")
     a = p.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",")]
     a.prompt_ids = [3 + (7919 * i) % 497 for i in range(a.prompt_len)]

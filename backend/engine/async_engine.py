@@ -95,6 +95,9 @@ class AsyncLLMEngine:
         self._stopping = False
         self._stats = self.engine.stats()
         self.num_recovered_failures = 0  # step failures the engine carried on after
+        # called on the engine thread after each round (commands applied, one step run): a `submit` receiver that
+        # gathers outputs hands the round's over here at once (engine_process.py: one message per step)
+        self.round_listeners: list[Callable[[], None]] = []
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="m3serve-prepare")
         self._thread = threading.Thread(target=self._run, name="m3serve-engine", daemon=True)
         self._thread.start()
@@ -229,6 +232,8 @@ class AsyncLLMEngine:
                     self._guarded(self._apply, cmd)
                 if self.engine.has_unfinished_requests():
                     self._guarded(self._step)
+                for fn in self.round_listeners:
+                    fn()
                 with self._cv:
                     self._stats = self.engine.stats()
         except BaseException as e:  # noqa: BLE001 - a device fault or a state that cannot be trusted

@@ -27,6 +27,9 @@ class InvalidRequest(ValueError):
         self.field = field_name
         self.message = message
 
+    def __reduce__(self):  # pickles (the engine process sends it back) with both arguments
+        return (type(self), (self.field, self.message))
+
 
 @dataclass
 class SamplingParams:

@@ -57,12 +57,13 @@ def python_executable() -> str:
                        f"prefix {sys.exec_prefix}): set $M3SERVE_WORKER_PYTHON")
 
 
-class _Spawner(threading.Thread):
-    """Forks the workers and lives exactly as long as they may: PR_SET_PDEATHSIG fires when the *thread* that
-    forked a child ends, so forking from a caller's thread (which may end before the engine) would kill them early."""
+class Spawner(threading.Thread):
+    """Forks the workers (or the engine process) and lives exactly as long as they may: PR_SET_PDEATHSIG fires when
+    the *thread* that forked a child ends, so forking from a caller's thread (which may end first) would kill them
+    early."""
 
-    def __init__(self):
-        super().__init__(name="m3serve-tp-spawner", daemon=True)
+    def __init__(self, name: str = "m3serve-tp-spawner"):
+        super().__init__(name=name, daemon=True)
         self.requests: queue.Queue = queue.Queue()
 
     def spawn(self, argv, env, pass_fds) -> subprocess.Popen:
@@ -88,7 +89,7 @@ class _Spawner(threading.Thread):
                 done.put(e)
 
 
-def _release(procs: list[subprocess.Popen], channel: ch.Broadcaster, spawner: _Spawner, grace: float,
+def _release(procs: list[subprocess.Popen], channel: ch.Broadcaster, spawner: Spawner, grace: float,
              group: dict) -> None:
     """Ask the workers to exit, then SIGTERM, then SIGKILL; wait for every one (no zombie, no orphan); close the
     channel; leave the process group if this executor joined it (`group["joined"]`)."""
@@ -138,7 +139,7 @@ class MultiprocExecutor(Executor):
         self._group = {"joined": False}  # shared with the finalizer
         self._store = par.create_store(n, STARTUP_TIMEOUT_S)
         self.channel = ch.Broadcaster(n - 1)
-        self._spawner = _Spawner()
+        self._spawner = Spawner()
         self._spawner.start()
         self._finalizer = weakref.finalize(self, _release, self.procs, self.channel, self._spawner, EXIT_GRACE_S,
                                            self._group)

@@ -32,7 +32,7 @@ POLL_S = 0.5
 log = logging.getLogger("m3serve.tp_worker")
 
 
-def _bind_to_parent(parent_pid: int) -> None:
+def bind_to_parent(parent_pid: int) -> None:
     """Die with the parent: the kernel's PR_SET_PDEATHSIG, and a thread that watches the parent pid (the signal
     alone misses a parent that died before the prctl, and is Linux-only)."""
     try:
@@ -52,7 +52,7 @@ def _bind_to_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="m3serve-parent-watchdog", daemon=True).start()
 
 
-def _reset_signals() -> None:
+def reset_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
     def terminate(signum, frame):
@@ -63,8 +63,8 @@ def _reset_signals() -> None:
 
 
 def main(args: dict) -> None:
-    _bind_to_parent(args["parent_pid"])
-    _reset_signals()
+    bind_to_parent(args["parent_pid"])
+    reset_signals()
     rank = args["rank"]
     logging.basicConfig(level=os.environ.get("M3SERVE_LOG_LEVEL", "WARNING"),
                         format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

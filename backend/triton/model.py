@@ -14,8 +14,9 @@ One file, four roles (config parameter `m3serve_role`, else guessed from the dec
 Threads of an LLM instance (text / ids):
   stub main thread   initialize / execute / finalize: parse, validate, queue; never blocks on the engine
   engine loop        asyncio loop starting each Triton request's engine requests (`engine.prepare`, `submit`)
-  engine threads     owned by AsyncLLMEngine (the step loop, a small pool preparing requests); the step loop
-                     hands each output straight to the responder's queue
+  engine receiver    `EngineProcess`'s: reads the engine process's events, hands each output straight to the
+                     responder's queue (the step loop, the request preparation and the detokenizers run in the
+                     engine process; with engine_process "false" they are threads here, AsyncLLMEngine's)
   responder          the only thread that calls into the server: send / is_cancelled / metrics / model control
 
 A dead engine (a device fault: see engine/faults.py): the responder fails the open requests with UNAVAILABLE,
@@ -34,17 +35,17 @@ Config parameters (all optional): m3serve_role, default_max_tokens (16), REPORT_
 ("true": deltas queued for one stream go out as one response), trust_request_chat_template ("false": a
 chat template sent in chat_template_kwargs is refused), utf8_stream_boundaries ("true": m3_ids streams whole
 UTF-8 characters), tokenizer_dir, skip_special_tokens and max_model_len (pre/postprocessing).
+engine_process ("true": the engine runs in a process of its own, started from the server's Python interpreter,
+`engine/engine_process.py`; "false": on threads of this stub, sharing its interpreter lock with the response thread).
 Testing/benchmark hook: parameter engine_factory or $M3SERVE_ENGINE_FACTORY = "module:function" or
 "/path/file.py:function" builds the engine from the EngineConfig instead of AsyncLLMEngine (an object with
-AsyncLLMEngine's `prepare`, `submit`, `abort_sync`, `stats`, `is_healthy` and `shutdown`).
+AsyncLLMEngine's `prepare`, `submit`, `abort_sync`, `stats`, `is_healthy` and `shutdown`), in the engine process.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import gc
-import importlib
-import importlib.util
 import itertools
 import json
 import os
@@ -198,9 +199,10 @@ class TritonPythonModel:
             log(f"model '{self.name}': the server's model control mode is {self.control_mode or 'unknown'}: if "
                 "the engine dies the model stays ready (answering UNAVAILABLE); start tritonserver with "
                 "--model-control-mode=explicit --load-model=* to have a dead engine turn it unready")
-        core = getattr(self.engine, "engine", None)
+        core = getattr(self.engine, "engine", None)  # the in-process engine's LLMEngine
+        max_len = getattr(self.engine, "max_model_len", None) or getattr(core, "max_model_len", None)
         self.metrics = Metrics(pb_utils, {"model": self.name, "version": str(self.args["model_version"])},
-                               getattr(core, "max_model_len", None) or cfg.max_model_len,
+                               max_len or cfg.max_model_len,
                                enabled=_truthy(self.params.get("REPORT_CUSTOM_METRICS"), True))
         self.loop = EngineLoop(name=f"{self.name}-loop")
         self.responder = Responder(
@@ -217,18 +219,12 @@ class TritonPythonModel:
         self.accepting = True
 
     def _build_engine(self, cfg):
-        factory = self.params.get("engine_factory") or os.environ.get("M3SERVE_ENGINE_FACTORY")
-        if not factory:
-            from m3serve.engine.async_engine import AsyncLLMEngine
-            return AsyncLLMEngine(cfg)
-        mod, _, fn = factory.rpartition(":")  # "package.module:function" or "/path/to/file.py:function"
-        if mod.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], mod)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod)
-        return getattr(module, fn)(cfg)
+        from m3serve.engine.engine_process import EngineProcess, build_engine
+
+        factory = self.params.get("engine_factory") or os.environ.get("M3SERVE_ENGINE_FACTORY") or None
+        if _truthy(self.params.get("engine_process"), True):
+            return EngineProcess(cfg, factory=factory)
+        return build_engine(cfg, factory)
 
     def _init_tokenizer_step(self):
         from m3serve.text.tokenizer import Tokenizer

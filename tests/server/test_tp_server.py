@@ -1,6 +1,6 @@
-"""The real tritonserver serves the tiny model at TP 2 (CPU, gloo): the worker process is spawned from inside the
-Python backend stub, answers equal TP 1's; a worker killed mid-generation fails the request and turns the model
-not ready within 10 s, and the unload leaves no worker behind; a stub that is killed takes its worker with it."""
+"""The real tritonserver serves the tiny model at TP 2 (CPU, gloo): the stub starts the engine process, which starts
+the worker process; answers equal TP 1's; a worker killed mid-generation fails the request and turns the model not
+ready within 10 s, and the unload leaves neither engine nor worker behind; a stub that is killed takes both with it."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import time
 import pytest
 import tritonclient.grpc as grpcclient
 
-from support.procs import alive, cmdline, wait_until, worker_pids
+from support.procs import alive, cmdline, engine_pids, wait_until, worker_pids
 from triton_helpers import is_final, text_inputs, texts
 from tritonserver_proc import ROOT, start_server
 
@@ -43,6 +43,14 @@ def _stub(srv) -> int:
     return pids[0]
 
 
+def _engine_and_workers(stub: int) -> tuple[int, list[int]]:
+    engines = engine_pids(stub)
+    assert len(engines) == 1, "the stub should have started one engine process"
+    workers = worker_pids(engines[0])
+    assert len(workers) == 1, "the engine process should have spawned one worker (rank 1)"
+    return engines[0], workers
+
+
 def _stream(url: str, inputs, events: queue.Queue):
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: events.put((result, error, time.monotonic())))
@@ -53,8 +61,7 @@ def _stream(url: str, inputs, events: queue.Queue):
 def test_tp2_serves_like_tp1_and_survives_nothing_of_a_dead_worker(tp_server, tiny_model_dir):
     srv = tp_server
     stub = _stub(srv)
-    workers = worker_pids(stub)
-    assert len(workers) == 1, "the stub should have spawned one worker (rank 1)"
+    engine, workers = _engine_and_workers(stub)
     # greedy text equals TP 1 in this process
     from m3serve import LLM, SamplingParams
     events: queue.Queue = queue.Queue()
@@ -90,17 +97,16 @@ def test_tp2_serves_like_tp1_and_survives_nothing_of_a_dead_worker(tp_server, ti
         client.stop_stream()
         assert wait_until(lambda: not control.is_model_ready("m3"), t0 + 10.0 - time.monotonic()), "still ready"
         assert control.is_server_live()
-        # the unload ran the engine's shutdown: no worker, and the stub itself exits
+        # the unload ran the engine's shutdown: no engine process, no worker, and the stub itself exits
         assert wait_until(lambda: not alive(stub), 60), srv.log()[-3000:]
-        assert not worker_pids(stub)
+        assert not alive(engine) and not any(alive(p) for p in workers)
         # loaded again: a fresh stub with a fresh worker; SIGKILL to the stub takes the worker with it
         control.load_model("m3")
         assert control.is_model_ready("m3")
         stub = _stub(srv)
-        workers = worker_pids(stub)
-        assert len(workers) == 1
+        engine, workers = _engine_and_workers(stub)
         os.kill(stub, signal.SIGKILL)
-        assert wait_until(lambda: not any(alive(p) for p in workers), 10), "a worker outlived its stub"
+        assert wait_until(lambda: not any(alive(p) for p in [engine, *workers]), 10), "a process outlived its stub"
     finally:
         client.stop_stream()
         client.close()

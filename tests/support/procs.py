@@ -1,11 +1,13 @@
 """Finding the tensor-parallel worker processes of an engine (their argv carries `m3serve-tp-worker parent=PID`)
-and telling whether a process is still alive (a zombie is not)."""
+and the engine processes of a server (`m3serve-engine parent=PID`), and telling whether a process is still alive
+(a zombie is not)."""
 from __future__ import annotations
 
 import os
 import time
 
 TAG = b"m3serve-tp-worker"
+ENGINE_TAG = b"m3serve-engine"
 
 
 def cmdline(pid: int) -> bytes:
@@ -16,15 +18,20 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
-def worker_pids(parent: int | None = None) -> list[int]:
-    """Live worker processes started by engine process `parent` (any engine's: None)."""
+def worker_pids(parent: int | None = None, tag: bytes = TAG) -> list[int]:
+    """Live worker processes started by engine process `parent` (any engine's: None); with `tag=ENGINE_TAG`, the
+    engine processes a server's stub started."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             args = cmdline(int(d)).split(b"\0")
-            if TAG in args and (parent is None or f"parent={parent}".encode() in args) and alive(int(d)):
+            if tag in args and (parent is None or f"parent={parent}".encode() in args) and alive(int(d)):
                 out.append(int(d))
     return sorted(out)
+
+
+def engine_pids(stub: int) -> list[int]:
+    return worker_pids(stub, ENGINE_TAG)
 
 
 def alive(pid: int) -> bool:
