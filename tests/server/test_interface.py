@@ -14,7 +14,7 @@ from m3serve.engine.sampling_params import InvalidRequest
 from m3serve.triton.contract import Defaults
 from m3serve.triton.ensemble_steps import Postprocessing, Preprocessing
 from m3serve.triton.ids_contract import IdsContract, IdsStream, parse_word_list, to_word_list, utf8_incomplete
-from m3serve.triton.responder import Group, Item, Responder
+from m3serve.triton.responder import DELTAS_PER_ROUND, Group, Item, Responder
 from m3serve.triton.schema import INVALID_ARG, RequestError
 from m3serve.triton.text_contract import TextContract, TextStream
 
@@ -331,3 +331,39 @@ def test_responder_coalesces_sends_one_final_and_handles_cancel():
     finally:
         r.stop()
     assert not r.alive
+
+
+def test_responder_sends_a_final_between_deltas_of_a_busy_sweep():
+    """Sends are slow round trips: with 20 streams waiting for a delta, a final that arrives meanwhile goes out
+    after at most DELTAS_PER_ROUND of them (its client can send its next request), not after the whole sweep."""
+    order = []
+
+    class SlowSender(FakeSender):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def send(self, response=None, flags=0):
+            order.append(self.name)
+            time.sleep(0.01)
+            super().send(response, flags)
+
+    r = Responder(fake_pb(), RecordingMetrics(), abort=lambda rid: None)
+    r.start()
+    try:
+        req = text({"text_input": s("x"), "stream": b(True)})
+        items = []
+        for i in range(21):
+            g = Group(SlowSender(f"s{i}"))
+            items.append(Item(f"r{i}", g, TextStream(req)))
+            r.register(g)
+        for item in items[:20]:
+            r.output(item, out([1], "a"))
+        wait_for(lambda: order)
+        r.output(items[20], out([2], "b", finished=True, reason="stop"))
+        wait_for(lambda: len(order) >= 21, timeout=10)
+        sent = order[:21]  # (the stop below fails the 20 open streams: more sends)
+    finally:
+        r.stop()
+    assert sorted(sent) == sorted(f"s{i}" for i in range(21))
+    assert sent.index("s20") <= DELTAS_PER_ROUND + 1, sent
