@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 import urllib.error
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from support.procs import engine_pids
 from tritonserver_proc import ROOT, free_port, start_server
 from triton_helpers import inp, metric, metrics, run_stream, scalar, text_inputs, texts
 
@@ -160,6 +162,45 @@ def test_device_fault_turns_model_and_server_unready_others_keep_serving(faulty_
         client.close()
 
 
+def test_a_killed_engine_process_turns_its_model_unready_and_a_load_brings_it_back(faulty_server):
+    """The engine runs in a process of its own (the OOM killer's likely pick): killed mid-stream, its request gets
+    UNAVAILABLE within 10 s, its model turns unready, the other model keeps serving, a load brings it back."""
+    srv = faulty_server
+    stubs = [p for p in srv.group_pids() if "/m3_ids/1/model.py" in _cmdline(p)]
+    assert len(stubs) == 1, stubs
+    engines = engine_pids(stubs[0])
+    assert len(engines) == 1, "the m3_ids stub should have started one engine process"
+    ins = [inp("input_ids", [[5, 7, 9]], np.int32), inp("request_output_len", [[900]], np.int32),
+           inp("end_id", [[-1]], np.int32), inp("streaming", [[True]], bool)]
+    first, result = threading.Event(), {}
+    t = threading.Thread(target=lambda: result.update(out=run_stream(srv.grpc_url, "m3_ids", ins, first=first)))
+    t.start()
+    assert first.wait(60)
+    t0 = time.monotonic()
+    os.kill(engines[0], signal.SIGKILL)
+    t.join(30)
+    responses, error = result["out"]
+    assert error is not None and "not healthy" in str(error), error
+    assert time.monotonic() - t0 < 10
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        assert _wait(lambda: not _http_ready(srv, "/v2/models/m3_ids/ready"), 10), "m3_ids stayed ready"
+
+        def state():
+            return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}["m3_ids"]
+        assert _wait(lambda: state()["state"] == "UNAVAILABLE", 20), state()  # after the marking load
+        assert "signal 9" in state()["reason"], state()
+        responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", max_tokens=4))
+        assert error is None and texts(responses)
+        assert _wait(lambda: not any("/m3_ids/1/model.py" in _cmdline(p) for p in srv.group_pids()), 60)
+        client.load_model("m3_ids")
+        assert client.is_model_ready("m3_ids") and client.is_server_ready()
+        responses, error = _ids_request(srv)
+        assert error is None and responses[-1].as_numpy("output_ids").size == 7
+    finally:
+        client.close()
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -173,7 +214,6 @@ def test_flash_example_fails_to_load_naming_the_unsupported_options(example, tmp
     """The shipped MiniMax-M3.1-Flash TP4 repository is ready for a user with the weights; today its load
     fails, in the real server, with a message that names what is missing: DSpark under tensor parallelism (TP 4
     and the speculative config are each supported alone)."""
-    import signal
     import subprocess
 
     (tmp_path / "MiniMax-M3.1-Flash").mkdir()  # stands in for the weights folder
