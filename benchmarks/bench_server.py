@@ -171,7 +171,8 @@ def compiles_in(levels: list[dict], compiles) -> None:
 
 
 def server_compiles(log_path: str) -> list[tuple[float, float, str]]:
-    """The `[compile]` lines the server's stub printed into its log."""
+    """The `[compile]` lines the server's engine (its own process, or the stub with --engine-process false) printed
+    into the server's log."""
     out = []
     with open(log_path, errors="replace") as f:
         for line in f:

@@ -24,6 +24,7 @@ Failures stay as small as they can (see engine/faults.py):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -75,6 +76,24 @@ class _Sink:
         except Exception:  # the receiver's fault: its request is aborted, the engine goes on
             log.exception("the output receiver of request %s failed", self.request_id)
             return False
+
+
+async def drain(queue: asyncio.Queue, on_stop: Callable[[], None]):
+    """Yield a request's outputs from `queue` until one has finished=True; an exception put there ends the stream by
+    being raised. `on_stop` runs when the caller stops listening before the end (closed, cancelled). Iterated from
+    another async generator, wrap it in `contextlib.aclosing` so that `on_stop` runs when that one is closed."""
+    finished = False
+    try:
+        while not finished:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            on_stop()
 
 
 def _put_all(items: list[tuple[_Stream, object, RequestOutput]]) -> None:
@@ -134,20 +153,10 @@ class AsyncLLMEngine:
             prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs)
         stream = _Stream(request_id, asyncio.get_running_loop())
         self._add(request_id, stream, req)
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        # a caller that stops listening (closed, cancelled) frees the request's pages
+        async with contextlib.aclosing(drain(stream.queue, lambda: self._send(("abort", request_id, stream)))) as outs:
+            async for item in outs:
                 yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # the caller stopped listening (closed, cancelled): free its pages
-                self._send(("abort", request_id, stream))
 
     def submit(self, request_id: str, prepared: PreparedRequest, sink: Callable[[object], None]) -> None:
         """Thread-safe, no event loop: start a request `prepare` returned. Its `RequestOutput` deltas (the last with
@@ -206,6 +215,11 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the engine serves (the config's, or what the page pool allows)."""
+        return self.engine.max_model_len
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop, abort what is left (its streams get EngineDeadError), join the thread."""

@@ -30,6 +30,7 @@ as in process; a process that exits or is killed ends the connection: every open
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -48,7 +49,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 from m3serve.config import EngineConfig
-from m3serve.engine.async_engine import EngineDeadError
+from m3serve.engine.async_engine import EngineDeadError, drain
 from m3serve.engine.faults import RequestFailed, describe
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest
@@ -219,18 +220,9 @@ class EngineProcess:
                                           chat_template_kwargs)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         self.submit(request_id, prepared, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(drain(queue, lambda: self.abort_sync(request_id))) as outs:
+            async for item in outs:
                 yield item
-        finally:
-            if not finished:
-                self.abort_sync(request_id)
 
     async def abort(self, request_id: str) -> None:
         self.abort_sync(request_id)
@@ -504,9 +496,8 @@ def child_main(args: dict) -> None:
     try:
         _, config, factory = conn.recv()
         engine = build_engine(config, factory)
-        core = getattr(engine, "engine", None)
         conn.send(("ready", dict(tokenizer=getattr(engine, "tokenizer", None), stats=engine.stats(),
-                                 max_model_len=getattr(core, "max_model_len", None) or config.max_model_len)))
+                                 max_model_len=getattr(engine, "max_model_len", None) or config.max_model_len)))
     except BaseException as e:  # noqa: BLE001 - reported to the server process, then this process ends
         try:
             conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

@@ -199,10 +199,8 @@ class TritonPythonModel:
             log(f"model '{self.name}': the server's model control mode is {self.control_mode or 'unknown'}: if "
                 "the engine dies the model stays ready (answering UNAVAILABLE); start tritonserver with "
                 "--model-control-mode=explicit --load-model=* to have a dead engine turn it unready")
-        core = getattr(self.engine, "engine", None)  # the in-process engine's LLMEngine
-        max_len = getattr(self.engine, "max_model_len", None) or getattr(core, "max_model_len", None)
         self.metrics = Metrics(pb_utils, {"model": self.name, "version": str(self.args["model_version"])},
-                               max_len or cfg.max_model_len,
+                               getattr(self.engine, "max_model_len", None) or cfg.max_model_len,
                                enabled=_truthy(self.params.get("REPORT_CUSTOM_METRICS"), True))
         self.loop = EngineLoop(name=f"{self.name}-loop")
         self.responder = Responder(

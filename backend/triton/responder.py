@@ -86,7 +86,6 @@ class Responder:
         self.health_period = health_period
         self.coalesce = coalesce
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._dirty: dict[Item, None] = {}  # streams with unsent deltas, the longest waiting first
         self._groups: dict[int, Group] = {}
         self.num_active = 0  # read by other threads (an int store is atomic)
         self.unhealthy = False
@@ -135,7 +134,7 @@ class Responder:
     # ---- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         stop = False
-        dirty = self._dirty
+        dirty: dict[Item, None] = {}  # streams with unsent deltas, the longest waiting first
         while not stop:
             timeout = 0.0 if dirty else max(0.0, min(self._next_cancel, self._next_stats, self._next_health)
                                                - time.monotonic())
