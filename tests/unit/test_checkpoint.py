@@ -245,15 +245,33 @@ def test_quantize_refuses_quantized_source(tiny_nvfp4, tmp_path):
         quantize_checkpoint(tiny_nvfp4, str(tmp_path / "x"), "nvfp4", progress=False)
 
 
-def test_loader_streams_one_tensor_at_a_time(tiny, monkeypatch):
-    """The loader asks safetensors for one tensor at a time, shard by shard (never the whole file)."""
+def _peak_tensors_alive(model_dir, monkeypatch, opener):
+    """Load through `opener` (a `safe_open` stand-in) with every tensor it hands out tracked by a weak reference:
+    (files opened, the most tensors read from the checkpoint alive at once, tensors read)."""
+    import weakref
+
     import m3serve.model.loader as loader
-    opened = []
-    real = loader.safe_open
+    opened, alive, stats = [], [], {"peak": 0, "reads": 0}
+
+    def track(t):
+        alive[:] = [r for r in alive if r() is not None]
+        alive.append(weakref.ref(t))
+        stats["peak"], stats["reads"] = max(stats["peak"], len(alive)), stats["reads"] + 1
+        return t
+
+    class Slice:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getitem__(self, i):
+            return track(self.inner[i])
+
+        def __getattr__(self, name):  # get_dtype, get_shape
+            return getattr(self.inner, name)
 
     class Spy:
         def __init__(self, path, *a, **k):
-            self.inner = real(path, *a, **k)
+            self.inner = opener(path, *a, **k)
             opened.append(os.path.basename(path))
 
         def __enter__(self):
@@ -267,15 +285,59 @@ def test_loader_streams_one_tensor_at_a_time(tiny, monkeypatch):
             return self.ctx.keys()
 
         def get_slice(self, n):
-            return self.ctx.get_slice(n)
+            return Slice(self.ctx.get_slice(n))
 
         def get_tensor(self, n):
-            return self.ctx.get_tensor(n)
+            return track(self.ctx.get_tensor(n))
 
     monkeypatch.setattr(loader, "safe_open", Spy)
-    load_model(tiny, progress=False)
-    shards = sorted(set(list_tensors(tiny).values()))
+    load_model(model_dir, progress=False)
+    return opened, stats["peak"], stats["reads"]
+
+
+class _EagerShard:
+    """A broken loader's view of a shard: every tensor read when the file is opened (`load_file`), then served
+    from memory, the way a loader that does not stream holds a whole shard."""
+
+    def __init__(self, path, *a, **k):
+        self.path = path
+
+    def __enter__(self):
+        self.tensors = load_file(self.path)
+        return self
+
+    def __exit__(self, *exc):
+        self.tensors = None
+
+    def keys(self):
+        return list(self.tensors)
+
+    def get_tensor(self, n):
+        return self.tensors[n]
+
+    def get_slice(self, n):
+        with safe_open(self.path, "pt") as s:
+            return s.get_slice(n)  # read_headers asks a slice only for its dtype and shape
+
+
+def test_loader_streams_one_tensor_at_a_time(tiny, monkeypatch):
+    """The loader reads safetensors one tensor at a time, shard by shard: at most two tensors read from the
+    checkpoint are alive at once (the gate and up halves of one fused weight before they are joined), never a shard."""
+    opened, peak, reads = _peak_tensors_alive(tiny, monkeypatch, safe_open)
+    tensors = list_tensors(tiny)
+    shards = sorted(set(tensors.values()))
     # headers once per shard, then one streaming pass per shard
     assert sorted(opened) == sorted(shards * 2)
-    with safe_open(os.path.join(tiny, shards[0]), "pt") as s:
-        assert len(list(s.keys())) > 1
+    assert reads >= len(tensors)
+    assert peak <= 2, f"{peak} checkpoint tensors alive at once"
+    assert min(sum(1 for v in tensors.values() if v == sh) for sh in shards) > 2
+
+
+def test_streaming_check_fails_on_an_eager_loader(tiny, monkeypatch):
+    """The check above catches a loader that reads whole shards up front, which the old check (the files opened)
+    let pass."""
+    opened, peak, _ = _peak_tensors_alive(tiny, monkeypatch, _EagerShard)
+    tensors = list_tensors(tiny)
+    shards = sorted(set(tensors.values()))
+    assert sorted(opened) == sorted(shards * 2)
+    assert peak >= max(sum(1 for v in tensors.values() if v == sh) for sh in shards) > 2
