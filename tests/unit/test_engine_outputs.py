@@ -35,12 +35,12 @@ def test_streamed_text_is_the_decoded_output(make_engine, eu, tiny_loaded, base_
     assert outs[-1].finished and outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
 
 
-def _boundary_stop(tok, toks):
-    """A stop string made of the end of token i and the start of token i+1 (plain ASCII), its first
-    occurrence in the text, and how many tokens it takes to complete it."""
+def _boundary_stop(tok, toks, start=2):
+    """A stop string made of the end of token i and the start of token i+1 (plain ASCII, i >= `start`), the text
+    before its first occurrence, and how many tokens it takes to complete it."""
     pieces = [tok.decode([t]) for t in toks]
     full = tok.decode(toks)
-    for i in range(2, len(toks) - 1):
+    for i in range(start, len(toks) - 1):
         a, b = pieces[i], pieces[i + 1]
         if a.isascii() and b.isascii() and a.isprintable() and b.isprintable() and a and b:
             stop = a[-2:] + b[:2]
@@ -93,11 +93,49 @@ def test_eos_and_ignore_eos(make_engine, eu, base_output):
     assert len(out) >= k + 3 and toks[k] not in out[:k + 3]
 
 
+def _min_tokens_stop_check(make_engine, eu, tok, toks, full):
+    """Stop strings are looked for only in the text of outputs from the `min_tokens`-th on: the first stop string
+    (completed by token `need`) comes too early and is passed over; a second one, later in the text, stops the
+    output at the token that completes it. Raises AssertionError where the engine does otherwise."""
+    first, _, need = _boundary_stop(tok, toks)
+    later, _, need2 = _boundary_stop(tok, toks, start=need + 1)
+    min_tokens = need + 1
+    skipped = len(tok.decode(toks[:min_tokens - 1]))  # text before the min_tokens-th output: never searched
+    end = next(j for j in range(min_tokens, len(toks) + 1)
+               if any(s in tok.decode(toks[:j])[skipped:] for s in (first, later)))
+    assert end <= need2 and first in full[:len(tok.decode(toks[:need]))]
+    out, reason, outs = run_one(make_engine(), eu, greedy(30, ignore_eos=True, stop=[first, later],
+                                                          min_tokens=min_tokens))
+    assert reason == "stop" and out == toks[:end], (reason, len(out), end)
+    text = tok.decode(toks[:end])
+    at = min(i for i in (text.find(first, skipped), text.find(later, skipped)) if i >= 0)
+    assert "".join(o.text for o in outs) == text[:at]
+
+
 def test_stop_strings_wait_for_min_tokens(make_engine, eu, tiny_loaded, base_output):
-    toks, _ = base_output
-    stop, _, need = _boundary_stop(tiny_loaded[2], toks)
-    out, reason, _ = run_one(make_engine(), eu, greedy(30, ignore_eos=True, stop=[stop], min_tokens=need + 1))
-    assert len(out) > need
+    _min_tokens_stop_check(make_engine, eu, tiny_loaded[2], *base_output)
+
+
+def test_min_tokens_stop_check_fails_if_stop_strings_are_ignored(make_engine, eu, tiny_loaded, base_output,
+                                                                 monkeypatch):
+    """The check above fails on a sequence that ignores its stop strings whenever min_tokens > 0 (the old check, a
+    length only, passed it), and on one that ignores min_tokens for stop strings."""
+    from m3serve.engine.sequence import SequenceText
+    real = SequenceText.feed
+
+    def no_stops_with_min_tokens(self, *a, **k):
+        if self.min_tokens > 0:
+            self.stops = None
+        return real(self, *a, **k)
+
+    def stops_ignore_min_tokens(self, *a, **k):
+        self.min_tokens = 0
+        return real(self, *a, **k)
+
+    for broken in (no_stops_with_min_tokens, stops_ignore_min_tokens):
+        monkeypatch.setattr(SequenceText, "feed", broken)
+        with pytest.raises(AssertionError):
+            _min_tokens_stop_check(make_engine, eu, tiny_loaded[2], *base_output)
 
 
 def test_reasoning_parser(make_engine, eu, base_output):
