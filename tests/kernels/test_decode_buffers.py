@@ -32,7 +32,10 @@ def test_simple_sampling():
         assert not simple(SamplingParams(temperature=0), sp)
 
 
-def test_padded_buffers_match_the_eager_step(tiny_model_dir):
+def _padded_and_eager(tiny_model_dir, fill=DecodeBuffers.fill):
+    """One decode step of three sequences run eagerly and through `DecodeBuffers` padded to a batch of 4 and a
+    table width of 16 (filled by `fill`), over the same cache bytes: (padded logits, eager logits, cache tensors
+    after the eager run, after the padded run)."""
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", kv_cache_dtype="nvfp4",
                                  max_model_len=256, num_gpu_blocks_override=24,
                                  async_scheduling=False))  # this test schedules the next step itself
@@ -49,19 +52,40 @@ def test_padded_buffers_match_the_eager_step(tiny_model_dir):
     assert step.is_decode and step.num_seqs == 3
     backend = TritonAttention(worker.model.attention_spec, worker.cache, cfg.num_attention_heads, cfg.index_n_heads)
     runner = ModelRunner(worker.model, worker.cache, worker.device, backend)  # the kernels (interpreter)
+    cache = [t for layer in worker.cache.layers for t in layer.tensors()]
     # the same step twice over the same pages: undo the first run's K/V by restoring the cache bytes
-    saved = [t.clone() for layer in worker.cache.layers for t in layer.tensors()]
+    saved = [t.clone() for t in cache]
     want = worker.model.compute_logits(runner.forward(step))
-    for t, s in zip((t for layer in worker.cache.layers for t in layer.tensors()), saved):
+    eager = [t.clone() for t in cache]
+    for t, s in zip(cache, saved):
         t.copy_(s)
     buffers = DecodeBuffers(8, 16, worker.cache.block_size, torch.device("cpu"))
     buffers.block_tables.fill_(7)  # stale columns from "earlier steps" must not matter
-    buffers.fill(step, 4)
+    fill(buffers, step, 4)
     got = worker.model.compute_logits(runner.forward(buffers.step(4, 16)))
+    return got, want, eager, cache
+
+
+def _same_cache(a, b) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+def test_padded_buffers_match_the_eager_step(tiny_model_dir):
+    got, want, eager, padded = _padded_and_eager(tiny_model_dir)
     assert torch.isfinite(got).all()
     # another batch and table width split the attention differently (fp16 dots in another order): ~5e-4 apart
     torch.testing.assert_close(got[:3], want, rtol=0, atol=5e-3)
     assert torch.equal(got[:3].argmax(-1), want.argmax(-1))
-    after = [t for layer in worker.cache.layers for t in layer.tensors()]
-    changed = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).any()) for a, b in zip(after, saved))
-    assert changed > 0  # the real rows were written (and the padding row wrote nothing: same logits as eager)
+    # the real rows wrote what the eager step wrote, and the padding row wrote nothing: the same cache bytes
+    assert _same_cache(padded, eager)
+
+
+def test_padding_row_writes_are_caught(tiny_model_dir, monkeypatch):
+    """A padding row given a real slot (slot 0: the first row of page 0, which the padding rows' block table
+    names) writes its K/V there: the cache check above sees it (the old check, some bytes changed, passed it)."""
+    def fill_slot_0(self, step, batch, prev_token_ids=None):
+        DecodeBuffers.fill(self, step, batch, prev_token_ids)
+        self.slot_mapping[step.num_seqs:batch].fill_(0)
+
+    _, _, eager, padded = _padded_and_eager(tiny_model_dir, fill_slot_0)
+    assert not _same_cache(padded, eager)
