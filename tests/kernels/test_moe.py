@@ -155,7 +155,7 @@ def test_empty_step(gen):
     assert moe_config(1, w, torch.device("cpu"))[0] == "tl"  # no mma kernels here
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
 def test_quant_linear(fmt, gen):
     qw = QuantWeight(40, 96, fmt)
     fill_random(qw, gen)
@@ -167,8 +167,50 @@ def test_quant_linear(fmt, gen):
         assert rel_err(y, quant_linear_ref(x, ql)) < 1e-5
         assert rel_err(y, x @ qw.dequantize().T) < 1e-5
     assert quant_linear(torch.randn(2, 3, 96, generator=gen), ql).shape == (2, 3, 40)
-    if fmt == "dense":
-        assert ql.dense is qw.weight  # bf16 / fp32 weights are not converted: cuBLAS reads them as they are
+
+
+def _dense_linear_check(qw, gen, monkeypatch):
+    """A dense (bf16 / fp32) weight is not converted, at prepare or per call: the linear reads the checkpoint's own
+    tensor through cuBLAS (no Triton kernel launch) and matches an fp64 product of it."""
+    import m3serve.kernels.quant_linear as QL
+
+    launches = []
+    real = QL.grouped_gemm
+    monkeypatch.setattr(QL, "grouped_gemm", lambda *a, **k: launches.append(1) or real(*a, **k))
+    ql = quant_linear_prepare(qw)
+    assert ql.dense is qw.weight
+    for M in (1, 5, 33):
+        x = torch.randn(M, 96, generator=gen)
+        y = QL.quant_linear(x, ql)
+        want = (x.double()[:, None, :] * qw.weight.double()[None]).sum(-1)
+        assert y.shape == (M, 40) and rel_err(y, want) < 1e-6
+    assert QL.quant_linear(torch.randn(2, 3, 96, generator=gen), ql).shape == (2, 3, 40)
+    assert not launches, "a dense weight went through the Triton kernel"
+
+
+def test_dense_linear_is_cublas_on_the_weight_itself(gen, monkeypatch):
+    qw = QuantWeight(40, 96, "dense")
+    fill_random(qw, gen)
+    _dense_linear_check(qw, gen, monkeypatch)
+
+
+def test_dense_linear_check_fails_on_a_converted_weight(gen, monkeypatch):
+    """The old dense case (F.linear against F.linear) passed a linear that packs a dense weight into the kernel
+    layout on every call and runs the kernel: same numbers. The check above does not."""
+    import m3serve.kernels.quant_linear as QL
+
+    qw = QuantWeight(40, 96, "dense")
+    fill_random(qw, gen)
+    real = QL.quant_linear
+
+    def repacks(x, w):
+        if w.dense is not None:
+            w = QL.QuantLinear(w.n, w.k, packed=WL.pack_quant_weight(qw))
+        return real(x, w)
+
+    monkeypatch.setattr(QL, "quant_linear", repacks)
+    with pytest.raises(AssertionError, match="Triton kernel"):
+        _dense_linear_check(qw, gen, monkeypatch)
 
 
 def test_fp8_quant_weight_loads_per_tensor_and_per_channel_scales(gen):

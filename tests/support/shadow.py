@@ -7,9 +7,10 @@ Why not compare two free runs: the kernels' dots take fp16/bf16 operands, so hid
 there the two runs see different inputs (with an nvfp4 cache the flipped block moved one logprob by 0.5
 on the tiny model, 2026-12-02; the kernels matched their references on that step's cache).
 
-A token whose output differs by more than `tol` must be explained by a block-selection near-tie: the
-blocks the kernel chose instead of the reference's score within `tie_rtol` of them in fp32 on the
-cached keys. Anything else is an error.
+A (token, query head) whose output differs by more than `tol` must be explained by a block-selection
+near-tie of that head's own indexer head: the blocks the kernel chose instead of the reference's score
+within `tie_rtol` of them in fp32 on the cached keys. Anything else is an error (a flip on another head
+excuses nothing). `flips` counts the tokens so excused: callers cap it (1 in 100 tokens).
 """
 from __future__ import annotations
 
@@ -64,13 +65,13 @@ class ShadowAttention:
 
     def _compare(self, layer, q, out_k, out_r, iq, step):
         ref = out_r.float()
-        err = (out_k.float() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax().clamp_min(1e-6)
-        bad = (err > self.tol).nonzero().flatten().tolist()
+        err = (out_k.float() - ref).abs().amax(dim=2) / ref.abs().amax().clamp_min(1e-6)  # [tokens, heads]
+        bad = (err > self.tol).any(1).nonzero().flatten().tolist()
         self.calls += 1
         self.tokens += q.shape[0]
         ok = err.clone()
-        ok[bad] = 0
-        self.max_err = max(self.max_err, float(ok.max()))
+        ok[err > self.tol] = 0
+        self.max_err = max(self.max_err, float(ok.max()) if ok.numel() else 0.0)
         if bad:
             self._explain(layer, iq, step, bad, err)
         return out_r
@@ -78,7 +79,7 @@ class ShadowAttention:
     def _explain(self, layer, iq, step, bad, err):
         cache = self.kernel.cache.layers[layer]
         assert iq is not None and cache.has_index, (
-            f"layer {layer} (dense) tokens {bad}: kernel vs reference error {err[bad].tolist()} > {self.tol}")
+            f"layer {layer} (dense) tokens {bad}: kernel vs reference error {err[bad].amax(1).tolist()} > {self.tol}")
         qsl, pos, sp = step.query_start_loc_cpu, step.positions, self.kernel.spec
         bt, topk, local, B = step.block_tables, sp.topk, sp.local_blocks, sp.block_size
         if step.is_decode:  # what TritonAttention ran
@@ -86,24 +87,22 @@ class ShadowAttention:
         else:
             sel_k = indexer_prefill(iq.contiguous(), cache, bt, qsl, pos, topk, local)
         sel_r = indexer_prefill_ref(iq, cache, bt, qsl, pos, topk, local)
+        group = err.shape[1] // iq.shape[1]  # query heads per indexer head
         for t in bad:
             s = max(i for i in range(len(qsl) - 1) if qsl[i] <= t)
             p = int(pos[t])
             keys = gather_part_ref(cache, "index", bt[s], int(step.seq_lens_cpu[s]))
             scores = _block_scores(iq[t], keys, p, B)
-            flipped = False
-            for h in range(iq.shape[1]):
+            for h in sorted({int(qh) // group for qh in (err[t] > self.tol).nonzero().flatten()}):
                 a = {int(x) for x in sel_r[t, h] if x >= 0}
                 b = {int(x) for x in sel_k[t, h] if x >= 0}
-                if a == b:
-                    continue
-                flipped = True
+                assert a != b, (f"layer {layer} token {t} (pos {p}) indexer head {h}: kernel vs reference error "
+                                f"{float(err[t, h * group:(h + 1) * group].max()):.4g} > {self.tol} with the same "
+                                "block selection")
                 lost, won = sorted(a - b), sorted(b - a)
                 span = float(scores[h][torch.isfinite(scores[h])].abs().max())
                 gap = max(abs(float(scores[h, i]) - float(scores[h, j])) for i in lost for j in won)
                 assert gap <= self.tie_rtol * span, (
                     f"layer {layer} token {t} (pos {p}) head {h}: kernel chose blocks {won} over {lost}, "
                     f"score gap {gap:.4g} is not a near-tie (scores {scores[h].tolist()})")
-            assert flipped, (f"layer {layer} token {t} (pos {p}): kernel vs reference error {float(err[t]):.4g} "
-                             f"> {self.tol} with the same block selection")
             self.flips += 1
