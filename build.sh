@@ -171,10 +171,13 @@ demo() {
   fi
 }
 
+# The suite through tests/run_suite.py: one pytest process without a GPU; with one, tests/kernels (interpreter)
+# and the rest (compiled kernels, tests/gpu included) in two. transformers and the server wheel are required
+# (tests/support/required.py): a missing one fails the run.
 run_tests() {
   setup
   export USE_HUB_KERNELS=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+  "$VENV/bin/python" tests/run_suite.py -q -p no:cacheprovider "$@"
 }
 
 cmd="${1:-}"

@@ -1,4 +1,6 @@
-"""Kernel tests run the Triton kernels on CPU through the interpreter (set before triton is imported)."""
+"""Kernel tests run the Triton kernels on CPU through the interpreter (set before triton is imported). The
+interpreter is per process: on a GPU host tests/run_suite.py (`./build.sh test`) runs this tree in a process of its
+own, so that the rest (tests/gpu) runs the compiled kernels."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")

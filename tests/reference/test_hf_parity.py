@@ -8,7 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("USE_HUB_KERNELS", "0")
-transformers = pytest.importorskip("transformers")
+from support.required import require  # noqa: E402
+
+transformers = require("transformers")
 from safetensors.torch import save_file  # noqa: E402
 from transformers import MiniMaxM3VLForCausalLM  # noqa: E402
 

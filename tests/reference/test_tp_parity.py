@@ -9,7 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("USE_HUB_KERNELS", "0")
-pytest.importorskip("transformers")
+from support.required import require  # noqa: E402
+
+require("transformers")
 from m3serve import LLM, SamplingParams  # noqa: E402
 from support.hf import hf_config, hf_model  # noqa: E402
 

@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
-from tritonserver_proc import ROOT, start_server
+from support.required import require_server
+
+require_server()  # before the test modules import tritonclient: missing, it fails the run (or skips, if allowed)
+from tritonserver_proc import ROOT, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")

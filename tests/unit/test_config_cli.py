@@ -10,10 +10,11 @@ import pytest
 
 from m3serve.capacity import param_counts, plan
 from m3serve.config import ConfigError, EngineConfig, ModelConfig, preset
+from support.required import require
 
 
 def test_text_config_defaults_match_transformers():
-    tf = pytest.importorskip("transformers")
+    tf = require("transformers")
     ref = tf.MiniMaxM3VLTextConfig()
     ours = ModelConfig.from_dict({"model_type": "minimax_m3_vl_text"})
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from m3serve.text import M3_SPECIAL_TOKENS, Tokenizer, build_tiny_tokenizer
+from support.required import require
 
 NS = "]<]minimax[>["
 MODES = [None, "enabled", "disabled", "adaptive"]
@@ -214,7 +215,7 @@ def test_assistant_history_and_tool_turns(tok):
 
 
 def test_matches_transformers_renderer(tok):
-    hf = pytest.importorskip("transformers.utils.chat_template_utils")
+    hf = require("transformers.utils.chat_template_utils")
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
             {"role": "assistant", "content": "a", "reasoning_content": "r"},
             {"role": "user", "content": "q2"},

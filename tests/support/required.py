@@ -1,0 +1,44 @@
+"""What the suite needs installed. transformers (the only independent numerical oracle) and the server wheel
+(tritonserver, tritonclient) are required: a missing one fails the run instead of turning its tests into skips.
+`M3SERVE_TEST_OPTIONAL` (comma separated: `transformers`, `server`) names what may be missing on this machine; only
+those tests then skip, saying why."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+OPTIONAL_ENV = "M3SERVE_TEST_OPTIONAL"
+
+
+def optional(what: str) -> bool:
+    return what in {w.strip() for w in os.environ.get(OPTIONAL_ENV, "").split(",")}
+
+
+def require(module: str, what: str = "transformers"):
+    """`import module`; if it is missing, skip (where $M3SERVE_TEST_OPTIONAL names `what`) or fail (everywhere
+    else: at module level a collection error, in a test a failure)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        why = f"{module} is not installed ({e})"
+        if optional(what):
+            pytest.skip(f"{why}; {OPTIONAL_ENV} names {what}", allow_module_level=True)
+        pytest.fail(f"{why}: the test suite requires it (./build.sh setup installs it); set {OPTIONAL_ENV}={what} "
+                    "only where it cannot be installed", pytrace=False)
+
+
+def require_server() -> None:
+    """The real tritonserver (the nvidia-pytriton wheel's binary) and tritonclient, for tests/server."""
+    import importlib.util
+
+    require("tritonclient.grpc", "server")
+    spec = importlib.util.find_spec("pytriton")
+    where = list(spec.submodule_search_locations or []) if spec else []
+    if not any(os.access(os.path.join(d, "tritonserver", "bin", "tritonserver"), os.X_OK) for d in where):
+        why = "no tritonserver binary (the nvidia-pytriton wheel is not installed)"
+        if optional("server"):
+            pytest.skip(f"{why}; {OPTIONAL_ENV} names server", allow_module_level=True)
+        pytest.fail(f"{why}: the server tests require it (./build.sh setup installs it); set {OPTIONAL_ENV}=server "
+                    "only where it cannot be installed", pytrace=False)

@@ -1,0 +1,42 @@
+"""tests/run_suite.py (what `./build.sh test` runs): on a GPU host the interpreter tree and the rest run in two
+pytest processes, so the compiled-kernel tests run instead of skipping; without a GPU, one process as before."""
+import os
+import subprocess
+import sys
+
+from run_suite import INTERPRETED, ROOT, plan
+
+Q = ["-q", "-p", "no:cacheprovider"]
+
+
+def test_no_gpu_is_one_process():
+    assert plan(Q + ["tests/unit"], gpu=False) == [("tests", Q + ["tests/unit"], True)]
+
+
+def test_gpu_host_splits_the_tree():
+    (_, kernels, interp_k), (_, rest, interp_r) = plan(Q, gpu=True)
+    assert interp_k and kernels == Q + [INTERPRETED]
+    assert not interp_r and rest == Q + ["tests", f"--ignore={INTERPRETED}"]
+    assert [len(plan(Q + [p], gpu=True)) for p in ("tests", ".", "tests/")] == [2, 2, 2]
+    only = plan(Q + ["tests/kernels/test_moe.py::test_empty_step", "-k", "empty"], gpu=True)
+    assert only == [(f"{INTERPRETED} (TRITON_INTERPRET=1)", Q + ["-k", "empty", "tests/kernels/test_moe.py::test_empty_step"],
+                     True)]
+    (_, gpu_args, interp), = plan(["tests/gpu/test_kernels_gpu.py"], gpu=True)
+    assert not interp and gpu_args[0] == "tests/gpu/test_kernels_gpu.py"
+
+
+def test_failing_process_fails_the_run_and_its_summary_line_ends_the_output(tmp_path):
+    """On a (fake) GPU host, with a plugin that fails every test under tests/kernels: the interpreter process fails,
+    the other passes; the run exits non-zero and its output ends with both pytest summary lines."""
+    (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
+    (tmp_path / "fail_kernels.py").write_text(
+        "def pytest_runtest_call(item):\n    assert not item.nodeid.startswith('tests/kernels'), 'made to fail'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "tests/run_suite.py", *Q, "-p", "fail_kernels",
+                        "tests/kernels/test_dispatch.py::test_gates_here",
+                        "tests/unit/test_run_suite.py::test_no_gpu_is_one_process"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert lines[-4].endswith("exit 1") and lines[-3].startswith("1 failed"), lines[-6:]
+    assert lines[-2].endswith("exit 0") and lines[-1].startswith("1 passed"), lines[-6:]
