@@ -151,3 +151,35 @@ def test_greedy_tokens_match_transformers_generate(reference):
         llm = LLM(model=reference["dirs"][layout], device="cpu", dtype="float32")
         got = llm.generate([ids.tolist()], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
         assert got.token_ids == want, layout
+
+
+def test_engine_batch_with_chunked_prefill_and_preemption_matches_transformers_generate(reference):
+    """The oracle for the engine itself (the engine tests in tests/unit compare it with the same model run
+    unpaged): a batch of four prompts under a 16-token budget (chunked prefill, mixed steps) and a pool too small
+    for all of them (preemption and recompute) gives, per prompt, transformers' greedy tokens (fp32)."""
+    from m3serve.config import EngineConfig
+    from m3serve.engine.llm_engine import LLMEngine
+
+    cfg, hf = reference["cfg"], reference["hf"]
+    g = torch.Generator().manual_seed(11)
+    prompts = [reference["ids"].tolist()] + [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()
+                                             for n in (30, 17, 9)]
+    new = 12
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            want.append(out[0, len(p):].tolist())
+    eng = LLMEngine(EngineConfig(model=reference["dirs"]["transformers"], device="cpu", dtype="float32",
+                                 max_model_len=64, max_num_batched_tokens=16, num_gpu_blocks_override=20))
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt_token_ids=p,
+                        sampling_params=SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    got = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want
+    st = eng.stats()
+    assert st["num_preemptions"] > 0 and st["num_chunked_prefills"] > 0 and st["num_mixed_steps"] > 0, st
