@@ -1,5 +1,5 @@
 """The kernels' dispatch table and platform gates (kernels/dispatch.py, kernels/platform.py): the tuning context,
-the launch defaults a GPU gets (the measured ones of docs/performance.md), the gates. Which kernel actually
+what the kernels need of the launch rules and tables (their measured values are tuning, not pinned), the gates. Which kernel actually
 launches with which arguments: test_nvfp4_mma_compile.py (launches recorded) and the kernel tests."""
 import threading
 
@@ -40,28 +40,32 @@ def test_tuned_holds_for_its_own_thread_only():
     assert seen == [None]
 
 
-def test_gpu_launch_defaults(monkeypatch):
-    """What a 132-SM GPU gets without a `tuned` block (the interpreter takes smaller tiles)."""
-    monkeypatch.setattr(platform, "interpreting", lambda: False)
+@pytest.mark.parametrize("interpreting", [False, True])
+def test_launch_rules_keep_their_contracts(monkeypatch, interpreting):
+    """The launch rules on a 132-SM GPU (and in the interpreter), over a sweep of shapes. Their values are tuning
+    (measured: docs/performance.md) and are not pinned here; what is pinned is what the kernels need of them: a
+    prefill tile gives tl.dot its 16 rows, a key tile never spans two pages, the mma attention takes whole 128-token
+    blocks, split-K and index chunks cover every tile with no empty split, and a `tuned` variant is what runs."""
+    monkeypatch.setattr(platform, "interpreting", lambda: interpreting)
     monkeypatch.setattr(platform, "num_sms", lambda device: 132)
-    assert dispatch.attention_block_t(16) == 4 and dispatch.attention_block_t(4) == 16  # 64 rows
-    assert dispatch.index_block_t(4) == 16 and dispatch.index_block_t(64) == 1
-    assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 128
-    assert dispatch.decode_block_n(FMT_NVFP4, sparse=True, on_mma=False, block_size=128) == 64
-    assert dispatch.decode_block_n(FMT_FP8, sparse=False, on_mma=False, block_size=128) == 64
-    assert dispatch.decode_block_n(FMT_NVFP4, sparse=True, on_mma=True, block_size=128) == 128  # whole blocks
-    assert dispatch.decode_block_n(FMT_PLAIN, sparse=True, on_mma=False, block_size=16) == 16  # at most a page
-    assert dispatch.decode_words(FMT_NVFP4, sparse=True) is False and dispatch.decode_words(FMT_NVFP4, False) is True
-    assert dispatch.decode_words(FMT_FP8, sparse=True) is True
-    # split-K over 64 tiles for 8 sequences x 4 KV heads: ~2 programs per SM portable, 1 (sparse) / 8 (dense) on mma
-    assert dispatch.decode_splits(64, 32, sparse=True, on_mma=False, device=CPU) == (8, 8)
-    assert dispatch.decode_splits(64, 32, sparse=True, on_mma=True, device=CPU) == (5, 13)
-    assert dispatch.decode_splits(64, 32, sparse=False, on_mma=True, device=CPU) == (32, 2)
-    assert dispatch.index_chunks(1000, 64, CPU) == (9, 112) and dispatch.index_chunks(41, 5, CPU) == (41, 1)
-    assert [dispatch.index_num_warps(f) for f in (FMT_PLAIN, FMT_FP8, FMT_NVFP4)] == [8, 4, 4]
-    assert dispatch.insert_tokens(4) == 4 and dispatch.insert_tokens(1) == 16
-    t = tuning()
-    assert (t.index_num_stages, t.index_mma_mode, t.index_mma_unroll, t.decode_mma_kmode) == (3, MODE_INT, 3, MODE_INT)
+    for group in (1, 2, 3, 4, 8, 16, 32, 64):
+        assert dispatch.attention_block_t(group) * dispatch.next_pow2(group) >= 16
+        assert dispatch.index_block_t(group) * dispatch.next_pow2(group) >= 16
+        assert dispatch.insert_tokens(dispatch.next_pow2(group)) >= 1
+    for fmt in (FMT_PLAIN, FMT_FP8, FMT_NVFP4):
+        for sparse in (False, True):
+            for block_size in (16, 64, 128):
+                bn = dispatch.decode_block_n(fmt, sparse, on_mma=False, block_size=block_size)
+                assert block_size % bn == 0 and bn >= 16, (fmt, sparse, block_size, bn)
+                assert block_size % dispatch.prefill_block_n(block_size) == 0
+            assert dispatch.decode_block_n(fmt, sparse, on_mma=True, block_size=128) == 128
+    for tiles in (1, 2, 7, 64, 1000):
+        for programs in (1, 5, 32, 4096):
+            for sparse, on_mma in ((False, False), (True, False), (False, True), (True, True)):
+                splits, per = dispatch.decode_splits(tiles, programs, sparse=sparse, on_mma=on_mma, device=CPU)
+                assert 1 <= splits <= tiles and (splits - 1) * per < tiles <= splits * per, (tiles, programs)
+            chunks, per = dispatch.index_chunks(tiles, programs, CPU)
+            assert 1 <= chunks <= tiles and (chunks - 1) * per < tiles <= chunks * per, (tiles, programs)
     with tuned(decode_splits=3, decode_block_n=32, decode_words="split", prefill_block_t=2, index_chunks=7):
         assert dispatch.decode_splits(64, 32, sparse=True, on_mma=False, device=CPU) == (3, 22)
         assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 32
@@ -103,17 +107,10 @@ def test_gates_on_cuda_devices(monkeypatch, cap, mma, asm):
 CUDA = torch.device("cuda", 0)  # a device of type cuda (nothing runs on it: the choices only read its type)
 TOKENS = (1, 16, 64, 65, 512, 4096)
 MMA_8 = dict(p=1, nt=8, unroll=2)
-MMA_16 = dict(p=1, nt=16, unroll=2)
 SMALL_TL = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # the interpreter's / ROCm's / small-M portable tiles
-# what the tables of kernels/moe.py (MOE_TUNING) and kernels/quant_linear.py (LINEAR_TUNING, PORTABLE_*) selected
-MOE_TL = ("tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3))
-MOE_MMA = {1: ("mma", MMA_8, MMA_8), 16: ("mma", MMA_8, MMA_8), 64: ("mma", MMA_8, MMA_8),
-           65: ("mma", MMA_8, MMA_8), 512: ("mma", MMA_16, dict(p=2, nt=16, unroll=2)), 4096: MOE_TL}
-LARGE_TL = ("tl", dict(bm=64, bn=128, num_warps=8, num_stages=3))
-LINEAR_MMA = {1: ("mma", MMA_8), 16: ("mma", MMA_8), 64: ("mma", MMA_16), 65: ("mma", MMA_16), 512: LARGE_TL,
-              4096: LARGE_TL}
-LINEAR_TL = {1: ("tl", SMALL_TL), 16: ("tl", SMALL_TL), 64: ("tl", SMALL_TL), 65: LARGE_TL, 512: LARGE_TL,
-             4096: LARGE_TL}
+# the tables' portable rows: what runs where the mma kernels do not (values are tuning, taken from the tables)
+MOE_TL = dispatch.MOE_TABLE[-1][1:]
+LINEAR_TL = {M: dispatch.LINEAR_TABLE[-2 if M <= dispatch.LINEAR_TABLE[-2][0] else -1][1:] for M in TOKENS}
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +133,33 @@ def _mma_available(monkeypatch, yes: bool):
     monkeypatch.setattr(grouped_gemm_mma, "available", lambda device: yes)
 
 
-def test_moe_and_linear_defaults_select_the_measured_tables(monkeypatch, gemm_weights):
+def _fits(cfg: dict, rows, k_pads) -> bool:
+    """An mma grouped-GEMM config whose tiles divide the weights: rows by 16 p, K chunks by warps x unroll."""
+    from m3serve.kernels.grouped_gemm import mma_kernels
+    from m3serve.kernels.weight_layout import CHUNK_K
+    per = mma_kernels().NUM_WARPS * cfg["unroll"]
+    return all(n % (16 * cfg["p"]) == 0 for n in rows) and all((k // CHUNK_K) % per == 0 for k in k_pads)
+
+
+def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
+    """The MoE and linear tables' rows are tuning (measured: docs/performance.md, MoE section), not pinned here. What
+    is: an "mma" choice only where the mma kernels run and only with tiles that divide the weights; decode-sized
+    steps on the mma kernels where they run (their purpose); elsewhere on CUDA the tables' portable rows; off CUDA
+    (the interpreter) the small portable tiles, whatever the token count."""
     moe, lin = gemm_weights
-    _mma_available(monkeypatch, True)  # sm_89 / sm_90
-    assert {T: dispatch.moe_config(T, moe, CUDA) for T in TOKENS} == MOE_MMA
-    assert {M: dispatch.linear_config(M, lin, CUDA) for M in TOKENS} == LINEAR_MMA
-    _mma_available(monkeypatch, False)  # other CUDA devices
-    assert {T: dispatch.moe_config(T, moe, CUDA) for T in TOKENS} == dict.fromkeys(TOKENS, MOE_TL)
-    assert {M: dispatch.linear_config(M, lin, CUDA) for M in TOKENS} == LINEAR_TL
-    # off CUDA (the interpreter here) the small portable tiles, whatever the token count
+    shapes = {"moe": ((moe.inter_pad, moe.hidden), (moe.gate_up.k_pad, moe.down.k_pad)),
+              "linear": ((lin.n_pad,), (lin.k_pad,))}
+    for available in (True, False):
+        _mma_available(monkeypatch, available)
+        for T in TOKENS:
+            for name, choice in (("moe", dispatch.moe_config(T, moe, CUDA)), ("linear", dispatch.linear_config(T, lin,
+                                                                                                              CUDA))):
+                if choice[0] == "mma":
+                    assert available and all(_fits(c, *shapes[name]) for c in choice[1:]), (name, T, choice)
+                else:
+                    assert choice == (MOE_TL if name == "moe" else LINEAR_TL[T]), (name, T, choice)
+        assert (dispatch.moe_config(1, moe, CUDA)[0] == "mma") == available
+        assert (dispatch.linear_config(1, lin, CUDA)[0] == "mma") == available
     assert {T: dispatch.moe_config(T, moe, CPU) for T in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL, SMALL_TL))
     assert {M: dispatch.linear_config(M, lin, CPU) for M in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL))
 
@@ -173,6 +188,8 @@ def test_tuned_overrides_the_moe_and_linear_tables_inside_its_block(monkeypatch,
     _mma_available(monkeypatch, True)
     assert Tuning().moe_table is dispatch.MOE_TABLE and Tuning().linear_table is dispatch.LINEAR_TABLE
     assert Tuning().moe_overlap is False
+    before_moe = dispatch.moe_config(4096, moe, CUDA), dispatch.moe_config(1, moe, CUDA)
+    before_linear = dispatch.linear_config(1, lin, CUDA)
     mma_v = ("mma", dict(p=2, nt=32, unroll=1), dict(p=1, nt=16, unroll=1))
     tl_v = ("tl", dict(bm=32, bn=64, num_warps=4, num_stages=3))
     with tuned(moe_table=((None, *mma_v),), linear_table=((None, *tl_v),), moe_overlap=True) as t:
@@ -188,5 +205,5 @@ def test_tuned_overrides_the_moe_and_linear_tables_inside_its_block(monkeypatch,
             quant_linear(torch.randn(3, 1024), QuantLinear(256, 1024, packed=lin))  # the override is launched
             assert seen and {k: seen[0][k] for k in ("p", "nt", "unroll")} == dict(p=2, nt=32, unroll=1)
         assert dispatch.linear_config(8, lin, CUDA) == tl_v
-    assert dispatch.moe_config(4096, moe, CUDA) == MOE_TL and dispatch.moe_config(1, moe, CUDA) == MOE_MMA[1]
-    assert dispatch.linear_config(1, lin, CUDA) == LINEAR_MMA[1] and not tuning().moe_overlap
+    assert (dispatch.moe_config(4096, moe, CUDA), dispatch.moe_config(1, moe, CUDA)) == before_moe
+    assert dispatch.linear_config(1, lin, CUDA) == before_linear and not tuning().moe_overlap
