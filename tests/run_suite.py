@@ -4,15 +4,21 @@
 interpreter or compiled, never both. Without a GPU that is one pytest process (tests/conftest.py turns the
 interpreter on). With a GPU it is two: tests/kernels (the kernels in the interpreter on CPU tensors, as without a
 GPU) and everything else without the interpreter, so tests/gpu runs the compiled kernels instead of skipping.
-The output ends with each process's pytest summary line; the exit status is the first failing process's.
+The two run side by side, each into a log (under $M3SERVE_SUITE_LOG_DIR if set) printed whole when it ends; the
+output ends with each process's pytest summary line; the exit status is the first failing process's.
+`--ignore=tests/kernels` leaves the interpreter process out; $M3SERVE_SUITE_SHARDS=N splits the interpreter tree over
+N processes (by file; for many-core GPU hosts).
 Path arguments pick what runs (a path under tests/kernels goes to the interpreter process); other arguments go
 to every process.
 """
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = "tests/kernels"
@@ -31,6 +37,20 @@ def _inside(path: str, tree: str) -> bool:
     return tree == "." or path == tree or path.startswith(tree + os.sep)
 
 
+def _shards(kernels: list[str], n: int) -> list[list[str]]:
+    """The interpreter tree in `n` processes (its files by size, each to the lightest share): the interpreter runs
+    one core per process, so a many-core GPU host runs it `n` times faster. Only the whole tree is split."""
+    if n <= 1 or kernels != [INTERPRETED]:
+        return [kernels] if kernels else []
+    files = sorted(glob.glob(os.path.join(ROOT, INTERPRETED, "test_*.py")), key=os.path.getsize, reverse=True)
+    shares = [[0, []] for _ in range(min(n, len(files)))]
+    for f in files:
+        share = min(shares, key=lambda s: s[0])
+        share[0] += os.path.getsize(f)
+        share[1].append(os.path.relpath(f, ROOT))
+    return [sorted(files) for _, files in shares]
+
+
 def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
     """(label, pytest args, interpreter on) per process."""
     if not gpu:
@@ -40,25 +60,38 @@ def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
     kernels = [p for p in paths if _inside(p, INTERPRETED)]
     if any(_inside(INTERPRETED, p) and not _inside(p, INTERPRETED) for p in paths):  # a folder above the tree
         kernels.append(INTERPRETED)
+    if any(o.startswith("--ignore=") and _inside(INTERPRETED, o.split("=", 1)[1]) for o in opts):
+        kernels = []  # the caller left the interpreter tree out
     rest = [p for p in paths if not _inside(p, INTERPRETED)]
     runs = []
-    if kernels:
-        runs.append((f"{INTERPRETED} (TRITON_INTERPRET=1)", opts + kernels, True))
+    shards = _shards(kernels, int(os.environ.get("M3SERVE_SUITE_SHARDS", "1")))
+    for i, part in enumerate(shards):
+        tag = f" [{i + 1}/{len(shards)}]" if len(shards) > 1 else ""
+        runs.append((f"{INTERPRETED}{tag} (TRITON_INTERPRET=1)", opts + part, True))
     if rest:
         runs.append((f"{' '.join(rest)} but {INTERPRETED} (compiled kernels)",
                      opts + rest + [f"--ignore={INTERPRETED}"], False))
     return runs
 
 
-def run(label: str, args: list[str], interpret: bool) -> tuple[int, str]:
+def _env(interpret: bool) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)
-    print(f"[run_suite] {label}: pytest {' '.join(args)}", flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    return env
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def run_one(args: list[str], interpret: bool) -> tuple[int, str]:
+    """One pytest process, its output streamed: (exit status, last line)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=_env(interpret),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     last = ""
     for line in proc.stdout:
         sys.stdout.write(line)
@@ -67,17 +100,45 @@ def run(label: str, args: list[str], interpret: bool) -> tuple[int, str]:
     return proc.wait(), last
 
 
+def run_together(runs, log_dir: str) -> list[tuple[int, str]]:
+    """The processes side by side (the interpreter tree is CPU-bound, the other mostly on the GPU), each writing
+    `<log_dir>/pytest-<i>.log`; each log is printed whole when its process ends."""
+    procs = []
+    for i, (label, args, interpret) in enumerate(runs):
+        path = os.path.join(log_dir, f"pytest-{i}.log")
+        print(f"[run_suite] {label}: pytest {' '.join(args)} (log: {path})", flush=True)
+        with open(path, "w") as log:
+            procs.append((path, subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT,
+                                                 env=_env(interpret), stdout=log, stderr=subprocess.STDOUT)))
+    results: dict[int, tuple[int, str]] = {}
+    while len(results) < len(procs):
+        for i, (path, proc) in enumerate(procs):
+            if i in results or proc.poll() is None:
+                continue
+            with open(path, errors="replace") as f:
+                text = f.read()
+            sys.stdout.write(f"[run_suite] ---- {runs[i][0]}: exit {proc.returncode} ----\n{text}")
+            sys.stdout.flush()
+            results[i] = (proc.returncode, _last_line(text))
+        time.sleep(0.5)
+    return [results[i] for i in range(len(procs))]
+
+
 def main(args: list[str]) -> int:
     import torch
 
     runs = plan(args, torch.cuda.is_available())
-    results = [(label, *run(label, a, interp)) for label, a, interp in runs]
-    if len(results) > 1:
-        print(f"[run_suite] {len(results)} pytest processes:", flush=True)
-        for label, rc, last in results:
-            print(f"[run_suite] {label}: exit {rc}")
-            print(last, flush=True)
-    return next((rc for _, rc, _ in results if rc != 0), 0)
+    if len(runs) == 1:
+        label, a, interpret = runs[0]
+        return run_one(a, interpret)[0]
+    log_dir = os.environ.get("M3SERVE_SUITE_LOG_DIR") or tempfile.mkdtemp(prefix="m3serve-suite-")
+    os.makedirs(log_dir, exist_ok=True)
+    results = run_together(runs, log_dir)
+    print(f"[run_suite] {len(results)} pytest processes:", flush=True)
+    for (label, _, _), (rc, last) in zip(runs, results):
+        print(f"[run_suite] {label}: exit {rc}")
+        print(last, flush=True)
+    return next((rc for rc, _ in results if rc != 0), 0)
 
 
 if __name__ == "__main__":

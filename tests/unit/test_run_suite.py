@@ -23,6 +23,19 @@ def test_gpu_host_splits_the_tree():
                      True)]
     (_, gpu_args, interp), = plan(["tests/gpu/test_kernels_gpu.py"], gpu=True)
     assert not interp and gpu_args[0] == "tests/gpu/test_kernels_gpu.py"
+    (_, rest, interp), = plan(Q + ["--ignore=tests/kernels"], gpu=True)  # the interpreter tree left out
+    assert not interp and rest == Q + ["--ignore=tests/kernels", "tests", f"--ignore={INTERPRETED}"]
+
+
+def test_interpreter_tree_in_shards(monkeypatch):
+    monkeypatch.setenv("M3SERVE_SUITE_SHARDS", "3")
+    runs = plan(Q, gpu=True)
+    assert len(runs) == 4 and [r[2] for r in runs] == [True, True, True, False]
+    files = sorted(f for _, args, _ in runs[:3] for f in args[len(Q):])
+    want = sorted(os.path.join(INTERPRETED, f) for f in os.listdir(os.path.join(ROOT, INTERPRETED))
+                  if f.startswith("test_") and f.endswith(".py"))
+    assert files == want  # every file once
+    assert plan(Q, gpu=False) == [("tests", Q, True)]  # no GPU: one process whatever the setting
 
 
 def test_failing_process_fails_the_run_and_its_summary_line_ends_the_output(tmp_path):
@@ -31,7 +44,8 @@ def test_failing_process_fails_the_run_and_its_summary_line_ends_the_output(tmp_
     (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
     (tmp_path / "fail_kernels.py").write_text(
         "def pytest_runtest_call(item):\n    assert not item.nodeid.startswith('tests/kernels'), 'made to fail'\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               M3SERVE_SUITE_LOG_DIR=str(tmp_path / "logs"))
     r = subprocess.run([sys.executable, "tests/run_suite.py", *Q, "-p", "fail_kernels",
                         "tests/kernels/test_dispatch.py::test_gates_here",
                         "tests/unit/test_run_suite.py::test_no_gpu_is_one_process"],
@@ -40,3 +54,4 @@ def test_failing_process_fails_the_run_and_its_summary_line_ends_the_output(tmp_
     assert r.returncode == 1, r.stdout[-3000:]
     assert lines[-4].endswith("exit 1") and lines[-3].startswith("1 failed"), lines[-6:]
     assert lines[-2].endswith("exit 0") and lines[-1].startswith("1 passed"), lines[-6:]
+    assert "made to fail" in (tmp_path / "logs" / "pytest-0.log").read_text() and "made to fail" in r.stdout
