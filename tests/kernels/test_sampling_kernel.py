@@ -15,12 +15,13 @@ def test_sampling_kernel_matches_the_sampler(n, v, splits):
     check_sampling_kernel(n, v, splits=splits)
 
 
-def test_vocab_splits_fill_the_gpu_at_batch_1(monkeypatch):
+def test_vocab_splits_keep_their_contracts(monkeypatch):
+    """The split counts are tuning (measured on the H200: `vocab_splits`' docstring) and are not pinned here; what the
+    kernel needs of them is: a split length that is a multiple of 16 (aligned loads) and every split non-empty, by
+    default and when a test forces the count."""
     monkeypatch.setattr(platform, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
-    assert vocab_splits(1, 200064, cuda) == (196, 1024)  # 196 programs of 1024 logits for one row
-    assert vocab_splits(64, 200064, cuda) == (9, 22240)  # ~4 programs per SM
-    assert vocab_splits(600, 200064, cuda) == (1, 200064)
-    for rows, v, forced in [(1, 331, 4), (3, 5, 3), (2, 1031, 7)]:
+    cases = [(rows, v, None) for rows in (1, 3, 64, 600) for v in (5, 331, 1031, 200064)]
+    for rows, v, forced in cases + [(1, 331, 4), (3, 5, 3), (2, 1031, 7)]:
         splits, chunk = vocab_splits(rows, v, cuda, forced)
-        assert chunk % 16 == 0 and (splits - 1) * chunk < v <= splits * chunk  # every split non-empty
+        assert chunk % 16 == 0 and (splits - 1) * chunk < v <= splits * chunk, (rows, v, forced)  # none empty
