@@ -65,7 +65,7 @@ for step in ${STEPS:-tests msa qkv}; do
         export PYTHONPATH=/tmp/p:/tmp/ref
       fi
       M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton M3SERVE_SUITE_LOG_DIR="$OUT/suite" \
-        M3SERVE_SUITE_SHARDS="${SUITE_SHARDS:-8}" \
+        M3SERVE_SUITE_SHARDS="${SUITE_SHARDS:-8}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
         USE_HUB_KERNELS=0 timeout "${SUITE_TIMEOUT:-560}" python3 tests/run_suite.py -q -rs -p no:cacheprovider \
         ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log" | grep -v "^\[run_suite\] ----\|^I1\|^W1" | tail -60 ;;
     tp) timeout "${TP_TIMEOUT:-500}" python3 benchmarks/bench_tp.py --out "$OUT/bench_tp.json" ${TP_ARGS:-} 2>&1 \

@@ -6,8 +6,8 @@ interpreter on). With a GPU it is two: tests/kernels (the kernels in the interpr
 GPU) and everything else without the interpreter, so tests/gpu runs the compiled kernels instead of skipping.
 The two run side by side, each into a log (under $M3SERVE_SUITE_LOG_DIR if set) printed whole when it ends; the
 output ends with each process's pytest summary line; the exit status is the first failing process's.
-`--ignore=tests/kernels` leaves the interpreter process out; $M3SERVE_SUITE_SHARDS=N splits the interpreter tree over
-N processes (by file; for many-core GPU hosts).
+`--ignore=tests/kernels` leaves the interpreter process out. $M3SERVE_SUITE_SHARDS=N (many-core GPU hosts) splits
+the interpreter tree over N processes by file and runs each other test folder in a process of its own.
 Path arguments pick what runs (a path under tests/kernels goes to the interpreter process); other arguments go
 to every process.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,13 +65,20 @@ def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
         kernels = []  # the caller left the interpreter tree out
     rest = [p for p in paths if not _inside(p, INTERPRETED)]
     runs = []
-    shards = _shards(kernels, int(os.environ.get("M3SERVE_SUITE_SHARDS", "1")))
+    n = int(os.environ.get("M3SERVE_SUITE_SHARDS", "1"))
+    shards = _shards(kernels, n)
     for i, part in enumerate(shards):
         tag = f" [{i + 1}/{len(shards)}]" if len(shards) > 1 else ""
         runs.append((f"{INTERPRETED}{tag} (TRITON_INTERPRET=1)", opts + part, True))
-    if rest:
-        runs.append((f"{' '.join(rest)} but {INTERPRETED} (compiled kernels)",
-                     opts + rest + [f"--ignore={INTERPRETED}"], False))
+    if rest and n > 1 and [_rel(p) for p in rest] == ["tests"]:  # sharded: one process per test folder
+        rest_parts = [[os.path.relpath(d, ROOT)] for d in sorted(glob.glob(os.path.join(ROOT, "tests", "*", "")))
+                      if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED)]
+    else:
+        rest_parts = [rest] if rest else []
+    for part in rest_parts:
+        around = any(_inside(INTERPRETED, p) for p in part)
+        runs.append((f"{' '.join(part)}{' without ' + INTERPRETED if around else ''} (compiled kernels)",
+                     opts + part + [f"--ignore={INTERPRETED}"], False))
     return runs
 
 
@@ -111,6 +119,17 @@ def run_together(runs, log_dir: str) -> list[tuple[int, str]]:
             procs.append((path, subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT,
                                                  env=_env(interpret), stdout=log, stderr=subprocess.STDOUT)))
     results: dict[int, tuple[int, str]] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: end the processes too
+    try:
+        _collect(runs, procs, results)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+    return [results[i] for i in range(len(procs))]
+
+
+def _collect(runs, procs, results) -> None:
     while len(results) < len(procs):
         for i, (path, proc) in enumerate(procs):
             if i in results or proc.poll() is None:
@@ -121,7 +140,6 @@ def run_together(runs, log_dir: str) -> list[tuple[int, str]]:
             sys.stdout.flush()
             results[i] = (proc.returncode, _last_line(text))
         time.sleep(0.5)
-    return [results[i] for i in range(len(procs))]
 
 
 def main(args: list[str]) -> int:

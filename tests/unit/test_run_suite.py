@@ -30,7 +30,10 @@ def test_gpu_host_splits_the_tree():
 def test_interpreter_tree_in_shards(monkeypatch):
     monkeypatch.setenv("M3SERVE_SUITE_SHARDS", "3")
     runs = plan(Q, gpu=True)
-    assert len(runs) == 4 and [r[2] for r in runs] == [True, True, True, False]
+    folders = sorted(d for d in os.listdir(os.path.join(ROOT, "tests")) if d not in ("kernels", "support")
+                     and os.path.isdir(os.path.join(ROOT, "tests", d)) and d != "__pycache__")
+    assert [r[2] for r in runs] == [True] * 3 + [False] * len(folders)
+    assert [args[len(Q)] for _, args, _ in runs[3:]] == [os.path.join("tests", d) for d in folders]
     files = sorted(f for _, args, _ in runs[:3] for f in args[len(Q):])
     want = sorted(os.path.join(INTERPRETED, f) for f in os.listdir(os.path.join(ROOT, INTERPRETED))
                   if f.startswith("test_") and f.endswith(".py"))
