@@ -137,7 +137,7 @@ def test_device_fault_turns_model_and_server_unready_others_keep_serving(faulty_
         assert time.monotonic() - t0 < 10
         assert srv.alive() and client.is_server_live()
         def m3_state():
-            return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}["m3"]
+            return {m["name"]: m for m in client.get_model_repository_index(headers=srv.repository_metadata(), as_json=True)["models"]}["m3"]
         assert _wait(lambda: m3_state()["state"] == "UNAVAILABLE", 20), m3_state()  # after the marking load
         assert "illegal memory access" in m3_state()["reason"] and not _http_ready(srv, "/v2/health/ready")
         # the other model keeps serving
@@ -154,7 +154,7 @@ def test_device_fault_turns_model_and_server_unready_others_keep_serving(faulty_
         assert srv.alive() and "Signal (6)" not in srv.log()
         # an operator's load brings it back (a fresh stub and engine); the server is ready again
         os.unlink(srv.flag)
-        client.load_model("m3")
+        client.load_model("m3", headers=srv.repository_metadata())
         assert client.is_model_ready("m3") and client.is_server_ready()
         responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", max_tokens=4))
         assert error is None and texts(responses)
@@ -187,13 +187,13 @@ def test_a_killed_engine_process_turns_its_model_unready_and_a_load_brings_it_ba
         assert _wait(lambda: not _http_ready(srv, "/v2/models/m3_ids/ready"), 10), "m3_ids stayed ready"
 
         def state():
-            return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}["m3_ids"]
+            return {m["name"]: m for m in client.get_model_repository_index(headers=srv.repository_metadata(), as_json=True)["models"]}["m3_ids"]
         assert _wait(lambda: state()["state"] == "UNAVAILABLE", 20), state()  # after the marking load
         assert "signal 9" in state()["reason"], state()
         responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", max_tokens=4))
         assert error is None and texts(responses)
         assert _wait(lambda: not any("/m3_ids/1/model.py" in _cmdline(p) for p in srv.group_pids()), 60)
-        client.load_model("m3_ids")
+        client.load_model("m3_ids", headers=srv.repository_metadata())
         assert client.is_model_ready("m3_ids") and client.is_server_ready()
         responses, error = _ids_request(srv)
         assert error is None and responses[-1].as_numpy("output_ids").size == 7
