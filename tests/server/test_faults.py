@@ -34,10 +34,10 @@ def faulty_server(tiny_model_dir, tmp_path_factory):
     factory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_engine.py") + ":make"
     cfg = repo / "m3" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace("parameters [\n", "parameters [\n"
-                                           f'  {{ key: "engine_factory" value: {{ string_value: "{factory}" }} }},\n'
                                            '  { key: "trust_request_chat_template" value: { string_value: "true" } },\n'))
     flag = str(d / "fault")
-    env = {"M3SERVE_MODEL_DIR": tiny_model_dir, "M3SERVE_FAULT_FILE": flag, "M3SERVE_CHAT_TEMPLATE_TIMEOUT": "1"}
+    env = {"M3SERVE_MODEL_DIR": tiny_model_dir, "M3SERVE_FAULT_FILE": flag, "M3SERVE_CHAT_TEMPLATE_TIMEOUT": "1",
+           "M3SERVE_TEST_ENGINE_FACTORY": f"m3={factory}"}
     srv = start_server(str(repo), str(d / "tritonserver.log"), env,
                        ["--model-control-mode=explicit", "--load-model=m3", "--load-model=m3_ids"],
                        wait_models=["m3", "m3_ids"])
