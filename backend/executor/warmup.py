@@ -1,0 +1,154 @@
+"""Compile at load what a served model can reach, before the engine reports ready: no request waits on a compile.
+
+Triton compiles a kernel the first time it meets a new specialization: its constexpr tiles (picked by token count:
+the MoE and linear dispatch rows, `kernels/dispatch.py`; the prefill attention / indexer tiles) and the classes of
+its integer arguments (1, a multiple of 16, other). `warm_up` runs dummy steps through the worker's model runner
+that cover them: prefill steps of one sequence at the token counts on both sides of every dispatch limit (up to
+max_num_batched_tokens), a prefill of several sequences, a mixed step (prefill + decodes), eager decode steps at
+every batch bucket when no decode graphs were captured (the capture compiles those), each with greedy, sampled and
+top-k / top-p rows (the sampler's kernels). With speculative decoding the steps go through the speculative runner
+(target forward, draft features), without drafts. Tensor-parallel ranks run the same steps in lockstep (rank 0
+alone samples).
+
+The steps write pages that no request holds yet (the engine starts after this, with every page free) and their
+tokens are dropped. CUDA only: elsewhere nothing compiles (the torch references, the interpreter). Called once, from
+`Worker.init_cache`; the report (seconds, steps, compiles seen) lands in the log and the engine's stats.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from m3serve.engine.step import SamplingInput, StepInput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmupReport:
+    seconds: float
+    steps: int
+    compiles: int  # kernel compiles during the warm-up (fresh or from Triton's disk cache)
+
+
+def token_counts(max_tokens: int) -> list[int]:
+    """Token counts of the single-sequence prefills: each integer class and both sides of every dispatch limit."""
+    from m3serve.kernels import dispatch
+
+    counts = {1, 2, 15, 16, 17, max_tokens}
+    t = dispatch.tuning()
+    for table in (t.moe_table, t.linear_table):
+        for limit, *_ in table:
+            if limit is not None:
+                counts |= {limit, limit + 1}
+    return sorted(n for n in counts if 1 <= n <= max_tokens)
+
+
+def _sampling(n: int, kind: str, device) -> SamplingInput:
+    if kind == "greedy":
+        return SamplingInput.full(n, temperature=0.0, device=device)
+    if kind == "sampled":
+        return SamplingInput.full(n, temperature=0.8, seed=1, device=device)
+    return SamplingInput.full(n, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1, device=device)
+
+
+def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, device, sampling: str | None) -> StepInput:
+    """A step over sequences given as (new tokens, tokens already cached): pages taken in turn from page 0 (modulo
+    the pool), token ids 0, the last token of each sequence sampled."""
+    qsl, positions, lens, slots, tables = [0], [], [], [], []
+    page = 0
+    for q, cached in seqs:
+        length = cached + q
+        pages = [(page + j) % num_pages for j in range(-(-length // block_size))]
+        page += len(pages)
+        tables.append(pages)
+        qsl.append(qsl[-1] + q)
+        lens.append(length)
+        for pos in range(cached, length):
+            positions.append(pos)
+            slots.append(pages[pos // block_size] * block_size + pos % block_size)
+    width = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for s, t in enumerate(tables):
+        block_tables[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    n = len(seqs)
+    return StepInput(
+        input_ids=torch.zeros(qsl[-1], dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens, is_decode=all(q == 1 for q, _ in seqs),
+        max_query_len=max(q for q, _ in seqs), max_seq_len=max(lens), block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        logits_indices=torch.tensor(qsl[1:], dtype=torch.int64) - 1,
+        sampling=_sampling(n, sampling, "cpu") if sampling else None).to(device)
+
+
+def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
+         decode_batches: list[int]) -> list[list[tuple[int, int]]]:
+    """The warm-up steps, each a list of (new tokens, cached tokens) per sequence."""
+    room = max(1, max_model_len - 1)
+    steps = [[(min(t, room), 0)] for t in token_counts(min(max_num_batched_tokens, room))]
+    several = min(max_num_seqs, 5)
+    per = max(1, min(max_num_batched_tokens // several, room))
+    steps.append([(per, 0)] * several)  # a prefill of several sequences
+    if max_num_seqs > 1:  # a mixed step: a chunk of a prompt with decodes of long contexts
+        long_ctx = min(room - 1, 17 * block_size)
+        chunk = max(1, min(max_num_batched_tokens - (max_num_seqs - 1), room))
+        steps.append([(chunk, 0)] + [(1, long_ctx)] * min(max_num_seqs - 1, 8))
+    for b in decode_batches:  # eager decodes (no graphs): every bucket, short and long contexts
+        steps.append([(1, 1)] * b)
+        steps.append([(1, min(room - 1, 17 * block_size))] * b)
+    return steps
+
+
+def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport | None:
+    """Run the warm-up steps on `runner` (a `ModelRunner`); None off CUDA."""
+    if runner.device.type != "cuda":
+        return None
+    from m3serve.executor.cuda_graph import batch_buckets
+
+    t0 = time.perf_counter()
+    compiles = []
+    listener = _count_compiles(compiles)
+    try:
+        eager_decodes = [] if runner.graphs is not None else batch_buckets(config.max_num_seqs)
+        steps = plan(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, runner.cache.block_size,
+                     eager_decodes)
+        n = 0
+        for i, seqs in enumerate(steps):  # every sampler variant on the one-token prefill and on the decodes
+            variety = i == 0 or all(q == 1 for q, _ in seqs)
+            for kind in ("greedy", "sampled", "filtered")[:3 if variety else 1]:
+                kind = kind if rank == 0 else None  # the same forwards on every rank; rank 0 alone samples
+                runner.execute(dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, runner.device, kind))
+                n += 1
+        torch.cuda.synchronize(runner.device)
+    finally:
+        listener()
+    report = WarmupReport(time.perf_counter() - t0, n, len(compiles))
+    log.info("warm-up: %d steps, %d kernel compiles, %.1f s (every kernel a served step can reach is compiled)",
+             report.steps, report.compiles, report.seconds)
+    return report
+
+
+def _count_compiles(out: list):
+    """Chain a counter onto Triton's compilation listener (keeping one already installed, e.g. the benchmarks'
+    `geometry.log_compiles`); returns the function that restores the previous listener."""
+    try:
+        import triton
+        knobs = triton.knobs.compilation
+    except (ImportError, AttributeError):
+        return lambda: None
+    prev = knobs.listener
+
+    def listener(**kw):
+        out.append(kw.get("src"))
+        if prev is not None:
+            prev(**kw)
+
+    knobs.listener = listener
+
+    def restore():
+        knobs.listener = prev
+    return restore

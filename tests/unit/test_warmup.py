@@ -1,0 +1,39 @@
+"""The load-time warm-up's steps (backend/executor/warmup.py): they cover both sides of every dispatch limit, are
+well-formed steps the runner executes (here on the CPU's torch path: on CUDA they compile the kernels), and leave
+nothing behind that a request could see (the same tokens after them)."""
+from __future__ import annotations
+
+import torch
+
+from m3serve import LLM, SamplingParams
+from m3serve.executor import warmup as W
+from m3serve.kernels import dispatch
+
+
+def test_token_counts_straddle_every_dispatch_limit():
+    counts = W.token_counts(4096)
+    for table in (dispatch.MOE_TABLE, dispatch.LINEAR_TABLE):
+        for limit, *_ in table:
+            if limit is not None:
+                assert limit in counts and limit + 1 in counts
+    assert {1, 16, 17, 4096} <= set(counts) and max(W.token_counts(100)) == 100
+
+
+def test_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
+    opts = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128,
+                num_gpu_blocks_override=24)
+    prompts = [[5, 7, 9, 11], list(range(3, 70))]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=tiny_model_dir, **opts) as llm:
+        fresh = [o.token_ids for o in llm.generate(prompts, sp)]
+    with LLM(model=tiny_model_dir, **opts) as llm:
+        runner = llm.engine.executor.worker.runner
+        steps = W.plan(4, 128, 256, runner.cache.block_size, [1, 2, 4])
+        assert any(len(s) > 1 and s[0][0] > 1 and s[1][0] == 1 for s in steps)  # a mixed step
+        for seqs in steps:
+            for kind in ("greedy", "sampled", "filtered"):
+                out = runner.execute(W.dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, "cpu", kind))
+                assert out.token_ids.shape[0] == len(seqs)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh
+        assert llm.engine.stats()["load_seconds"] > 0 and llm.engine.stats()["warmup_seconds"] == 0.0  # CPU: none
+    assert W.warm_up(runner, llm.engine.config, 256) is None and torch.device("cpu") == runner.device
