@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import subprocess
@@ -260,7 +261,9 @@ def start_server(repo, log_path, timeout=600, ready_model="m3null", factories=""
     ports = [free_port() for _ in range(3)]
     cmd = [os.path.join(ROOT, "build.sh"), "serve", "--model-repository", repo, "--grpc-port", str(ports[0]),
            "--http-port", str(ports[1]), "--metrics-port", str(ports[2]), "--exit-on-error=false"]
-    env = dict(os.environ, M3SERVE_MODEL_DIR=os.path.dirname(repo), M3SERVE_TEST_ENGINE_FACTORY=factories)
+    key = os.environ.get("M3SERVE_REPOSITORY_KEY") or secrets.token_hex(16)  # build.sh restricts the repository API
+    env = dict(os.environ, M3SERVE_MODEL_DIR=os.path.dirname(repo), M3SERVE_TEST_ENGINE_FACTORY=factories,
+               M3SERVE_REPOSITORY_KEY=key)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     url = f"localhost:{ports[0]}"
@@ -271,8 +274,9 @@ def start_server(repo, log_path, timeout=600, ready_model="m3null", factories=""
             raise RuntimeError(f"tritonserver exited ({proc.returncode}); see {log_path}")
         try:
             if client.is_model_ready(ready_model):
-                states = {m["name"]: m.get("state") for m in client.get_model_repository_index(as_json=True)
-                          .get("models", [])}
+                index = client.get_model_repository_index(
+                    as_json=True, headers={"triton-grpc-protocol-m3serve-repository-key": key})
+                states = {m["name"]: m.get("state") for m in index.get("models", [])}
                 if ready_model != "m3null" or client.is_model_ready("m3") or states.get("m3") == "UNAVAILABLE":
                     return proc, url, ports[2]
         except Exception:
