@@ -6,8 +6,9 @@
 # $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), and on a multi-GPU kind "tp":
 # benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), and "server":
 # benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS (the M3.1-Flash geometry through the real
-# tritonserver vs engine-direct). Logs and JSON go to $OUT (or ./device_out).
-# "server" needs tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
+# tritonserver vs engine-direct), "soak": benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS (streams
+# with random cancellation through the real tritonserver). Logs and JSON go to $OUT (or ./device_out).
+# "server" and "soak" need tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
@@ -19,6 +20,21 @@ cp -r backend/. /tmp/p/m3serve/ && rm -rf /tmp/p/m3serve/kernels && cp -r kernel
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+# the server's environment on the lent machine (steps "server", "soak"): the python backend's stub does not see
+# PYTHONPATH (2026-12-03 on the H200: neither /tmp/p's m3serve nor numpy 1.26 from /tmp/site reached it, and numpy 2
+# empties the outputs it builds): numpy 1.26, tritonclient and the package go into site-packages itself (the machine
+# is a throw-away copy)
+server_setup() {
+  local purelib
+  purelib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  if [ -d .carry-server ]; then
+    rm -rf "$purelib"/numpy "$purelib"/numpy-*.dist-info "$purelib"/numpy.libs
+    tar -xJf .carry-server/site312.tar.xz -C "$purelib"
+    tar -xJf .carry-server/pytriton312.tar.xz -C "$purelib"
+  fi
+  rm -rf "$purelib/m3serve" && cp -r /tmp/p/m3serve "$purelib/m3serve"
+  python3 -c 'import numpy; print("numpy", numpy.__version__)'
+}
 for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
     tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 \
@@ -34,21 +50,16 @@ for step in ${STEPS:-tests msa qkv}; do
     spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \
             ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log" | tail -30 ;;
     server)
-      purelib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-      # the python backend's stub does not see PYTHONPATH (2026-12-03 on the H200: neither /tmp/p's m3serve nor numpy
-      # 1.26 from /tmp/site reached it, and numpy 2 empties the outputs it builds): numpy 1.26, tritonclient and the
-      # package go into site-packages itself (the machine is a throw-away copy)
-      if [ -d .carry-server ]; then
-        rm -rf "$purelib"/numpy "$purelib"/numpy-*.dist-info "$purelib"/numpy.libs
-        tar -xJf .carry-server/site312.tar.xz -C "$purelib"
-        tar -xJf .carry-server/pytriton312.tar.xz -C "$purelib"
-      fi
-      rm -rf "$purelib/m3serve" && cp -r /tmp/p/m3serve "$purelib/m3serve"
-      python3 -c 'import numpy; print("numpy", numpy.__version__)'
+      server_setup
       M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton \
         M3SERVE_BENCH_WORK=/tmp/bench_server_work timeout "${SERVER_TIMEOUT:-300}" python3 benchmarks/bench_server.py \
         --out "$OUT/server" --geometry "${SERVER_LAYERS:-4}" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/bench_server.log" \
         | grep -v "^I1\|^W1" | tail -20 ;;
+    soak)
+      server_setup
+      M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton timeout "${SOAK_TIMEOUT:-560}" \
+        python3 benchmarks/soak_server.py --out "$OUT/soak" --geometry "${SERVER_LAYERS:-4}" ${SOAK_ARGS:-} 2>&1 \
+        | tee "$OUT/soak_server.log" | grep -v "^I1\|^W1" | tail -20 ;;
     tp) timeout "${TP_TIMEOUT:-500}" python3 benchmarks/bench_tp.py --out "$OUT/bench_tp.json" ${TP_ARGS:-} 2>&1 \
           | tee "$OUT/bench_tp.log" | grep "^|" ;;
     *) echo "unknown step $step" ;;
