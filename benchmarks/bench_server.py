@@ -248,6 +248,20 @@ def write_repo(a, model_dir, repo) -> str:
     return factories
 
 
+def work_dir(a) -> tuple[str, str]:
+    """(a fresh work folder under a.out or $M3SERVE_BENCH_WORK, the model: a.model or the tiny model made there)."""
+    os.makedirs(a.out, exist_ok=True)
+    work = os.environ.get("M3SERVE_BENCH_WORK") or os.path.join(a.out, "work")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    model_dir = a.model
+    if not model_dir:
+        from m3serve.model.tiny import make_tiny
+        model_dir = os.path.join(work, "tiny-m3")
+        make_tiny(model_dir)
+    return work, model_dir
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -404,15 +418,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",")]
     a.prompt_ids = [3 + (7919 * i) % 497 for i in range(a.prompt_len)]
-    os.makedirs(a.out, exist_ok=True)
-    work = os.path.join(a.out, "work") if not os.environ.get("M3SERVE_BENCH_WORK") else os.environ["M3SERVE_BENCH_WORK"]
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    model_dir = a.model
-    if not model_dir:
-        from m3serve.model.tiny import make_tiny
-        model_dir = os.path.join(work, "tiny-m3")
-        make_tiny(model_dir)
+    work, model_dir = work_dir(a)
     import torch
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "python": platform.python_version(),
            "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -465,12 +471,17 @@ def main(argv=None) -> int:
         res["server"] = [{"concurrency": c, "tokens_per_s_total": nan, "ttft_ms": {50: nan}, "itl_ms": {50: nan},
                           "responses_per_request_mean": nan} for c in a.levels]
     res["table"] = summarize(res)
-    with open(os.path.join(a.out, "bench_server.json"), "w") as f:
+    write_report(a.out, "bench_server", res)
+    return 0
+
+
+def write_report(out: str, name: str, res: dict) -> None:
+    """OUT/<name>.json (everything) and OUT/<name>.md (res["table"]); the table to stdout."""
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=2)
-    with open(os.path.join(a.out, "bench_server.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(res["table"] + "\n")
     print(res["table"])
-    return 0
 
 
 if __name__ == "__main__":

@@ -188,17 +188,9 @@ def main(argv=None) -> int:
     a.max_tokens = tuple(int(x) for x in a.max_tokens.split(","))
     if a.prompt_lens[1] + a.max_tokens[1] > a.max_model_len:
         p.error("--prompt-lens max + --max-tokens max must fit in --max-model-len")
-    from bench_server import server_compiles, start_server, stop_server
+    from bench_server import server_compiles, start_server, stop_server, work_dir, write_report
 
-    os.makedirs(a.out, exist_ok=True)
-    work = os.path.join(a.out, "work")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    model_dir = a.model
-    if not model_dir:
-        from m3serve.model.tiny import make_tiny
-        model_dir = os.path.join(work, "tiny-m3")
-        make_tiny(model_dir)
+    work, model_dir = work_dir(a)
     if a.geometry:
         os.environ["M3SERVE_GEOMETRY_LAYERS"] = str(a.geometry)
     repo = os.path.join(work, "repo")
@@ -228,11 +220,7 @@ def main(argv=None) -> int:
         "running_after": counters["vllm:num_requests_running"], "compiles_after_ready": len(late),
         "compiled_after_ready": sorted({name.split()[0] for _, _, name in late})}
     res["table"] = summarize(res)
-    with open(os.path.join(a.out, "soak_server.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(a.out, "soak_server.md"), "w") as f:
-        f.write(res["table"] + "\n")
-    print(res["table"])
+    write_report(a.out, "soak_server", res)
     s = res["summary"]
     failures = []
     if s["errors"]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -19,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from support.procs import engine_pids
-from tritonserver_proc import ROOT, free_port, start_server
+from tritonserver_proc import ROOT, copy_models, free_port, start_server
 from triton_helpers import inp, metric, metrics, run_stream, scalar, text_inputs, texts
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
@@ -29,8 +28,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 def faulty_server(tiny_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("faulty")
     repo = d / "models"
-    for name in ("m3", "m3_ids"):
-        shutil.copytree(os.path.join(ROOT, "model_repository", name), repo / name)
+    copy_models(repo, ("m3", "m3_ids"))
     factory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_engine.py") + ":make"
     cfg = repo / "m3" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace("parameters [\n", "parameters [\n"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import urllib.error
 import urllib.request
 
@@ -15,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tritonserver_proc import ROOT, start_server
+from tritonserver_proc import copy_models, start_server
 from triton_helpers import run_stream, text_inputs, texts
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
@@ -24,10 +23,8 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("hostile")
-    repo = d / "models"
-    for name in ("m3", "preprocessing"):
-        shutil.copytree(os.path.join(ROOT, "model_repository", name), repo / name)
-    s = start_server(str(repo), str(d / "tritonserver.log"), {"M3SERVE_MODEL_DIR": tiny_model_dir},
+    repo = copy_models(d / "models", ("m3", "preprocessing"))
+    s = start_server(repo, str(d / "tritonserver.log"), {"M3SERVE_MODEL_DIR": tiny_model_dir},
                      ["--model-control-mode=explicit", "--load-model=m3", "--load-model=preprocessing"],
                      wait_models=["m3", "preprocessing"])
     s.dir = d

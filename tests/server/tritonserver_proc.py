@@ -96,6 +96,14 @@ class Server:
             pass
 
 
+def copy_models(dest, names) -> str:
+    """A model repository at `dest` holding copies of the shipped models `names`; its path."""
+    import shutil
+    for name in names:
+        shutil.copytree(os.path.join(ROOT, "model_repository", name), os.path.join(dest, name))
+    return str(dest)
+
+
 def start_server(repo: str, log_path: str, env_extra: dict | None = None, args: list[str] | None = None,
                  wait_models: list[str] | None = None) -> Server:
     import tritonclient.grpc as grpcclient
