@@ -1,7 +1,7 @@
 """No request waits on a compile: once the engine is built (the load-time warm-up ran, executor/warmup.py), a mix
 of prompt lengths (1 to 700 tokens: single and chunked prefills, mixed steps), batch sizes and sampling options
 compiles no Triton kernel (the compile counter of benchmarks/geometry.py: Triton's compilation listener, which
-also sees loads from the disk cache). The warm-up itself did compile, and its time is in the engine's stats."""
+also sees loads from the disk cache). The warm-up's time is in the engine's stats."""
 from __future__ import annotations
 
 import os
@@ -41,7 +41,8 @@ def test_no_kernel_compiles_after_the_engine_is_ready(tiny_model_dir, tmp_path, 
              max_num_batched_tokens=512, enforce_eager=eager) as llm:
         stats = llm.engine.stats()
         assert stats["warmup_seconds"] > 0 and stats["load_seconds"] >= stats["warmup_seconds"]
-        assert llm.engine.executor.worker.warmup.compiles > 0  # it compiled what the requests below need
+        report = llm.engine.executor.worker.warmup  # (its compiles may be 0: an earlier test compiled them already)
+        assert report is not None and report.steps > 10 and report.seconds > 0
         geometry.log_compiles()
         seen = len(geometry.COMPILES)
         _mix(llm)
