@@ -1,13 +1,15 @@
 """Compile at load what a served model can reach, before the engine reports ready: no request waits on a compile.
 
 Triton compiles a kernel the first time it meets a new specialization: its constexpr tiles (picked by token count:
-the MoE and linear dispatch rows, `kernels/dispatch.py`; the prefill attention / indexer tiles) and the classes of
-its integer arguments (1, a multiple of 16, other). `warm_up` runs dummy steps through the worker's model runner
-that cover them: prefill steps of one sequence at the token counts on both sides of every dispatch limit (up to
-max_num_batched_tokens), a prefill of several sequences, a mixed step (prefill + decodes), eager decode steps at
-every batch bucket when no decode graphs were captured (the capture compiles those), each with greedy, sampled and
-top-k / top-p rows (the sampler's kernels). With speculative decoding the steps go through the speculative runner
-(target forward, draft features), without drafts. Tensor-parallel ranks run the same steps in lockstep (rank 0
+the MoE and linear dispatch rows, `kernels/dispatch.py`, the router's token tile for up to 8 tokens; by the block
+table's width: the indexer's top-k tile; by batch and context: the decode split-K merge; by rows: the sampling
+kernel's vocabulary split) and the classes of its integer arguments (1, a multiple of 16, other). `warm_up` runs
+dummy steps through the worker's model runner that reach each of them: single-sequence prefills at the token counts
+on both sides of every limit, a prefill of several sequences, a mixed step (a chunk with decodes), 16-token chunks at
+the end of contexts of every power of two of pages, and, when no decode graphs were captured (the capture compiles
+the decode steps of every bucket), eager decodes at every batch size with short and with the longest contexts; then
+the sampling kernel for every row count. With speculative decoding the steps go through the speculative runner
+(target forward, draft features), without drafts. Tensor-parallel ranks run the same forwards in lockstep (rank 0
 alone samples).
 
 The steps write pages that no request holds yet (the engine starts after this, with every page free) and their
@@ -35,10 +37,11 @@ class WarmupReport:
 
 
 def token_counts(max_tokens: int) -> list[int]:
-    """Token counts of the single-sequence prefills: each integer class and both sides of every dispatch limit."""
+    """Token counts of the single-sequence prefills: each integer class, the router's token tiles (1, 2, 4, 8) and
+    both sides of every dispatch limit."""
     from m3serve.kernels import dispatch
 
-    counts = {1, 2, 15, 16, 17, max_tokens}
+    counts = {1, 2, 3, 4, 8, 15, 16, 17, 64, 65, max_tokens}
     t = dispatch.tuning()
     for table in (t.moe_table, t.linear_table):
         for limit, *_ in table:
@@ -50,9 +53,7 @@ def token_counts(max_tokens: int) -> list[int]:
 def _sampling(n: int, kind: str, device) -> SamplingInput:
     if kind == "greedy":
         return SamplingInput.full(n, temperature=0.0, device=device)
-    if kind == "sampled":
-        return SamplingInput.full(n, temperature=0.8, seed=1, device=device)
-    return SamplingInput.full(n, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1, device=device)
+    return SamplingInput.full(n, temperature=0.8, seed=1, device=device)
 
 
 def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, device, sampling: str | None) -> StepInput:
@@ -86,20 +87,25 @@ def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, dev
 
 
 def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
-         decode_batches: list[int]) -> list[list[tuple[int, int]]]:
+         eager_decodes: bool) -> list[list[tuple[int, int]]]:
     """The warm-up steps, each a list of (new tokens, cached tokens) per sequence."""
-    room = max(1, max_model_len - 1)
-    steps = [[(min(t, room), 0)] for t in token_counts(min(max_num_batched_tokens, room))]
+    room = max(2, max_model_len - 1)  # the longest sequence a request can make
+    steps = [[(t, 0)] for t in token_counts(min(max_num_batched_tokens, room))]
     several = min(max_num_seqs, 5)
-    per = max(1, min(max_num_batched_tokens // several, room))
-    steps.append([(per, 0)] * several)  # a prefill of several sequences
+    steps.append([(max(1, min(max_num_batched_tokens // several, room)), 0)] * several)  # several prefills
     if max_num_seqs > 1:  # a mixed step: a chunk of a prompt with decodes of long contexts
-        long_ctx = min(room - 1, 17 * block_size)
-        chunk = max(1, min(max_num_batched_tokens - (max_num_seqs - 1), room))
-        steps.append([(chunk, 0)] + [(1, long_ctx)] * min(max_num_seqs - 1, 8))
-    for b in decode_batches:  # eager decodes (no graphs): every bucket, short and long contexts
-        steps.append([(1, 1)] * b)
-        steps.append([(1, min(room - 1, 17 * block_size))] * b)
+        decodes = min(max_num_seqs - 1, 8)
+        chunk = max(1, min(max_num_batched_tokens - decodes, room))
+        steps.append([(chunk, 0)] + [(1, min(room, 17 * block_size) - 1)] * decodes)
+    q = min(16, max_num_batched_tokens, room - 1)
+    pages = 16  # the indexer's top-k tile covers max(16, next power of two) table columns
+    while pages * block_size <= room:
+        steps.append([(q, pages * block_size - q)])
+        pages *= 2
+    steps.append([(q, room - q)])
+    if eager_decodes:
+        for b in range(1, max_num_seqs + 1):
+            steps += [[(1, 1)] * b, [(1, room - 1)] * b]
     return steps
 
 
@@ -107,23 +113,21 @@ def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport |
     """Run the warm-up steps on `runner` (a `ModelRunner`); None off CUDA."""
     if runner.device.type != "cuda":
         return None
-    from m3serve.executor.cuda_graph import batch_buckets
-
     t0 = time.perf_counter()
     compiles = []
     listener = _count_compiles(compiles)
     try:
-        eager_decodes = [] if runner.graphs is not None else batch_buckets(config.max_num_seqs)
-        steps = plan(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, runner.cache.block_size,
-                     eager_decodes)
-        n = 0
-        for i, seqs in enumerate(steps):  # every sampler variant on the one-token prefill and on the decodes
-            variety = i == 0 or all(q == 1 for q, _ in seqs)
-            for kind in ("greedy", "sampled", "filtered")[:3 if variety else 1]:
-                kind = kind if rank == 0 else None  # the same forwards on every rank; rank 0 alone samples
-                runner.execute(dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, runner.device, kind))
-                n += 1
-        torch.cuda.synchronize(runner.device)
+        bs, pool, dev = runner.cache.block_size, runner.cache.num_pages, runner.device
+        steps = plan(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, bs, runner.graphs is None)
+        for seqs in steps:  # the same forwards on every rank; rank 0 alone samples
+            runner.execute(dummy_step(seqs, bs, pool, dev, "greedy" if rank == 0 else None))
+        if rank == 0:  # the sampling kernel's vocabulary split depends on the rows: every row count a step can have
+            vocab = runner.model.config.vocab_size
+            for n in range(1, config.max_num_seqs + 1):
+                for kind in ("greedy", "sampled"):
+                    runner.sampler(torch.zeros(n, vocab, device=dev), _sampling(n, kind, dev))
+        torch.cuda.synchronize(dev)
+        n = len(steps)
     finally:
         listener()
     report = WarmupReport(time.perf_counter() - t0, n, len(compiles))

@@ -28,11 +28,14 @@ def test_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
         fresh = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(model=tiny_model_dir, **opts) as llm:
         runner = llm.engine.executor.worker.runner
-        steps = W.plan(4, 128, 256, runner.cache.block_size, [1, 2, 4])
+        bs = runner.cache.block_size
+        steps = W.plan(4, 128, 256, bs, eager_decodes=True)
         assert any(len(s) > 1 and s[0][0] > 1 and s[1][0] == 1 for s in steps)  # a mixed step
+        assert {len(s) for s in steps if all(q == 1 for q, _ in s)} == {1, 2, 3, 4}  # every decode batch size
+        assert max(q + c for s in steps for q, c in s) == 255  # the longest context a request can reach
         for seqs in steps:
-            for kind in ("greedy", "sampled", "filtered"):
-                out = runner.execute(W.dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, "cpu", kind))
+            for kind in ("greedy", "sampled"):
+                out = runner.execute(W.dummy_step(seqs, bs, runner.cache.num_pages, "cpu", kind))
                 assert out.token_ids.shape[0] == len(seqs)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh
         assert llm.engine.stats()["load_seconds"] > 0 and llm.engine.stats()["warmup_seconds"] == 0.0  # CPU: none
