@@ -8,8 +8,9 @@ dummy steps through the worker's model runner that reach each of them: single-se
 on both sides of every limit, a prefill of several sequences, a mixed step (a chunk with decodes), 16-token chunks at
 the end of contexts of every power of two of pages, and, when no decode graphs were captured (the capture compiles
 the decode steps of every bucket), eager decodes at every batch size with short and with the longest contexts; then
-the sampling kernel for every row count. With speculative decoding the steps go through the speculative runner
-(target forward, draft features), without drafts. Tensor-parallel ranks run the same forwards in lockstep (rank 0
+the sampling kernel for every row count. With speculative decoding these steps go through the speculative runner
+(target forward, draft features), and speculative decode steps follow (drafts, verification) at every batch size.
+Tensor-parallel ranks run the same forwards in lockstep (rank 0
 alone samples).
 
 The steps write pages that no request holds yet (the engine starts after this, with every page free) and their
@@ -56,9 +57,11 @@ def _sampling(n: int, kind: str, device) -> SamplingInput:
     return SamplingInput.full(n, temperature=0.8, seed=1, device=device)
 
 
-def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, device, sampling: str | None) -> StepInput:
+def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, device, sampling: str | None,
+               spec_k: int = 0) -> StepInput:
     """A step over sequences given as (new tokens, tokens already cached): pages taken in turn from page 0 (modulo
-    the pool), token ids 0, the last token of each sequence sampled."""
+    the pool), token ids 0, the last token of each sequence sampled. With `spec_k` (K, speculative decoding) every
+    sequence speculates: its first new token is the anchor, the others its drafts' placeholders."""
     qsl, positions, lens, slots, tables = [0], [], [], [], []
     page = 0
     for q, cached in seqs:
@@ -76,14 +79,19 @@ def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, dev
     for s, t in enumerate(tables):
         block_tables[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
     n = len(seqs)
+    spec = None
+    if spec_k:
+        from m3serve.engine.step_builder import StepBuilder
+        spec = StepBuilder(block_size, set(), False, spec_k)._spec(
+            [(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n)
     return StepInput(
         input_ids=torch.zeros(qsl[-1], dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc_cpu=qsl, seq_lens_cpu=lens, is_decode=all(q == 1 for q, _ in seqs),
         max_query_len=max(q for q, _ in seqs), max_seq_len=max(lens), block_tables=block_tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        logits_indices=torch.tensor(qsl[1:], dtype=torch.int64) - 1,
-        sampling=_sampling(n, sampling, "cpu") if sampling else None).to(device)
+        logits_indices=torch.tensor(qsl[:-1] if spec_k else qsl[1:], dtype=torch.int64) - (0 if spec_k else 1),
+        sampling=_sampling(n, sampling, "cpu") if sampling else None, spec=spec).to(device)
 
 
 def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
@@ -109,6 +117,15 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
     return steps
 
 
+def spec_plan(max_num_seqs: int, max_model_len: int, k: int) -> list[list[tuple[int, int]]]:
+    """Speculative decode steps (anchor + k drafts per sequence): every batch size with K drafts at short and at the
+    longest contexts, and one sequence with each smaller number of drafts (a sequence near its end drafts fewer)."""
+    room = max(k + 3, max_model_len - 1)
+    steps = [[(1 + k, 1)] * b for b in range(1, max_num_seqs + 1)]
+    steps += [[(1 + k, room - 1 - k)] * b for b in range(1, max_num_seqs + 1)]
+    return steps + [[(1 + j, 1)] for j in range(1, k)]
+
+
 def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport | None:
     """Run the warm-up steps on `runner` (a `ModelRunner`); None off CUDA."""
     if runner.device.type != "cuda":
@@ -121,6 +138,12 @@ def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport |
         steps = plan(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, bs, runner.graphs is None)
         for seqs in steps:  # the same forwards on every rank; rank 0 alone samples
             runner.execute(dummy_step(seqs, bs, pool, dev, "greedy" if rank == 0 else None))
+        if runner.spec is not None:  # drafts, then the target's verify (greedy and sampled verification)
+            k = runner.spec.spec.num_speculative_tokens
+            for seqs in spec_plan(config.max_num_seqs, max_model_len, k):
+                for kind in ("greedy", "sampled"):
+                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, spec_k=k))
+                    steps.append(seqs)
         if rank == 0:  # the sampling kernel's vocabulary split depends on the rows: every row count a step can have
             vocab = runner.model.config.vocab_size
             for n in range(1, config.max_num_seqs + 1):

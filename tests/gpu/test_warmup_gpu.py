@@ -1,6 +1,6 @@
 """No request waits on a compile: once the engine is built (the load-time warm-up ran, executor/warmup.py), a mix
 of prompt lengths (1 to 700 tokens: single and chunked prefills, mixed steps), batch sizes and sampling options
-compiles no Triton kernel (the compile counter of benchmarks/geometry.py: Triton's compilation listener, which
+compiles no Triton kernel, with DSpark speculative decoding too (the compile counter of benchmarks/geometry.py: Triton's compilation listener, which
 also sees loads from the disk cache). The warm-up's time is in the engine's stats."""
 from __future__ import annotations
 
@@ -30,15 +30,17 @@ def _mix(llm):
             llm.generate(prompts[i:i + batch], [greedy if j % 2 else sampled for j in range(len(prompts[i:i + batch]))])
 
 
-@pytest.mark.parametrize("scheme,eager", [(None, False), ("nvfp4", False), ("mxfp8", True)])
-def test_no_kernel_compiles_after_the_engine_is_ready(tiny_model_dir, tmp_path, scheme, eager):
+@pytest.mark.parametrize("scheme,eager,spec", [(None, False, False), ("nvfp4", False, False), ("mxfp8", True, False),
+                                              (None, False, True)])
+def test_no_kernel_compiles_after_the_engine_is_ready(tiny_model_dir, tmp_path, scheme, eager, spec):
     model = tiny_model_dir
     if scheme:
         model = str(tmp_path / scheme)
         quantize_checkpoint(tiny_model_dir, model, scheme, modules=("experts", "shared_experts", "dense_mlp"),
                             progress=False)
     with LLM(model=model, device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=16,
-             max_num_batched_tokens=512, enforce_eager=eager) as llm:
+             max_num_batched_tokens=512, enforce_eager=eager,
+             speculative_config={"method": "dspark", "num_speculative_tokens": 7} if spec else None) as llm:
         stats = llm.engine.stats()
         assert stats["warmup_seconds"] > 0 and stats["load_seconds"] >= stats["warmup_seconds"]
         report = llm.engine.executor.worker.warmup  # (its compiles may be 0: an earlier test compiled them already)

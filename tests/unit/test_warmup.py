@@ -40,3 +40,25 @@ def test_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
         assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh
         assert llm.engine.stats()["load_seconds"] > 0 and llm.engine.stats()["warmup_seconds"] == 0.0  # CPU: none
     assert W.warm_up(runner, llm.engine.config, 256) is None and torch.device("cpu") == runner.device
+
+
+def test_speculative_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
+    """The speculative decode steps of the warm-up (anchor + drafts, every batch size, fewer drafts near the end)
+    run through the speculative runner (drafts, verification), and the same tokens come out after them."""
+    opts = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=3, num_gpu_blocks_override=24,
+                speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    prompts = [[5, 7, 9, 11], list(range(3, 40))]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=tiny_model_dir, **opts) as llm:
+        fresh = [o.token_ids for o in llm.generate(prompts, sp)]
+    with LLM(model=tiny_model_dir, **opts) as llm:
+        runner = llm.engine.executor.worker.runner
+        k = runner.spec.spec.num_speculative_tokens
+        steps = W.spec_plan(3, 128, k)
+        assert {len(s) for s in steps} == {1, 2, 3} and {q for s in steps for q, _ in s} == {2, 3, 4}
+        for seqs in steps:
+            for kind in ("greedy", "sampled"):
+                step = W.dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, "cpu", kind, spec_k=k)
+                out = runner.execute(step)
+                assert out.token_ids.shape[0] == len(seqs)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh
