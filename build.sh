@@ -4,7 +4,10 @@
 #   ./build.sh serve [--model-repository DIR] [--grpc-port N --http-port N --metrics-port N] [tritonserver args]
 #                      the real tritonserver in the foreground (default: model_repository/ on the tiny model;
 #                      --model-control-mode=explicit --load-model=* unless a control mode is given: a model
-#                      whose engine dies can then turn itself, and the server, unready)
+#                      whose engine dies can then turn itself, and the server, unready); the repository,
+#                      logging, trace and shared-memory APIs need the header m3serve-repository-key (gRPC:
+#                      triton-grpc-protocol-m3serve-repository-key) with the operator's key: $M3SERVE_REPOSITORY_KEY,
+#                      the file $M3SERVE_REPOSITORY_KEY_FILE, else one generated into .cache/repository-key (mode 600)
 #   ./build.sh demo    setup, make the tiny model, start the server, stream one chat reply, stop the server
 #   ./build.sh test    setup, run the whole test suite
 #   ./build.sh assemble                   only assemble the backend dir (with $M3SERVE_PYTHON: no venv; Docker)
@@ -110,6 +113,40 @@ prepare() {
   if [ -n "${M3SERVE_PYTHON:-}" ]; then assemble_backend; else setup; fi
 }
 
+# The APIs that change what the server does (load/unload/reconfigure models, where logs and traces go, which
+# shared memory it maps) answer only requests that carry the operator's key; health, metadata, model config,
+# statistics and inference stay open. README.md ("The repository key") says why.
+RESTRICTED_APIS="model-repository,logging,trace,shared-memory"
+REPOSITORY_KEY_HEADER="m3serve-repository-key"
+
+# The operator's key into $REPOSITORY_KEY: $M3SERVE_REPOSITORY_KEY, else the file $M3SERVE_REPOSITORY_KEY_FILE,
+# else .cache/repository-key (made once, mode 600, reused). The key itself is never logged, only where it is.
+repository_key() {
+  local file="${M3SERVE_REPOSITORY_KEY_FILE:-}" from
+  if [ -n "${M3SERVE_REPOSITORY_KEY:-}" ]; then
+    REPOSITORY_KEY="$M3SERVE_REPOSITORY_KEY"; from="\$M3SERVE_REPOSITORY_KEY"
+  else
+    if [ -z "$file" ]; then
+      file="$ROOT/.cache/repository-key"
+      if [ ! -s "$file" ]; then
+        mkdir -p "$(dirname "$file")"
+        (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$file.tmp.$$") && mv -f "$file.tmp.$$" "$file"
+        log "generated a repository key into $file"
+      fi
+      chmod 600 "$file"
+    elif [ ! -r "$file" ]; then
+      log "error: M3SERVE_REPOSITORY_KEY_FILE=$file cannot be read"; return 1
+    fi
+    REPOSITORY_KEY="$(tr -d ' \t\r\n' < "$file")"; from="the file $file"
+  fi
+  # Triton reads the flag as <apis>:<header>=<value>: a key of these characters only, long enough not to be guessed
+  if ! [[ "$REPOSITORY_KEY" =~ ^[A-Za-z0-9._~+/-]{16,}$ ]]; then
+    log "error: the repository key (from $from) must be at least 16 characters of A-Z a-z 0-9 . _ ~ + / -"
+    return 1
+  fi
+  log "the $RESTRICTED_APIS APIs need the header $REPOSITORY_KEY_HEADER (gRPC: triton-grpc-protocol-$REPOSITORY_KEY_HEADER) with the key from $from"
+}
+
 serve() {
   prepare
   local repo="$ROOT/model_repository" grpc=8001 http=8000 metrics=8002 mode="" load=""
@@ -134,6 +171,9 @@ serve() {
     [ -n "$load" ] || extra+=("--load-model=*")
   fi
   default_model_dir
+  repository_key
+  extra+=("--http-restricted-api=$RESTRICTED_APIS:$REPOSITORY_KEY_HEADER=$REPOSITORY_KEY"
+          "--grpc-restricted-protocol=$RESTRICTED_APIS:$REPOSITORY_KEY_HEADER=$REPOSITORY_KEY")
   server_env
   log "tritonserver: repository $repo, gRPC :$grpc, HTTP :$http, metrics :$metrics (models under $M3SERVE_MODEL_DIR)"
   exec "$TRITONSERVER" --model-repository "$repo" --backend-directory "$TRITON_DIR/backends" \

@@ -9,10 +9,10 @@ Three measurements at each concurrency C (C users, each sending --requests-per-u
 every request --max-tokens tokens with ignore_eos, greedy):
   engine   AsyncLLMEngine in this process, C concurrent `generate` streams          (no server at all)
   server   the same engine behind tritonserver: model `m3`, gRPC streaming, clients/bench.py's client
-  null     tritonserver with a zero-cost engine (model `m3null`, engine_factory=this file:null_engine):
+  null     tritonserver with a zero-cost engine (model `m3null`, $M3SERVE_TEST_ENGINE_FACTORY=m3null=this file:null_engine):
            what the server path alone can carry -> responses/s and microseconds per response
 With --geometry N: the M3.1-Flash geometry cut to N layers (random weights, benchmarks/geometry.py) engine-direct
-and behind tritonserver's `m3_ids` (token ids in and out, the engine built by the `engine_factory` parameter), at
+and behind tritonserver's `m3_ids` (token ids in and out, the engine built by $M3SERVE_TEST_ENGINE_FACTORY), at
 real speed on the GPU; no null engine.
 Writes OUT_DIR/bench_server.json and OUT_DIR/bench_server.md. The server runs through `build.sh serve`
 (with $M3SERVE_PYTHON when there is no .venv), in its own process group, killed at the end.
@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,7 +38,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PROMPT = "Please write a short poem about the sea, the sky, and the stars at night."
 
 
-# ---- the zero-cost engine (loaded by the m3serve backend through the engine_factory parameter) ----------
+# ---- the zero-cost engine (the m3serve backend builds it through $M3SERVE_TEST_ENGINE_FACTORY) ----------
 class _NullEngine:
     """Streams one token per output from its own thread, as fast as it can hand them over: no model, no pages."""
 
@@ -223,30 +224,42 @@ def run_engine_direct(a, model_dir) -> list[dict]:
 
 
 # ---- the server ------------------------------------------------------------------------------------------
-def write_repo(a, model_dir, repo) -> None:
+def write_repo(a, model_dir, repo) -> str:
+    """The model repository; returns $M3SERVE_TEST_ENGINE_FACTORY for the server (engines of the test models)."""
     src = os.path.join(ROOT, "model_repository", "m3", "config.pbtxt")
     opts = dict(engine_options(a), model=model_dir, enable_prefix_caching=True)
     models = [("m3", None), ("m3null", os.path.abspath(__file__) + ":null_engine")]
     if a.geometry:  # the token-id contract over the random M3.1-Flash geometry (no tokenizer: ids in, ids out)
         src = os.path.join(ROOT, "model_repository", "m3_ids", "config.pbtxt")
         models = [("m3_ids", os.path.join(ROOT, "benchmarks", "geometry.py") + ":async_engine")]
+    factories = ";".join(f"{name}={factory}" for name, factory in models if factory)
     for name, factory in models:
         os.makedirs(os.path.join(repo, name, "1"), exist_ok=True)
         cfg = open(src).read().replace('name: "m3"', f'name: "{name}"')
-        if factory and a.geometry:
-            cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
-                                                f'"{factory}" }} }},\n')
-            factory = None
-        if factory:  # one response per token: measures the per-response cost, no coalescing
-            cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
-                                                f'"{factory}" }} }},\n  {{ key: "coalesce_responses" value: '
-                                                f'{{ string_value: "false" }} }},\n')
+        if factory and not a.geometry:  # one response per token: measures the per-response cost, no coalescing
+            cfg = cfg.replace("parameters [\n", 'parameters [\n  { key: "coalesce_responses" value: '
+                                                '{ string_value: "false" } },\n')
         cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_process" value: {{ string_value: '
                                             f'"{a.engine_process}" }} }},\n')
         with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
             f.write(cfg)
         with open(os.path.join(repo, name, "1", "model.json"), "w") as f:
             json.dump(opts, f, indent=2)
+    return factories
+
+
+def work_dir(a) -> tuple[str, str]:
+    """(a fresh work folder under a.out or $M3SERVE_BENCH_WORK, the model: a.model or the tiny model made there)."""
+    os.makedirs(a.out, exist_ok=True)
+    work = os.environ.get("M3SERVE_BENCH_WORK") or os.path.join(a.out, "work")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    model_dir = a.model
+    if not model_dir:
+        from m3serve.model.tiny import make_tiny
+        model_dir = os.path.join(work, "tiny-m3")
+        make_tiny(model_dir)
+    return work, model_dir
 
 
 def free_port() -> int:
@@ -256,13 +269,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(repo, log_path, timeout=600, ready_model="m3null"):
+def start_server(repo, log_path, timeout=600, ready_model="m3null", factories=""):
     import tritonclient.grpc as grpcclient
 
     ports = [free_port() for _ in range(3)]
     cmd = [os.path.join(ROOT, "build.sh"), "serve", "--model-repository", repo, "--grpc-port", str(ports[0]),
            "--http-port", str(ports[1]), "--metrics-port", str(ports[2]), "--exit-on-error=false"]
-    env = dict(os.environ, M3SERVE_MODEL_DIR=os.path.dirname(repo))
+    key = os.environ.get("M3SERVE_REPOSITORY_KEY") or secrets.token_hex(16)  # build.sh restricts the repository API
+    env = dict(os.environ, M3SERVE_MODEL_DIR=os.path.dirname(repo), M3SERVE_TEST_ENGINE_FACTORY=factories,
+               M3SERVE_REPOSITORY_KEY=key)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     url = f"localhost:{ports[0]}"
@@ -273,8 +288,9 @@ def start_server(repo, log_path, timeout=600, ready_model="m3null"):
             raise RuntimeError(f"tritonserver exited ({proc.returncode}); see {log_path}")
         try:
             if client.is_model_ready(ready_model):
-                states = {m["name"]: m.get("state") for m in client.get_model_repository_index(as_json=True)
-                          .get("models", [])}
+                index = client.get_model_repository_index(
+                    as_json=True, headers={"triton-grpc-protocol-m3serve-repository-key": key})
+                states = {m["name"]: m.get("state") for m in index.get("models", [])}
                 if ready_model != "m3null" or client.is_model_ready("m3") or states.get("m3") == "UNAVAILABLE":
                     return proc, url, ports[2]
         except Exception:
@@ -402,15 +418,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",")]
     a.prompt_ids = [3 + (7919 * i) % 497 for i in range(a.prompt_len)]
-    os.makedirs(a.out, exist_ok=True)
-    work = os.path.join(a.out, "work") if not os.environ.get("M3SERVE_BENCH_WORK") else os.environ["M3SERVE_BENCH_WORK"]
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    model_dir = a.model
-    if not model_dir:
-        from m3serve.model.tiny import make_tiny
-        model_dir = os.path.join(work, "tiny-m3")
-        make_tiny(model_dir)
+    work, model_dir = work_dir(a)
     import torch
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "python": platform.python_version(),
            "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -425,10 +433,11 @@ def main(argv=None) -> int:
         res["engine"] = []
     res["engine_s"] = time.time() - t0
     repo = os.path.join(work, "repo")
-    write_repo(a, model_dir, repo)
+    factories = write_repo(a, model_dir, repo)
     log_path = os.path.join(a.out, "tritonserver.log")
     t0 = time.time()
-    proc, url, mport = start_server(repo, log_path, ready_model="m3_ids" if a.geometry else "m3null")
+    proc, url, mport = start_server(repo, log_path, ready_model="m3_ids" if a.geometry else "m3null",
+                                     factories=factories)
     res["server_start_s"] = time.time() - t0
     try:
         import tritonclient.grpc as grpcclient
@@ -462,12 +471,17 @@ def main(argv=None) -> int:
         res["server"] = [{"concurrency": c, "tokens_per_s_total": nan, "ttft_ms": {50: nan}, "itl_ms": {50: nan},
                           "responses_per_request_mean": nan} for c in a.levels]
     res["table"] = summarize(res)
-    with open(os.path.join(a.out, "bench_server.json"), "w") as f:
+    write_report(a.out, "bench_server", res)
+    return 0
+
+
+def write_report(out: str, name: str, res: dict) -> None:
+    """OUT/<name>.json (everything) and OUT/<name>.md (res["table"]); the table to stdout."""
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=2)
-    with open(os.path.join(a.out, "bench_server.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(res["table"] + "\n")
     print(res["table"])
-    return 0
 
 
 if __name__ == "__main__":

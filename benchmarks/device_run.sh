@@ -14,6 +14,12 @@
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
 # "suite" also takes .carry-reference/reference312.tar.xz (transformers 5.25 for Python 3.12, onto PYTHONPATH; made by
 # benchmarks/make_carry_reference.sh).
+# tritonserver vs engine-direct), "soak": benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS (streams
+# with random cancellation through the real tritonserver). Logs and JSON go to $OUT (or ./device_out).
+# "server" and "soak" need tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
+# site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
+# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
+# $SANITIZER prefixes the GPU tests' python, e.g. "compute-sanitizer --tool memcheck --error-exitcode 9".
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +43,9 @@ install_server() {
   rm -rf "$purelib/m3serve" && cp -r /tmp/p/m3serve "$purelib/m3serve"
   python3 -c 'import numpy; print("numpy", numpy.__version__)'
 }
-
 for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
-    tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 \
+    tests) timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -25 ;;
     msa) timeout "${MSA_TIMEOUT:-300}" python3 benchmarks/bench_msa.py --out "$OUT/bench_msa.json" ${MSA_ARGS:-} 2>&1 \
            | tee "$OUT/bench_msa.log" | grep -v "^decode \|^prefill {\|^insert {" ;;
@@ -68,6 +73,11 @@ for step in ${STEPS:-tests msa qkv}; do
         M3SERVE_SUITE_SHARDS="${SUITE_SHARDS:-8}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
         USE_HUB_KERNELS=0 timeout "${SUITE_TIMEOUT:-560}" python3 tests/run_suite.py -q -rs -p no:cacheprovider \
         ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log" | grep -v "^\[run_suite\] ----\|^I1\|^W1" | tail -60 ;;
+    soak)
+      install_server
+      M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton timeout "${SOAK_TIMEOUT:-560}" \
+        python3 benchmarks/soak_server.py --out "$OUT/soak" --geometry "${SERVER_LAYERS:-4}" ${SOAK_ARGS:-} 2>&1 \
+        | tee "$OUT/soak_server.log" | grep -v "^I1\|^W1" | tail -20 ;;
     tp) timeout "${TP_TIMEOUT:-500}" python3 benchmarks/bench_tp.py --out "$OUT/bench_tp.json" ${TP_ARGS:-} 2>&1 \
           | tee "$OUT/bench_tp.log" | grep "^|" ;;
     *) echo "unknown step $step" ;;

@@ -81,7 +81,7 @@ def make_engine(model: M3ForCausalLM, **options):
 
 
 def async_engine(config: EngineConfig):
-    """Engine factory for the Triton model (`engine_factory` = "benchmarks/geometry.py:async_engine") and the
+    """Engine factory for the Triton model ($M3SERVE_TEST_ENGINE_FACTORY = "m3_ids=benchmarks/geometry.py:async_engine") and the
     engine-direct benchmark: an `AsyncLLMEngine` over `random_model(flash_geometry($M3SERVE_GEOMETRY_LAYERS))` on the
     GPU, with model.json's sizes (max_model_len, max_num_seqs, num_gpu_blocks_override, max_num_batched_tokens)."""
     import os

@@ -122,16 +122,21 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
 def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG,
                out_ptr, so, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, WDT: tl.constexpr):
-    """One output tile: the GEMM over all K chunks, the mode's epilogue, the store."""
+    """One output tile: the GEMM over all K chunks, the mode's epilogue, the store. The weight rows read are clamped
+    to the group's padded rows: a tile of BN columns may reach past N_PAD (N_PAD is a multiple of 16 only, BN of 64
+    or 128), and those columns are never stored, but an unclamped read would run past the weight (the last group's
+    rows, the shared expert's: an illegal memory access on the GPU)."""
     cols = n0 + tl.arange(0, BN)
+    wcols = tl.minimum(cols, N_PAD - 1)
+    wcols2 = tl.minimum(cols + NG, N_PAD - 1)
     UNS: tl.constexpr = 256.0 if (FMT == 1) and (WDT != tl.float32) else 1.0
-    y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, cols, cols + NG, NT16, KC, N_PAD, K_PAD, FMT,
+    y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
                        MODE == 0, BM, BN, WDT)
     if FMT != 3:
-        y = y * (tl.load(rsc + g * N_PAD + cols) * UNS)[None, :]
+        y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
     if MODE == 0:
         if FMT != 3:
-            up = up * (tl.load(rsc + g * N_PAD + cols + NG) * UNS)[None, :]
+            up = up * (tl.load(rsc + g * N_PAD + wcols2) * UNS)[None, :]
         y = swiglu_oai_f32(y, up, alpha, limit) * wt[:, None]
         omask = rmask[:, None] & (cols < NG)[None, :]
     else:
@@ -220,6 +225,8 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
     grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, bm, n_out, bn)
     if grid[0] == 0:
         return out
+    if pr.k_pad != rr.k_pad:  # one K loop serves both weights
+        raise ValueError(f"routed and plain weights must share their padded K ({rr.k_pad} vs {pr.k_pad})")
     _grouped_gemm_kernel[grid](
         x, x.stride(0),
         rr.data, _dummy(rr.scale, rr.data), _dummy(rr.rowscale, x),

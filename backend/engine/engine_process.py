@@ -20,7 +20,7 @@ The wire: one socket pair, `multiprocessing.connection` framing, pickles. To the
 ("submit", request id, prepared), ("abort", request id), ("shutdown",). From it: batches of events, one message per
 batch (a step's outputs travel together): ("out", request id, output as a tuple of its fields, or exception),
 ("prepared", token, prepared or exception), ("stats", stats, healthy, dead reason). The engine process runs `AsyncLLMEngine` (or what the
-`engine_factory` builds) unchanged: its own main thread reads commands, one thread writes events.
+$M3SERVE_TEST_ENGINE_FACTORY builds) unchanged: its own main thread reads commands, one thread writes events.
 
 Faults: an engine that dies (a device fault) says so in its next stats and its streams end with `EngineDeadError`
 as in process; a process that exits or is killed ends the connection: every open request gets `EngineDeadError`,

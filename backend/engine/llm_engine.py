@@ -62,6 +62,7 @@ class _InFlight:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, model=None, load_report=None, tokenizer=None):
+        t_load = time.perf_counter()
         config.validate()
         self.config = config
         mcfg = ModelConfig.from_pretrained(config.model) if model is None else model.config
@@ -94,6 +95,10 @@ class LLMEngine:
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens (the rest is host work)
         self._inflight: _InFlight | None = None  # the step queued on the device, its tokens not yet processed
+        warmup = getattr(getattr(self.executor, "worker", None), "warmup", None)  # rank 0's (executor/warmup.py)
+        self.warmup_seconds = warmup.seconds if warmup is not None else 0.0
+        self.load_seconds = time.perf_counter() - t_load  # model, page pool, graphs and warm-up: ready after this
+        log.info("engine loaded in %.1f s (warm-up %.1f s)", self.load_seconds, self.warmup_seconds)
 
     # ---- setup helpers ---------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -392,5 +397,6 @@ class LLMEngine:
             "num_steps": self.num_steps, "device_wait_seconds": self.device_wait_s,
             "num_chunked_prefills": sch.num_chunked_prefills,
             "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,
+            "load_seconds": self.load_seconds, "warmup_seconds": self.warmup_seconds,
             **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }

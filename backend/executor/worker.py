@@ -56,6 +56,7 @@ class Worker:
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
         self.drafter = None  # the DSpark draft and its speculative step (executor/spec_decode.py)
+        self.warmup = None  # the warm-up's report (executor/warmup.py), CUDA only
         spec = config.speculative
         if spec is not None:
             from m3serve.executor.spec_decode import SpeculativeDecoder
@@ -83,7 +84,8 @@ class Worker:
             num_kv_heads=self.num_kv_heads, reserved_bytes=reserve, extra_page_bytes=draft_page)
 
     def init_cache(self, num_pages: int, max_model_len: int) -> None:
-        """The page pool, the model runner and (CUDA, unless enforce_eager) its decode graphs."""
+        """The page pool, the model runner, (CUDA, unless enforce_eager) its decode graphs, and (CUDA) the warm-up
+        that compiles every kernel a served step can reach (executor/warmup.py)."""
         kv_scales = getattr(self.load_report, "kv_scales", None) or {}
         self.cache = PagedKVCache(self.model_config, num_pages, self.kv_dtype, self.index_dtype, self.device, kv_scales,
                                   num_kv_heads=self.num_kv_heads)
@@ -92,6 +94,8 @@ class Worker:
             self.drafter.attach(self.runner, num_pages)
         if self.use_cuda_graphs:
             self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)
+        from m3serve.executor.warmup import warm_up  # every kernel a served step can reach, compiled now
+        self.warmup = warm_up(self.runner, self.config, max_model_len, self.parallel.rank)
 
     def execute(self, step: StepInput, timeout_s: float | None = None) -> SamplerOutput | None:
         """The sampled tokens on the host (None when the step samples nothing, and on ranks other than 0). With

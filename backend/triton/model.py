@@ -37,9 +37,8 @@ chat template sent in chat_template_kwargs is refused), utf8_stream_boundaries (
 UTF-8 characters), tokenizer_dir, skip_special_tokens and max_model_len (pre/postprocessing).
 engine_process ("true": the engine runs in a process of its own, started from the server's Python interpreter,
 `engine/engine_process.py`; "false": on threads of this stub, sharing its interpreter lock with the response thread).
-Testing/benchmark hook: parameter engine_factory or $M3SERVE_ENGINE_FACTORY = "module:function" or
-"/path/file.py:function" builds the engine from the EngineConfig instead of AsyncLLMEngine (an object with
-AsyncLLMEngine's `prepare`, `submit`, `abort_sync`, `stats`, `is_healthy` and `shutdown`), in the engine process.
+Any other parameter is refused at load, and none picks code or a path outside the model's folder (parameters.py:
+the table, and the test-only engine factory, which comes from the server's environment only).
 """
 from __future__ import annotations
 
@@ -69,7 +68,7 @@ _fix_sys_path()
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from m3serve.triton import schema  # noqa: E402
+from m3serve.triton import parameters, schema  # noqa: E402
 from m3serve.triton.contract import Defaults, GenRequest, StopRequest  # noqa: E402
 from m3serve.triton.responder import Group, Item, Responder, log  # noqa: E402
 from m3serve.triton.schema import INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError  # noqa: E402
@@ -144,6 +143,10 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         self.name = args["model_name"]
         self.params = _params(self.model_config)
+        try:  # before anything is imported or built for this config
+            parameters.check(self.params)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(f"m3serve model '{self.name}': {e}") from None
         if self.params.get(FAILED_PARAMETER):  # the load that marks a dead engine: fail it, on purpose
             raise pb_utils.TritonModelException(
                 f"m3serve model '{self.name}' is unavailable: its engine failed ({self.params[FAILED_PARAMETER]}); "
@@ -219,7 +222,9 @@ class TritonPythonModel:
     def _build_engine(self, cfg):
         from m3serve.engine.engine_process import EngineProcess, build_engine
 
-        factory = self.params.get("engine_factory") or os.environ.get("M3SERVE_ENGINE_FACTORY") or None
+        factory = parameters.test_engine_factory(self.name)
+        if factory:
+            log(f"model '{self.name}': engine built by ${parameters.TEST_FACTORY_ENV} ({factory}), a test hook")
         if _truthy(self.params.get("engine_process"), True):
             return EngineProcess(cfg, factory=factory)
         return build_engine(cfg, factory)
@@ -232,7 +237,8 @@ class TritonPythonModel:
         value = self.params.get("tokenizer_dir")
         if not value:
             raise ValueError("parameter tokenizer_dir (the model or tokenizer directory) is required")
-        path = engine_args.resolve_path(value, self.version_dir, "tokenizer_dir")
+        path = parameters.inside_path(value, [self.version_dir, os.environ.get(engine_args.MODEL_DIR_ENV)],
+                                      "tokenizer_dir")
         tokenizer = Tokenizer.from_pretrained(path)
         if self.role == "preprocessing":
             max_len = self.params.get("max_model_len")

@@ -1,14 +1,13 @@
 """The engine on CUDA runs quantized MoE layers through the Triton MoE kernels (`KernelMoE`: router, grouped expert
 GEMMs decoding NVFP4 / MXFP8 in registers, shared expert, combine) and still produces the reference's tokens: the
 same checkpoint on the CPU (torch dequantization, fp32). Kernel dots take fp16/bf16 operands, so a near-tie may part
-the two runs late. Combinations the kernels are not validated for (an NVFP4 shared expert; the tiny model's dense
-MLP shapes for the quantized linears, a quantized shared expert at shapes that are not multiples of 128) take the
-torch methods that need no host synchronisation."""
+the two runs late. Every quantized layer of the tiny model (64 / 128 wide: no multiple of 128 needed) takes the
+kernels, the NVFP4 shared expert and dense MLP included: no torch fallback is left on CUDA."""
 import pytest
 import torch
 
 from m3serve import LLM, SamplingParams
-from m3serve.model.layers.linear import TorchQuantLinear
+from m3serve.model.layers.linear import KernelQuantLinear, TorchQuantLinear
 from m3serve.model.layers.moe import DenseMoE, KernelMoE
 from m3serve.model.quantize import quantize_checkpoint
 
@@ -28,11 +27,9 @@ def test_quantized_moe_engine_matches_cpu_reference(tiny_model_dir, tmp_path, sc
         llm = LLM(model=q, device=device, dtype="float32", max_model_len=256, num_gpu_blocks_override=32)
         model = llm.engine.executor.worker.model
         kinds = {type(m.method) for m in model.modules() if hasattr(m, "method") and m.method is not None}
-        if device == "cuda":  # a quantized shared expert of the tiny model's 64-wide shapes: not in the kernel
-            fused = "shared_experts" not in modules
-            assert (KernelMoE in kinds) == fused and (DenseMoE in kinds) != fused
-            # 64 / 128-wide: not kernel shapes (the dense MLP; a quantized shared expert outside the fused kernel)
-            assert ("dense_mlp" in modules or not fused) == (TorchQuantLinear in kinds)
+        if device == "cuda":  # every quantized layer on the kernels, whatever its format and width
+            assert KernelMoE in kinds and DenseMoE not in kinds and TorchQuantLinear not in kinds, kinds
+            assert ("dense_mlp" in modules) == (KernelQuantLinear in kinds), kinds
         outs[device] = llm.generate(prompts, sp)
     for ref, got in zip(outs["cpu"], outs["cuda"]):
         n = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), len(ref.token_ids))

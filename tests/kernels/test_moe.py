@@ -230,15 +230,23 @@ def test_fp8_quant_weight_loads_per_tensor_and_per_channel_scales(gen):
         qw.load("weight", torch.zeros(4, 32, dtype=torch.uint8), index=0)
 
 
-@pytest.mark.parametrize("hidden,shared_fmt,method", [(64, "mxfp8", "DenseMoE"), (128, "nvfp4", "DenseMoE"),
-                                                       (64, "dense", "KernelMoE"), (128, "mxfp8", "KernelMoE")])
-def test_cuda_method_by_shared_expert(monkeypatch, hidden, shared_fmt, method):
-    """On CUDA a quantized shared expert rides in the fused kernel only in a validated format (MXFP8) at 128-multiple
-    shapes; otherwise the layer runs `DenseMoE` (the 64-wide MXFP8 one hit an illegal memory access on the H200)."""
+@pytest.mark.parametrize("hidden,expert_fmt,shared_fmt,method", [
+    (64, "nvfp4", "mxfp8", "KernelMoE"), (128, "nvfp4", "nvfp4", "KernelMoE"), (64, "mxfp8", "nvfp4", "KernelMoE"),
+    (64, "nvfp4", "dense", "KernelMoE"), (96, "fp8", "fp8", "KernelMoE"), (64, "dense", "dense", "DenseMoE")])
+def test_cuda_method_takes_the_kernel_for_every_quantized_format_and_shape(monkeypatch, hidden, expert_fmt, shared_fmt,
+                                                                          method):
+    """On CUDA every quantized expert / shared-expert pair runs the fused kernel at any width (the N-tail reads that
+    made the 64-wide shared expert fault are clamped: grouped_gemm._tile_body); only fp32 dense experts run
+    `DenseMoE`. Quantized linears likewise take the kernels at any N and K."""
+    import m3serve.model.layers.linear as linear_layers
     import m3serve.model.layers.moe as moe_layers
 
-    cfg = tiny_moe_config(hidden=hidden, inter=128, shared_inter=128)
-    layer = random_moe(cfg, "nvfp4", shared_fmt, torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    cfg = tiny_moe_config(hidden=hidden, inter=128, shared_inter=96)
+    dtype = torch.float32 if expert_fmt == "dense" else torch.bfloat16
+    layer = random_moe(cfg, expert_fmt, shared_fmt, torch.Generator().manual_seed(0), dtype=dtype)
     monkeypatch.setattr(moe_layers, "KernelMoE", type("KernelMoE", (), {"__init__": lambda self, layer: None}))
     got = moe_layers.select_moe_method(layer, torch.device("cuda"))
     assert type(got).__name__ == method
+    monkeypatch.setattr(linear_layers, "KernelQuantLinear", type("KernelQuantLinear", (), {"__init__": lambda s, w: None}))
+    qw = QuantWeight(40, 96, "nvfp4")
+    assert type(linear_layers.select_linear_method(qw, torch.device("cuda"))).__name__ == "KernelQuantLinear"

@@ -1,4 +1,5 @@
-"""Engine factory for the fault tests (config parameter engine_factory=<this file>:make): the real engine,
+"""Engine factory for the fault tests ($M3SERVE_TEST_ENGINE_FACTORY="m3=<this file>:make" in the
+server's environment): the real engine,
 whose model runner raises while the file named by $M3SERVE_FAULT_FILE holds a fault kind:
   "step"    a RuntimeError in one step (the file is consumed): that step's requests fail, the engine goes on
   "device"  a CUDA error (torch.AcceleratorError) in every step: a device fault, the engine dies."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -19,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from support.procs import engine_pids
-from tritonserver_proc import ROOT, free_port, start_server
+from tritonserver_proc import ROOT, copy_models, free_port, start_server
 from triton_helpers import inp, metric, metrics, run_stream, scalar, text_inputs, texts
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
@@ -29,15 +28,14 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 def faulty_server(tiny_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("faulty")
     repo = d / "models"
-    for name in ("m3", "m3_ids"):
-        shutil.copytree(os.path.join(ROOT, "model_repository", name), repo / name)
+    copy_models(repo, ("m3", "m3_ids"))
     factory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_engine.py") + ":make"
     cfg = repo / "m3" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace("parameters [\n", "parameters [\n"
-                                           f'  {{ key: "engine_factory" value: {{ string_value: "{factory}" }} }},\n'
                                            '  { key: "trust_request_chat_template" value: { string_value: "true" } },\n'))
     flag = str(d / "fault")
-    env = {"M3SERVE_MODEL_DIR": tiny_model_dir, "M3SERVE_FAULT_FILE": flag, "M3SERVE_CHAT_TEMPLATE_TIMEOUT": "1"}
+    env = {"M3SERVE_MODEL_DIR": tiny_model_dir, "M3SERVE_FAULT_FILE": flag, "M3SERVE_CHAT_TEMPLATE_TIMEOUT": "1",
+           "M3SERVE_TEST_ENGINE_FACTORY": f"m3={factory}"}
     srv = start_server(str(repo), str(d / "tritonserver.log"), env,
                        ["--model-control-mode=explicit", "--load-model=m3", "--load-model=m3_ids"],
                        wait_models=["m3", "m3_ids"])
@@ -137,7 +135,7 @@ def test_device_fault_turns_model_and_server_unready_others_keep_serving(faulty_
         assert time.monotonic() - t0 < 10
         assert srv.alive() and client.is_server_live()
         def m3_state():
-            return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}["m3"]
+            return {m["name"]: m for m in client.get_model_repository_index(headers=srv.repository_metadata(), as_json=True)["models"]}["m3"]
         assert _wait(lambda: m3_state()["state"] == "UNAVAILABLE", 20), m3_state()  # after the marking load
         assert "illegal memory access" in m3_state()["reason"] and not _http_ready(srv, "/v2/health/ready")
         # the other model keeps serving
@@ -154,7 +152,7 @@ def test_device_fault_turns_model_and_server_unready_others_keep_serving(faulty_
         assert srv.alive() and "Signal (6)" not in srv.log()
         # an operator's load brings it back (a fresh stub and engine); the server is ready again
         os.unlink(srv.flag)
-        client.load_model("m3")
+        client.load_model("m3", headers=srv.repository_metadata())
         assert client.is_model_ready("m3") and client.is_server_ready()
         responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", max_tokens=4))
         assert error is None and texts(responses)
@@ -187,13 +185,13 @@ def test_a_killed_engine_process_turns_its_model_unready_and_a_load_brings_it_ba
         assert _wait(lambda: not _http_ready(srv, "/v2/models/m3_ids/ready"), 10), "m3_ids stayed ready"
 
         def state():
-            return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}["m3_ids"]
+            return {m["name"]: m for m in client.get_model_repository_index(headers=srv.repository_metadata(), as_json=True)["models"]}["m3_ids"]
         assert _wait(lambda: state()["state"] == "UNAVAILABLE", 20), state()  # after the marking load
         assert "signal 9" in state()["reason"], state()
         responses, error = run_stream(srv.grpc_url, "m3", text_inputs("The quick brown fox", max_tokens=4))
         assert error is None and texts(responses)
         assert _wait(lambda: not any("/m3_ids/1/model.py" in _cmdline(p) for p in srv.group_pids()), 60)
-        client.load_model("m3_ids")
+        client.load_model("m3_ids", headers=srv.repository_metadata())
         assert client.is_model_ready("m3_ids") and client.is_server_ready()
         responses, error = _ids_request(srv)
         assert error is None and responses[-1].as_numpy("output_ids").size == 7

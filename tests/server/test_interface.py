@@ -222,7 +222,8 @@ def test_postprocessing_checks_ids_inside_the_length_only():
     assert e.value.field == "SEQUENCE_LENGTH"
 
 
-def test_preprocessing_names_the_ensemble_inputs():
+def test_preprocessing_names_its_own_tensors_and_the_ensemble_inputs():
+    """A direct caller finds preprocessing's tensor, an ensemble caller the ensemble's input, in one message."""
     pre = Preprocessing(FakeTokenizer(), default_max_tokens=16, max_model_len=32)
     got = pre({"QUERY": s("hello").reshape(1, 1), "REQUEST_OUTPUT_LEN": np.array([[8]], np.int32)})
     assert got["INPUT_ID"].shape == (1, 5) and got["REQUEST_OUTPUT_LEN"].tolist() == [[8]]
@@ -230,10 +231,14 @@ def test_preprocessing_names_the_ensemble_inputs():
     for n, word in ((0, "must be in"), (-3, "must be in"), (28, "exceed max_model_len")):
         with pytest.raises(RequestError) as e:
             pre({"QUERY": s("hello").reshape(1, 1), "REQUEST_OUTPUT_LEN": np.array([[n]], np.int32)})
-        assert e.value.field == "max_tokens" and word in str(e.value)
+        assert str(e.value).startswith("REQUEST_OUTPUT_LEN (ensemble: max_tokens): ") and word in str(e.value)
     with pytest.raises(RequestError) as e:
         pre({"QUERY": s("x" * 40).reshape(1, 1)})
-    assert e.value.field == "text_input"
+    assert str(e.value).startswith("QUERY (ensemble: text_input): prompt of ")
+    with pytest.raises(RequestError, match="^QUERY: is required$"):  # only a direct caller can omit it
+        pre({"REQUEST_OUTPUT_LEN": np.array([[8]], np.int32)})
+    with pytest.raises(RequestError, match=r"^END_ID \(ensemble: end_id\): batch dimension"):
+        pre({"QUERY": s("hello").reshape(1, 1), "END_ID": np.array([[1], [2]], np.int32)})
 
 
 # ---- responder, with a fake pb_utils ---------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_tp2_serves_like_tp1_and_survives_nothing_of_a_dead_worker(tp_server, ti
         assert wait_until(lambda: not alive(stub), 60), srv.log()[-3000:]
         assert not alive(engine) and not any(alive(p) for p in workers)
         # loaded again: a fresh stub with a fresh worker; SIGKILL to the stub takes the worker with it
-        control.load_model("m3")
+        control.load_model("m3", headers=srv.repository_metadata())
         assert control.is_model_ready("m3")
         stub = _stub(srv)
         engine, workers = _engine_and_workers(stub)

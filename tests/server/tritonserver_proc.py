@@ -1,9 +1,11 @@
 """Start and stop the real tritonserver through `./build.sh serve`, in its own process group
 (start_new_session=True): the whole group (server and python-backend stubs, which ignore SIGTERM after a
-crash) is killed at the end."""
+crash) is killed at the end. Each server gets a fresh repository key ($M3SERVE_REPOSITORY_KEY, which build.sh
+passes to Triton's API restriction): `Server.repository_headers()` / `repository_metadata()` carry it."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -12,6 +14,8 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 READY_TIMEOUT = float(os.environ.get("M3SERVE_TEST_READY_TIMEOUT", "240"))
+KEY_HEADER = "m3serve-repository-key"          # build.sh's header for the restricted APIs (HTTP)
+GRPC_KEY_HEADER = "triton-grpc-protocol-" + KEY_HEADER  # the same over gRPC (Triton prefixes its name)
 
 
 def free_port() -> int:
@@ -41,6 +45,18 @@ class Server:
     @property
     def metrics_url(self) -> str:
         return f"http://localhost:{self.metrics_port}/metrics"
+
+    @property
+    def repository_key(self) -> str:
+        return self.env["M3SERVE_REPOSITORY_KEY"]
+
+    def repository_headers(self) -> dict:
+        """HTTP headers that open the restricted APIs (model repository, logging, trace, shared memory)."""
+        return {KEY_HEADER: self.repository_key}
+
+    def repository_metadata(self) -> dict:
+        """The same for tritonclient.grpc's `headers=`."""
+        return {GRPC_KEY_HEADER: self.repository_key}
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -80,12 +96,22 @@ class Server:
             pass
 
 
+def copy_models(dest, names) -> str:
+    """A model repository at `dest` holding copies of the shipped models `names`; its path."""
+    import shutil
+    for name in names:
+        shutil.copytree(os.path.join(ROOT, "model_repository", name), os.path.join(dest, name))
+    return str(dest)
+
+
 def start_server(repo: str, log_path: str, env_extra: dict | None = None, args: list[str] | None = None,
                  wait_models: list[str] | None = None) -> Server:
     import tritonclient.grpc as grpcclient
 
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     env = dict(os.environ)
+    env["M3SERVE_REPOSITORY_KEY"] = secrets.token_hex(16)
+    env.pop("M3SERVE_REPOSITORY_KEY_FILE", None)
     env.update(env_extra or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [os.path.join(ROOT, "build.sh"), "serve", "--model-repository", repo, "--grpc-port", str(grpc_port),

@@ -11,8 +11,6 @@ holds only its shard (`w.shard` tells the loader which slice to read) and still 
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,8 +18,6 @@ from torch import nn
 from m3serve.distributed.parallel import Parallel
 from m3serve.model.layers.sharding import Shard
 from m3serve.model.weights import QuantWeight
-
-log = logging.getLogger(__name__)
 
 
 class DenseLinear:
@@ -51,19 +47,13 @@ class KernelQuantLinear:
         return quant_linear(x, self.weight)
 
 
-KERNEL_TILE = 128  # the quantized-linear kernels ran on the H200 with N and K multiples of this (M3's every linear)
-
-
 def select_linear_method(w: QuantWeight, device: torch.device, current=None):
+    """Dense: cuBLAS; quantized on CUDA: the kernels, at any N and K (tests/gpu/test_odd_shapes_gpu.py); else the
+    torch reference."""
     if w.fmt == "dense":
         return DenseLinear()
     if device.type == "cuda":
-        if isinstance(current, KernelQuantLinear):
-            return current
-        if w.n % KERNEL_TILE == 0 and w.k % KERNEL_TILE == 0:
-            return KernelQuantLinear(w)
-        log.warning("quantized linear %dx%d: not a shape the kernels were validated with (multiples of %d); "
-                    "dequantizing per call instead", w.n, w.k, KERNEL_TILE)
+        return current if isinstance(current, KernelQuantLinear) else KernelQuantLinear(w)
     return TorchQuantLinear()
 
 

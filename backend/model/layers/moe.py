@@ -9,8 +9,9 @@ Its method is picked once at load (`SparseMoE.prepare`), by the experts' weight 
   the torch reference serves that). The weights are laid out for it once and the checkpoint layout released. No
   host synchronisation (CUDA-graph safe).
 - `DenseMoE`: every expert over every token, the routing weights (zero for experts not chosen) combining them: no
-  host synchronisation either, exact, E times the work. On CUDA for fp32 dense experts (the small test models) and
-  for the combinations the kernels were not validated with on the GPU (`KERNEL_SHARED_FORMATS`), with a warning.
+  host synchronisation either, exact, E times the work. On CUDA for fp32 dense experts only (the small test models,
+  whose fp32 tests expect fp32 products, not the kernels' tf32 dots). Every quantized or bf16 expert / shared-expert
+  format pair at any shape runs `KernelMoE` (tests/gpu/test_odd_shapes_gpu.py).
 
 Tensor parallelism: the shared expert and the dense MLPs split their FFN over the ranks (gate_up by rows, down by
 columns); the routed experts either split each expert's FFN the same way or, with expert parallelism, each rank
@@ -20,20 +21,15 @@ sum, and `SparseMoE` sums them over the ranks with one all-reduce (the combine).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from m3serve.config import ModelConfig
 from m3serve.distributed.parallel import Parallel
-from m3serve.model.layers.linear import KERNEL_TILE, ColumnParallelLinear, RowParallelLinear
+from m3serve.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from m3serve.model.layers.sharding import Shard
 from m3serve.model.weights import QuantWeight
-
-log = logging.getLogger(__name__)
-
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gate|up (not interleaved): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
@@ -161,23 +157,6 @@ class KernelMoE:
                          top_k=layer.gate.top_k, routed_scaling=layer.scaling, alpha=e.alpha, limit=e.limit)
 
 
-# shared-expert formats the fused kernel ran with on the H200 (docs/performance.md); an NVFP4 shared expert in the
-# same launches hit an illegal memory access there (2026-12-03, tiny shapes): not used until that is fixed. A
-# quantized shared expert rides in the launches only at the shapes it was validated with (N and K multiples of
-# KERNEL_TILE, as every M3 shape): the tiny test model's 64-wide MXFP8 shared expert in the kernel failed with an
-# illegal memory access in the process too (2026-12-03; the M3.1-Flash geometry runs it)
-KERNEL_SHARED_FORMATS = ("dense", "mxfp8")
-
-
-def _kernel_shared_ok(layer: "SparseMoE") -> bool:
-    sh = layer.shared_experts
-    if sh.gate_up_proj.w.fmt == "dense":
-        return True
-    if sh.gate_up_proj.w.fmt not in KERNEL_SHARED_FORMATS:
-        return False
-    return all(n % KERNEL_TILE == 0 for p in (sh.gate_up_proj, sh.down_proj) for n in (p.w.n, p.w.k))
-
-
 def select_moe_method(layer: "SparseMoE", device: torch.device):
     if device.type != "cuda":
         return TorchMoE()
@@ -187,11 +166,6 @@ def select_moe_method(layer: "SparseMoE", device: torch.device):
     if e.num_experts != e.total_experts:  # expert parallel: the fused kernel routes over every expert it holds
         return TorchMoE()
     if e.gate_up_proj.fmt == "dense" and e.gate_up_proj.dtype == torch.float32:
-        return DenseMoE()
-    if not _kernel_shared_ok(layer):
-        w = layer.shared_experts.gate_up_proj.w
-        log.warning("MoE layer with a %s shared expert (%dx%d): the fused kernel is not validated for it; running "
-                    "every expert over every token instead (correct, slow)", w.fmt, w.n, w.k)
         return DenseMoE()
     return KernelMoE(layer)
 

@@ -1,0 +1,181 @@
+"""Compile at load what a served model can reach, before the engine reports ready: no request waits on a compile.
+
+Triton compiles a kernel the first time it meets a new specialization: its constexpr tiles (picked by token count:
+the MoE and linear dispatch rows, `kernels/dispatch.py`, the router's token tile for up to 8 tokens; by the block
+table's width: the indexer's top-k tile; by batch and context: the decode split-K merge; by rows: the sampling
+kernel's vocabulary split) and the classes of its integer arguments (1, a multiple of 16, other). `warm_up` runs
+dummy steps through the worker's model runner that reach each of them: single-sequence prefills at the token counts
+on both sides of every limit, a prefill of several sequences, a mixed step (a chunk with decodes), 16-token chunks at
+the end of contexts of every power of two of pages, and, when no decode graphs were captured (the capture compiles
+the decode steps of every bucket), eager decodes at every batch size with short and with the longest contexts; then
+the sampling kernel for every row count. With speculative decoding these steps go through the speculative runner
+(target forward, draft features), and speculative decode steps follow (drafts, verification) at every batch size.
+Tensor-parallel ranks run the same forwards in lockstep (rank 0
+alone samples).
+
+The steps write pages that no request holds yet (the engine starts after this, with every page free) and their
+tokens are dropped. CUDA only: elsewhere nothing compiles (the torch references, the interpreter). Called once, from
+`Worker.init_cache`; the report (seconds, steps, compiles seen) lands in the log and the engine's stats.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from m3serve.engine.step import SamplingInput, StepInput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmupReport:
+    seconds: float
+    steps: int
+    compiles: int  # kernel compiles during the warm-up (fresh or from Triton's disk cache)
+
+
+def token_counts(max_tokens: int) -> list[int]:
+    """Token counts of the single-sequence prefills: each integer class, the router's token tiles (1, 2, 4, 8) and
+    both sides of every dispatch limit."""
+    from m3serve.kernels import dispatch
+
+    counts = {1, 2, 3, 4, 8, 15, 16, 17, 64, 65, max_tokens}
+    t = dispatch.tuning()
+    for table in (t.moe_table, t.linear_table):
+        for limit, *_ in table:
+            if limit is not None:
+                counts |= {limit, limit + 1}
+    return sorted(n for n in counts if 1 <= n <= max_tokens)
+
+
+def _sampling(n: int, kind: str, device) -> SamplingInput:
+    if kind == "greedy":
+        return SamplingInput.full(n, temperature=0.0, device=device)
+    return SamplingInput.full(n, temperature=0.8, seed=1, device=device)
+
+
+def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, device, sampling: str | None,
+               spec_k: int = 0) -> StepInput:
+    """A step over sequences given as (new tokens, tokens already cached): pages taken in turn from page 0 (modulo
+    the pool), token ids 0, the last token of each sequence sampled. With `spec_k` (K, speculative decoding) every
+    sequence speculates: its first new token is the anchor, the others its drafts' placeholders."""
+    qsl, positions, lens, slots, tables = [0], [], [], [], []
+    page = 0
+    for q, cached in seqs:
+        length = cached + q
+        pages = [(page + j) % num_pages for j in range(-(-length // block_size))]
+        page += len(pages)
+        tables.append(pages)
+        qsl.append(qsl[-1] + q)
+        lens.append(length)
+        for pos in range(cached, length):
+            positions.append(pos)
+            slots.append(pages[pos // block_size] * block_size + pos % block_size)
+    width = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for s, t in enumerate(tables):
+        block_tables[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    n = len(seqs)
+    spec = None
+    if spec_k:
+        from m3serve.engine.step_builder import StepBuilder
+        spec = StepBuilder(block_size, set(), False, spec_k)._spec(
+            [(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n)
+    return StepInput(
+        input_ids=torch.zeros(qsl[-1], dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens, is_decode=all(q == 1 for q, _ in seqs),
+        max_query_len=max(q for q, _ in seqs), max_seq_len=max(lens), block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        logits_indices=torch.tensor(qsl[:-1] if spec_k else qsl[1:], dtype=torch.int64) - (0 if spec_k else 1),
+        sampling=_sampling(n, sampling, "cpu") if sampling else None, spec=spec).to(device)
+
+
+def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
+         eager_decodes: bool) -> list[list[tuple[int, int]]]:
+    """The warm-up steps, each a list of (new tokens, cached tokens) per sequence."""
+    room = max(2, max_model_len - 1)  # the longest sequence a request can make
+    steps = [[(t, 0)] for t in token_counts(min(max_num_batched_tokens, room))]
+    several = min(max_num_seqs, 5)
+    steps.append([(max(1, min(max_num_batched_tokens // several, room)), 0)] * several)  # several prefills
+    if max_num_seqs > 1:  # a mixed step: a chunk of a prompt with decodes of long contexts
+        decodes = min(max_num_seqs - 1, 8)
+        chunk = max(1, min(max_num_batched_tokens - decodes, room))
+        steps.append([(chunk, 0)] + [(1, min(room, 17 * block_size) - 1)] * decodes)
+    q = min(16, max_num_batched_tokens, room - 1)
+    pages = 16  # the indexer's top-k tile covers max(16, next power of two) table columns
+    while pages * block_size <= room:
+        steps.append([(q, pages * block_size - q)])
+        pages *= 2
+    steps.append([(q, room - q)])
+    if eager_decodes:
+        for b in range(1, max_num_seqs + 1):
+            steps += [[(1, 1)] * b, [(1, room - 1)] * b]
+    return steps
+
+
+def spec_plan(max_num_seqs: int, max_model_len: int, k: int) -> list[list[tuple[int, int]]]:
+    """Speculative decode steps (anchor + k drafts per sequence): every batch size with K drafts at short and at the
+    longest contexts, and one sequence with each smaller number of drafts (a sequence near its end drafts fewer)."""
+    room = max(k + 3, max_model_len - 1)
+    steps = [[(1 + k, 1)] * b for b in range(1, max_num_seqs + 1)]
+    steps += [[(1 + k, room - 1 - k)] * b for b in range(1, max_num_seqs + 1)]
+    return steps + [[(1 + j, 1)] for j in range(1, k)]
+
+
+def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport | None:
+    """Run the warm-up steps on `runner` (a `ModelRunner`); None off CUDA."""
+    if runner.device.type != "cuda":
+        return None
+    t0 = time.perf_counter()
+    compiles = []
+    listener = _count_compiles(compiles)
+    try:
+        bs, pool, dev = runner.cache.block_size, runner.cache.num_pages, runner.device
+        steps = plan(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, bs, runner.graphs is None)
+        for seqs in steps:  # the same forwards on every rank; rank 0 alone samples
+            runner.execute(dummy_step(seqs, bs, pool, dev, "greedy" if rank == 0 else None))
+        if runner.spec is not None:  # drafts, then the target's verify (greedy and sampled verification)
+            k = runner.spec.spec.num_speculative_tokens
+            for seqs in spec_plan(config.max_num_seqs, max_model_len, k):
+                for kind in ("greedy", "sampled"):
+                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, spec_k=k))
+                    steps.append(seqs)
+        if rank == 0:  # the sampling kernel's vocabulary split depends on the rows: every row count a step can have
+            vocab = runner.model.config.vocab_size
+            for n in range(1, config.max_num_seqs + 1):
+                for kind in ("greedy", "sampled"):
+                    runner.sampler(torch.zeros(n, vocab, device=dev), _sampling(n, kind, dev))
+        torch.cuda.synchronize(dev)
+        n = len(steps)
+    finally:
+        listener()
+    report = WarmupReport(time.perf_counter() - t0, n, len(compiles))
+    log.info("warm-up: %d steps, %d kernel compiles, %.1f s (every kernel a served step can reach is compiled)",
+             report.steps, report.compiles, report.seconds)
+    return report
+
+
+def _count_compiles(out: list):
+    """Chain a counter onto Triton's compilation listener (keeping one already installed, e.g. the benchmarks'
+    `geometry.log_compiles`); returns the function that restores the previous listener."""
+    try:
+        import triton
+        knobs = triton.knobs.compilation
+    except (ImportError, AttributeError):
+        return lambda: None
+    prev = knobs.listener
+
+    def listener(**kw):
+        out.append(kw.get("src"))
+        if prev is not None:
+            prev(**kw)
+
+    knobs.listener = listener
+
+    def restore():
+        knobs.listener = prev
+    return restore

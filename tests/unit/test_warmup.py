@@ -1,0 +1,67 @@
+"""The load-time warm-up's steps (backend/executor/warmup.py): they cover both sides of every dispatch limit, are
+well-formed steps the runner executes (here on the CPU's torch path: on CUDA they compile the kernels), and leave
+nothing behind that a request could see (the same tokens after them)."""
+from __future__ import annotations
+
+import torch
+
+from m3serve import LLM, SamplingParams
+from m3serve.executor import warmup as W
+from m3serve.kernels import dispatch
+
+
+def test_token_counts_straddle_every_dispatch_limit():
+    counts = W.token_counts(4096)
+    for table in (dispatch.MOE_TABLE, dispatch.LINEAR_TABLE):
+        for limit, *_ in table:
+            if limit is not None:
+                assert limit in counts and limit + 1 in counts
+    assert {1, 16, 17, 4096} <= set(counts) and max(W.token_counts(100)) == 100
+
+
+def _run_steps_between_two_generations(model: str, opts: dict, steps_of, spec: bool = False):
+    """Generate on a fresh engine; on a second one run the warm-up steps `steps_of(runner)` (each greedy and sampled),
+    then generate again: the same tokens (the steps left nothing a request sees). Returns the second LLM."""
+    prompts = [[5, 7, 9, 11], list(range(3, 70))]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=model, **opts) as llm:
+        fresh = [o.token_ids for o in llm.generate(prompts, sp)]
+    with LLM(model=model, **opts) as llm:
+        runner = llm.engine.executor.worker.runner
+        k = runner.spec.spec.num_speculative_tokens if spec else 0
+        for seqs in steps_of(runner):
+            for kind in ("greedy", "sampled"):
+                out = runner.execute(W.dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, "cpu", kind,
+                                                  spec_k=k))
+                assert out.token_ids.shape[0] == len(seqs)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh
+    return llm
+
+
+def test_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
+    opts = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128,
+                num_gpu_blocks_override=24)
+
+    def steps_of(runner):
+        steps = W.plan(4, 128, 256, runner.cache.block_size, eager_decodes=True)
+        assert any(len(s) > 1 and s[0][0] > 1 and s[1][0] == 1 for s in steps)  # a mixed step
+        assert {len(s) for s in steps if all(q == 1 for q, _ in s)} == {1, 2, 3, 4}  # every decode batch size
+        assert max(q + c for s in steps for q, c in s) == 255  # the longest context a request can reach
+        return steps
+    llm = _run_steps_between_two_generations(tiny_model_dir, opts, steps_of)
+    assert llm.engine.stats()["load_seconds"] > 0 and llm.engine.stats()["warmup_seconds"] == 0.0  # CPU: none
+    runner = llm.engine.executor.worker.runner
+    assert W.warm_up(runner, llm.engine.config, 256) is None and torch.device("cpu") == runner.device
+
+
+def test_speculative_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
+    """The speculative decode steps of the warm-up (anchor + drafts, every batch size, fewer drafts near the end)
+    run through the speculative runner (drafts, verification), and the same tokens come out after them."""
+    opts = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=3, num_gpu_blocks_override=24,
+                speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+
+    def steps_of(runner):
+        steps = W.spec_plan(3, 128, runner.spec.spec.num_speculative_tokens)
+        assert {len(s) for s in steps} == {1, 2, 3} and {q for s in steps for q, _ in s} == {2, 3, 4}
+        return steps
+    _run_steps_between_two_generations(tiny_model_dir, opts, steps_of, spec=True)
