@@ -260,16 +260,17 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     rq = sub.add_parser("requirements", help="print an image's requirement lines (the Dockerfiles install them)")
     rq.add_argument("image", choices=sorted(IMAGES))
-    rq.add_argument("--check-python", action="store_true", help="fail unless this Python is the image's")
+    rq.add_argument("--base", help="the image being built on (Dockerfile's BASE_IMAGE): fail unless it is the "
+                    "image's base, or it with a digest, and this Python is the image's")
     sub.add_parser("server", help="print the server wheel's pin (installed with --no-deps)")
     sub.add_parser("check", help="resolve every set with pip (dry run); exit 1 on a conflict")
     args = ap.parse_args(argv)
     if args.cmd == "requirements":
         image = IMAGES[args.image]
         here = f"{sys.version_info[0]}.{sys.version_info[1]}"
-        if args.check_python and here != image.python:
-            print(f"pins.py: this Python is {here}; the {image.name} pins were resolved for {image.python} "
-                  f"(docker/pins.py IMAGES)", file=sys.stderr)
+        if args.base is not None and (here != image.python or not args.base.startswith(image.base)):
+            print(f"pins.py: building on {args.base} (Python {here}); the {image.name} pins were resolved for "
+                  f"{image.base} (Python {image.python}): docker/pins.py IMAGES", file=sys.stderr)
             return 1
         print("\n".join(image_requirements(image)))
         return 0

@@ -67,8 +67,9 @@ def test_image_requirements_replace_the_cpu_pair():
     assert rocm[0] == "--extra-index-url https://download.pytorch.org/whl/rocm7.2"
     assert rocm[1:] == base + ["torch==2.11.0+rocm7.2", "pytorch-triton-rocm==3.6.0", "tritonclient[grpc]==2.73.0"]
     assert pins.pytriton_pin() == "nvidia-pytriton==0.7.0"  # build.sh's PYTRITON_VERSION
-    assert pins.main(["requirements", "cuda", "--check-python"]) == (0 if pins.sys.version_info[:2] == (3, 12)
-                                                                    else 1)
+    py312 = pins.sys.version_info[:2] == (3, 12)
+    assert pins.main(["requirements", "cuda", "--base", pins.IMAGES["cuda"].base + "@sha256:0"]) == (0 if py312 else 1)
+    assert pins.main(["requirements", "rocm", "--base", pins.IMAGES["cuda"].base]) == 1  # the wrong base
 
 
 def test_rocm_pair_is_checked_against_the_torch_of_its_version():
