@@ -163,8 +163,9 @@ def test_flash_examples_load_or_fail_with_the_message_compose_quotes(repo, tmp_p
     except ConfigError as e:
         problems = str(e).removeprefix("model.json: ").split("; ")
         comment = " ".join(x.lstrip("# ") for x in COMPOSE_TEXT.splitlines() if x.startswith("#"))
+        readme = " ".join((ROOT / "model_repository_examples" / "README.md").read_text().split())
         for p in problems:
-            assert p.split(" (")[0] in comment, p
+            assert p.split(" (")[0] in comment and p.split(" (")[0] in readme, p
         assert any("speculative decoding with tensor_parallel_size > 1" in p for p in problems)
     else:
         assert cfg.tensor_parallel_size == 4 and cfg.speculative_config["method"] == "dspark"
@@ -193,3 +194,14 @@ def test_torch_build_is_read_without_importing_torch(tmp_path, monkeypatch):
     assert check_device.torch_build() == ("13.0", None)
     (tmp_path / "version.py").write_text("cuda: Optional[str] = None\nhip: Optional[str] = '7.2.26015'\n")
     assert check_device.torch_build() == (None, "7.2.26015")
+
+
+def test_every_m3serve_variable_is_documented():
+    """docs/configuration.md's table names every M3SERVE_* variable the code, scripts and container files read."""
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    files = [ROOT / "build.sh", ROOT / "Dockerfile", ROOT / "docker-compose.yml"]
+    for folder in ("backend", "kernels", "docker", "clients", "benchmarks", "tests"):
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts]
+    used = {v for p in files for v in re.findall(r"M3SERVE_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
+    documented = set(re.findall(r"`(M3SERVE_[A-Z0-9_]+)`", docs))
+    assert "M3SERVE_LOG_LEVEL" in used and not used - documented, sorted(used - documented)
