@@ -20,7 +20,7 @@
 #     -v $PWD/model_repository_examples/minimax-m3.1-flash-tp4:/models:ro \
 #     m3serve:0.1.0 ./build.sh serve --model-repository /models --load-model m3                  # your weights
 #   docker run --init --device=/dev/kfd --device=/dev/dri --group-add video --group-add render --ipc=host \
-#     --ulimit memlock=-1 --ulimit stack=67108864 --security-opt seccomp=unconfined -p 8001:8001 ... m3serve:0.1.0-rocm
+#     --ulimit memlock=-1 --ulimit stack=67108864 -p 8001:8001 ... m3serve:0.1.0-rocm
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 
 # ---- build: a venv with the pinned packages (pip and the build context stay in this stage)

@@ -3,5 +3,5 @@
 # message instead of a CUDA error deep in a model load; docker/check_device.py), then run the command
 # (default: ./build.sh serve, which applies the repository API restriction).
 set -e
-"${M3SERVE_PYTHON:-python3}" /opt/m3serve/src/docker/check_device.py
+"${M3SERVE_PYTHON:-python3}" "$(dirname "$0")/check_device.py"
 exec "$@"

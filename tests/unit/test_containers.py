@@ -205,3 +205,15 @@ def test_every_m3serve_variable_is_documented():
     used = {v for p in files for v in re.findall(r"M3SERVE_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
     documented = set(re.findall(r"`(M3SERVE_[A-Z0-9_]+)`", docs))
     assert "M3SERVE_LOG_LEVEL" in used and not used - documented, sorted(used - documented)
+
+
+def test_entrypoint_checks_then_runs_the_command():
+    import os
+    import subprocess
+    env = {**os.environ, "M3SERVE_PYTHON": sys.executable}
+    p = subprocess.run([str(ROOT / "docker" / "entrypoint.sh"), "sh", "-c", "echo served; exit 7"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (7, "served\n"), p.stderr  # a CPU torch: nothing to check, the command runs
+    p = subprocess.run([str(ROOT / "docker" / "entrypoint.sh"), "true"], env={**env, "M3SERVE_PYTHON": "false"},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0  # a failing check stops the container before the command
