@@ -217,3 +217,14 @@ def test_entrypoint_checks_then_runs_the_command():
     p = subprocess.run([str(ROOT / "docker" / "entrypoint.sh"), "true"], env={**env, "M3SERVE_PYTHON": "false"},
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0  # a failing check stops the container before the command
+
+
+def test_the_clients_imports_are_installed_in_every_image():
+    """clients/ is copied into the images: every third-party module it imports is in each image's set."""
+    mods = {m for p in (ROOT / "clients").glob("*.py")
+            for m in re.findall(r"^\s*(?:from|import) ([A-Za-z_]\w*)", p.read_text(), re.M)}
+    third_party = mods - set(sys.stdlib_module_names) - {"__future__"}
+    assert third_party == {"numpy", "tritonclient", "tqdm"}
+    for image in pins.IMAGES.values():
+        names = {pins.req_name(x) for x in pins.image_requirements(image) if not x.startswith("-")}
+        assert third_party <= names, (image.name, third_party - names)
