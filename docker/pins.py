@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPI = "https://pypi.org/simple"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # the CPU set's torch wheel outside this environment
 # Linux x86_64 wheels a glibc 2.39 system (Ubuntu 24.04) installs: pip takes --platform values literally
 LINUX_X86_64 = tuple(f"manylinux_2_{m}_x86_64" for m in range(39, 4, -1)) + (
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64")
@@ -252,6 +253,8 @@ def check_all() -> list[Result]:
         own = {n: pool.submit(check_image, im, torch_requires) for n, im in IMAGES.items() if im.index}
         done = {n: f.result() for n, f in {**plain, **own}.items()}
         results = [cpu.result()] + [r for n in IMAGES for r in done[n]]
+    if not results[0].ok:  # PyPI's Linux torch is the CUDA build: its triton pin conflicts with the CPU set's
+        results[0].detail += f"\n(where pip finds no CPU torch wheel: PIP_EXTRA_INDEX_URL={CPU_INDEX})"
     return results + [python_stub(v) for v in sorted({im.python for im in IMAGES.values()})]
 
 
