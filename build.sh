@@ -37,7 +37,12 @@ setup() {
   want="$(cat requirements.txt requirements-test.txt pyproject.toml | sha256sum | cut -c1-16)-$TRANSFORMERS_VERSION-$PYTRITON_VERSION"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing pinned packages"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+    if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+    then  # the CPU set's torch pin is the CPU wheel: PyPI's Linux torch is the CUDA build (docs/configuration.md)
+      log "error: installing the CPU set failed; where pip finds no CPU torch wheel, rerun with"
+      log "  PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu ./build.sh setup"
+      return 1
+    fi
     # The reference model (tests only) and the real tritonserver: both without their declared deps.
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
       "transformers==$TRANSFORMERS_VERSION" "nvidia-pytriton==$PYTRITON_VERSION"

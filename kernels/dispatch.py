@@ -39,7 +39,8 @@ from .weight_layout import CHUNK_K, PackedWeight
 
 # The MoE expert GEMMs (`moe_config`), measured on the H200 (docs/performance.md, benchmarks/NOTES-moe.md): rows
 # (most tokens or None, path, gate_up config, down config), the first row that fits the step wins (an "mma" row
-# fits where the mma kernels run and the shapes divide; a "tl" row off CUDA takes `PORTABLE_GEMM`).
+# fits where the mma kernels run and the shapes divide; a "tl" row anywhere but compiled NVIDIA CUDA (the
+# interpreter, ROCm, whose devices also report type "cuda") takes `PORTABLE_GEMM`).
 # mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
 # tl: bm x bn output tiles of the portable kernels.
 MOE_TABLE = (
@@ -210,8 +211,10 @@ def decode_block_n(fmt: int, sparse: bool, on_mma: bool, block_size: int) -> int
         bn = mma_kernels().ATT_SPLIT_UNIT
     elif t is not None:
         bn = t
-    else:  # docs/performance.md, tune rows: 128 for nvfp4 dense-mode, 64 else
-        bn = 32 if platform.interpreting() else (128 if fmt == FMT_NVFP4 and not sparse else 64)
+    elif platform.interpreting():
+        bn = 32
+    else:  # docs/performance.md, tune rows (H200): 128 for nvfp4 dense-mode, 64 else; ROCm keeps the portable 64
+        bn = 128 if fmt == FMT_NVFP4 and not sparse and not platform.rocm() else 64
     return min(block_size, bn)
 
 
@@ -288,7 +291,7 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
             continue
         if path == "mma" and not (fast and all(_mma_gemm_fits(c, rows, k_pads) for c in cfgs)):
             continue
-        if path == "tl" and device.type != "cuda":
+        if path == "tl" and not platform.compiled_cuda(device):  # the tl rows' tiles were measured on the H200
             return portable
         return (path, *cfgs)
     return portable

@@ -133,6 +133,12 @@ def _mma_available(monkeypatch, yes: bool):
     monkeypatch.setattr(grouped_gemm_mma, "available", lambda device: yes)
 
 
+def _nvidia(monkeypatch):
+    """Compiled NVIDIA CUDA (not the interpreter this suite runs under, not ROCm)."""
+    monkeypatch.setattr(platform, "interpreting", lambda: False)
+    monkeypatch.setattr(platform, "rocm", lambda: False)
+
+
 def _fits(cfg: dict, rows, k_pads) -> bool:
     """An mma grouped-GEMM config whose tiles divide the weights: rows by 16 p, K chunks by warps x unroll."""
     from m3serve.kernels.grouped_gemm import mma_kernels
@@ -147,6 +153,7 @@ def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
     steps on the mma kernels where they run (their purpose); elsewhere on CUDA the tables' portable rows; off CUDA
     (the interpreter) the small portable tiles, whatever the token count."""
     moe, lin = gemm_weights
+    _nvidia(monkeypatch)
     shapes = {"moe": ((moe.inter_pad, moe.hidden), (moe.gate_up.k_pad, moe.down.k_pad)),
               "linear": ((lin.n_pad,), (lin.k_pad,))}
     for available in (True, False):
@@ -162,12 +169,32 @@ def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
         assert (dispatch.linear_config(1, lin, CUDA)[0] == "mma") == available
     assert {T: dispatch.moe_config(T, moe, CPU) for T in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL, SMALL_TL))
     assert {M: dispatch.linear_config(M, lin, CPU) for M in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL))
+    monkeypatch.setattr(platform, "interpreting", lambda: True)  # a CUDA device under the interpreter: the same
+    assert {T: dispatch.moe_config(T, moe, CUDA) for T in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL, SMALL_TL))
+
+
+def test_rocm_takes_the_portable_choices(monkeypatch, gemm_weights):
+    """A ROCm device reports type "cuda": with a HIP torch (faked here) every NVIDIA-only choice is off: no mma or
+    PTX kernels, the portable GEMM tiles instead of the H200's tl rows, the portable decode key tile."""
+    moe, lin = gemm_weights
+    monkeypatch.setattr(platform, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", "7.2.26015")
+    monkeypatch.setattr(platform, "_capability", lambda index: (9, 4))  # gfx942's, as torch reports it
+    assert platform.rocm() and not platform.compiled_cuda(CUDA)
+    assert not platform.nvfp4_mma_ok(CUDA) and not platform.moe_mma_ok(CUDA) and not platform.nvfp4_asm_allowed(CUDA)
+    assert {T: dispatch.moe_config(T, moe, CUDA) for T in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL, SMALL_TL))
+    assert {M: dispatch.linear_config(M, lin, CUDA) for M in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL))
+    assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 64
+    monkeypatch.setattr(torch.version, "hip", None)  # the same device on NVIDIA: the H200's choices
+    assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 128
+    assert dispatch.moe_config(4096, moe, CUDA) == MOE_TL and platform.moe_mma_ok(CUDA)
 
 
 def test_mma_rows_need_shapes_the_tiles_divide_and_mma_on(monkeypatch, gemm_weights):
     """A row whose tiles do not divide the weights is passed over (p=4: 64-row tiles; unroll=3: 12 K chunks); with
     `Tuning.mma` off every mma row is."""
     moe, lin = gemm_weights
+    _nvidia(monkeypatch)
     _mma_available(monkeypatch, True)
     wide = ("mma", dict(p=4, nt=8, unroll=2), MMA_8)
     with tuned(moe_table=((16, *wide), (None, "mma", MMA_8, dict(p=1, nt=8, unroll=3)), (None, *MOE_TL))):
@@ -185,6 +212,7 @@ def test_tuned_overrides_the_moe_and_linear_tables_inside_its_block(monkeypatch,
     from m3serve.kernels import grouped_gemm_mma
     from m3serve.kernels.quant_linear import QuantLinear, quant_linear
     moe, lin = gemm_weights
+    _nvidia(monkeypatch)
     _mma_available(monkeypatch, True)
     assert Tuning().moe_table is dispatch.MOE_TABLE and Tuning().linear_table is dispatch.LINEAR_TABLE
     assert Tuning().moe_overlap is False
