@@ -286,11 +286,16 @@ def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
 
 
 class Schedule:
-    """Linear warm-up, then cosine decay to `min_ratio` at `total` steps; `total` may be re-estimated from the
-    measured step time (`plan`) so that the decay ends when the phase's time is up."""
+    """Linear warm-up, then cosine decay to `min_ratio` at `total` steps. `tick(step, deadline)` before each step
+    re-plans `total` (at most `cap`) from the step time measured over each of `windows` (first step, last step),
+    so that the decay ends when the phase's time is up, whatever the device's speed."""
 
-    def __init__(self, base: float, warmup: int, total: int, min_ratio: float):
-        self.base, self.warmup, self.total, self.min_ratio = base, warmup, max(total, warmup + 1), min_ratio
+    def __init__(self, base: float, warmup: int, cap: int, min_ratio: float,
+                 windows: tuple[tuple[int, int], ...] = ((5, 25), (100, 250))):
+        self.base, self.min_ratio, self.cap, self.windows = base, min_ratio, cap, windows
+        self.total = cap
+        self.warmup = max(1, min(warmup, cap // 10))
+        self.marks: dict[int, float] = {}
 
     def lr(self, step: int) -> float:
         if step < self.warmup:
@@ -298,10 +303,15 @@ class Schedule:
         p = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.base * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
-    def plan(self, step: int, started: float, step_started: float, deadline: float, cap: int) -> None:
-        """Steps that fit before `deadline` at the rate measured since step `step_started`'s wall time."""
-        rate = (time.time() - started) / max(1, step - step_started)
-        self.total = max(step + 1, min(cap, step + int((deadline - time.time()) / rate)))
+    def tick(self, step: int, deadline: float) -> None:
+        for first, last in self.windows:
+            if step == first:
+                self.marks[first] = time.time()
+            elif step == last and first in self.marks:
+                rate = (time.time() - self.marks[first]) / (last - first)
+                left = deadline - time.time()
+                fit = self.cap if math.isinf(left) else step + int(left / rate)
+                self.total = max(step + 1, min(self.cap, fit))
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -332,14 +342,10 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     data = batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id)
     curve, t0 = [], time.time()
     sparse_from = None
-    marks = {}  # step -> wall time, for the step-rate estimates
     model.train()
     step, tokens, real_tokens = 0, 0, 0
     while step < sched.total and time.time() < deadline:
-        if step in (5, 100):
-            marks[step] = time.time()
-        if step in (25, 250) and (5 if step == 25 else 100) in marks:
-            sched.plan(step, marks[5 if step == 25 else 100], 5 if step == 25 else 100, deadline, tc.max_steps)
+        sched.tick(step, deadline)
         dense = sparse_from is None and step < tc.dense_frac * sched.total
         if not dense and sparse_from is None:
             sparse_from = step
@@ -360,8 +366,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         real_tokens += int(real.sum())
         step += 1
         if step % tc.log_every == 0 or step == 1:
-            rec = {"step": step, "phase": "dense" if dense else "sparse", "loss": round(float(lm), 4),
-                   "answer_token_acc": round(float(hits.float().mean()), 4), "indexer_kl": round(float(kl), 4),
+            rec = {"step": step, "phase": "dense" if dense else "sparse", "loss": round(float(lm.detach()), 4),
+                   "answer_token_acc": round(float(hits.float().mean()), 4), "indexer_kl": round(float(kl.detach()), 4),
                    "lr": round(sched.lr(step - 1), 6), "grad_norm": round(float(gnorm), 3),
                    "max_expert_load_ratio": round(worst_load, 2), "elapsed_s": round(time.time() - t0, 1),
                    "planned_steps": sched.total}

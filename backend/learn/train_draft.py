@@ -57,8 +57,7 @@ def build_draft(target, cfg, tc, mask_token_id: int, device: torch.device) -> DS
     return draft.to(device).requires_grad_(True)
 
 
-def sample_anchors(mask: torch.Tensor, real: torch.Tensor, n: int, rng: random.Random, gamma: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(mask: torch.Tensor, n: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to n anchors per row among the answer tokens t whose next token is answer too ([B, n] positions, valid)."""
     cand = (mask[:, :-1] & mask[:, 1:]).cpu()
     b = mask.shape[0]
@@ -161,20 +160,17 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
     draft = build_draft(target, cfg, tc, mask_id, device)
     params = [p for p in draft.parameters()]
     opt = torch.optim.AdamW(params, lr=tc.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = Schedule(tc.draft_lr, 20, tc.draft_max_steps, 0.1)
+    sched = Schedule(tc.draft_lr, 20, tc.draft_max_steps, 0.1, windows=((5, 20), (50, 150)))
     rng = random.Random(tc.seed + 1)
     train_rows = [r for r in rows if sum(r[1]) >= 2]
     data = batches(train_rows, tc.draft_tokens_per_batch, random.Random(tc.seed + 2), pad_id)
-    curve, marks, step = [], {}, 0
+    curve, step = [], 0
     log(f"draft: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, taps {draft.tap_layers}, "
         f"block {draft.block_size}, mask token {mask_id}")
     while step < sched.total and time.time() < deadline:
-        if step in (5, 50):
-            marks[step] = time.time()
-        if step in (20, 150) and (5 if step == 20 else 50) in marks:
-            sched.plan(step, marks[5 if step == 20 else 50], 5 if step == 20 else 50, deadline, tc.draft_max_steps)
-        ids, mask, real = (t.to(device) for t in next(data))
-        anchors, valid = sample_anchors(mask, real, tc.draft_anchors, rng, draft.block_size)
+        sched.tick(step, deadline)
+        ids, mask, _ = (t.to(device) for t in next(data))
+        anchors, valid = sample_anchors(mask, tc.draft_anchors, rng)
         for grp in opt.param_groups:
             grp["lr"] = sched.lr(step)
         out = draft_step_losses(draft, target, ids, mask, anchors, valid, autocast(device))
@@ -186,7 +182,7 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
         if step % tc.log_every == 0 or step == 1:
             acc = Acceptance(draft.block_size)
             acc.add(out["match"], out["ok"])
-            rec = {"step": step, **{k: round(float(out[k]), 4) for k in ("loss", "ce", "tv", "bce")},
+            rec = {"step": step, **{k: round(float(out[k].detach()), 4) for k in ("loss", "ce", "tv", "bce")},
                    "alpha_1": acc.report()["alpha"][0], "elapsed_s": round(time.time() - t0, 1),
                    "planned_steps": sched.total}
             curve.append(rec)
@@ -209,9 +205,9 @@ def evaluate_draft(draft, target, eval_rows, device, pad_id: int, tc, collate, a
     n = max(1, tc.draft_tokens_per_batch // max(1, len(rows[-1][0]) if rows else 1))
     for i in range(0, len(rows), n):
         chunk = rows[i:i + n]
-        ids, mask, real = (t.to(device) for t in collate(chunk, pad_id))
+        ids, mask, _ = (t.to(device) for t in collate(chunk, pad_id))
         longest = int((mask[:, :-1] & mask[:, 1:]).sum(-1).max())
-        anchors, valid = sample_anchors(mask, real, max(1, longest), random.Random(0), draft.block_size)
+        anchors, valid = sample_anchors(mask, max(1, longest), random.Random(0))
         out = draft_step_losses(draft, target, ids, mask, anchors, valid, autocast(device))
         overall.add(out["match"], out["ok"])
         for r, row in enumerate(chunk):
