@@ -72,7 +72,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.1
     dense_frac: float = 0.3
-    bias_rate: float = 1e-3
+    bias_rate: float = 1e-2  # router bias step per training step
     # draft (train_draft.py)
     draft_frac: float = 0.22  # of the training time
     draft_max_steps: int = 3000
@@ -287,15 +287,17 @@ def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
 
 class Schedule:
     """Linear warm-up, then cosine decay to `min_ratio` at `total` steps. `tick(step, deadline)` before each step
-    re-plans `total` (at most `cap`) from the step time measured over each of `windows` (first step, last step),
-    so that the decay ends when the phase's time is up, whatever the device's speed."""
+    re-plans `total` (at most `cap`) at step `first_plan` and every `every` steps while under 60% of the way, from
+    the mean step time since step 5 (past the first steps' one-off costs), so that the decay ends when the phase's
+    time is up whatever the device's speed."""
 
-    def __init__(self, base: float, warmup: int, cap: int, min_ratio: float,
-                 windows: tuple[tuple[int, int], ...] = ((5, 25), (100, 250))):
-        self.base, self.min_ratio, self.cap, self.windows = base, min_ratio, cap, windows
+    MARK = 5
+
+    def __init__(self, base: float, warmup: int, cap: int, min_ratio: float, first_plan: int = 25, every: int = 100):
+        self.base, self.min_ratio, self.cap, self.first_plan, self.every = base, min_ratio, cap, first_plan, every
         self.total = cap
         self.warmup = max(1, min(warmup, cap // 10))
-        self.marks: dict[int, float] = {}
+        self.mark: float | None = None
 
     def lr(self, step: int) -> float:
         if step < self.warmup:
@@ -304,14 +306,14 @@ class Schedule:
         return self.base * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
     def tick(self, step: int, deadline: float) -> None:
-        for first, last in self.windows:
-            if step == first:
-                self.marks[first] = time.time()
-            elif step == last and first in self.marks:
-                rate = (time.time() - self.marks[first]) / (last - first)
-                left = deadline - time.time()
-                fit = self.cap if math.isinf(left) else step + int(left / rate)
-                self.total = max(step + 1, min(self.cap, fit))
+        if step == self.MARK:
+            self.mark = time.time()
+        elif (self.mark is not None and step >= self.first_plan and step < 0.6 * self.total
+              and (step == self.first_plan or step % self.every == 0)):
+            rate = (time.time() - self.mark) / (step - self.MARK)
+            left = deadline - time.time()
+            fit = self.cap if math.isinf(left) else step + int(left / rate)
+            self.total = max(step + 1, min(self.cap, fit))
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -458,9 +460,7 @@ def run(tc: TrainConfig) -> dict:
     random.seed(tc.seed)
     torch.manual_seed(tc.seed)
     os.makedirs(tc.out, exist_ok=True)
-    result: dict[str, Any] = {"config": dataclasses.asdict(tc), "device": str(device),
-                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__}
+    result: dict[str, Any] = {"config": dataclasses.asdict(tc), "device": str(device), "torch": torch.__version__}
     import transformers
 
     result["transformers"] = transformers.__version__
@@ -477,6 +477,8 @@ def run(tc: TrainConfig) -> dict:
                       "seconds": round(time.time() - t_start, 1)}
     log("data " + json.dumps(result["data"]))
 
+    # CUDA is first touched here, after the data workers (forked processes) are done
+    result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     model = build_target(cfg, device, tc.seed)
     n_params = sum(p.numel() for p in model.parameters())
     result["target_params"] = n_params
