@@ -1,4 +1,4 @@
-"""The `m3serve` command: generate | quantize | capacity | make-tiny."""
+"""The `m3serve` command: generate | quantize | capacity | make-tiny | eval-tasks."""
 from __future__ import annotations
 
 import argparse
@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", required=True)
     q.add_argument("--out", required=True)
     q.add_argument("--scheme", choices=["nvfp4", "mxfp8"], default="nvfp4")
-    q.add_argument("--modules", nargs="+", help="experts shared_experts dense_mlp attention indexer")
+    q.add_argument("--modules", nargs="+", help="experts shared_experts dense_mlp attention indexer; GROUP:SCHEME "
+                                                "quantizes one group with another scheme (shared_experts:mxfp8)")
     q.set_defaults(fn=cmd_quantize)
 
     c = sub.add_parser("capacity", help="KV bytes per token, weight bytes, max concurrent sequences")
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
                    help="also write its tiny DSpark draft to OUT/dspark (default; --no-dspark: the target only)")
     t.set_defaults(fn=cmd_make_tiny)
+
+    from m3serve.learn.evaluate import add_parser as add_eval_tasks
+    add_eval_tasks(sub)  # eval-tasks
     return p
 
 
