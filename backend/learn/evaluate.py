@@ -46,9 +46,9 @@ def eval_sets(n: int, seed: int = 0, tasks=TASKS) -> dict[str, list[Example]]:
     return {t: make_examples(t, "eval", n, seed=seed) for t in tasks}
 
 
-def token_budgets(sets: dict[str, list[Example]], tok) -> dict[str, int]:
-    """max new tokens per task: the longest answer (+ eos) plus SLACK_TOKENS."""
-    return {t: max(len(tok.encode(ex.answer)) for ex in exs) + 1 + SLACK_TOKENS for t, exs in sets.items()}
+def token_budgets(sets: dict[str, list[Example]], tok, slack: int = SLACK_TOKENS) -> dict[str, int]:
+    """max new tokens per task: the longest answer (+ eos) plus `slack` (a longer reply is wrong anyway)."""
+    return {t: max(len(tok.encode(ex.answer)) for ex in exs) + 1 + slack for t, exs in sets.items()}
 
 
 def reply_text(tok, ids: list[int]) -> str:
@@ -227,13 +227,13 @@ def score(sets, texts) -> dict[str, dict]:
 
 def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "cpu", dtype: str = "auto",
              triton_url: str | None = None, seed: int = 0, tasks=TASKS, max_model_len: int = 2048,
-             log: Callable[[str], None] | None = None) -> dict:
+             slack: int = SLACK_TOKENS, log: Callable[[str], None] | None = None) -> dict:
     """Run `paths` on `n` eval examples per task; the report dict (also what --out writes)."""
     from m3serve.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(model_dir)
     sets = eval_sets(n, seed, tasks)
-    budgets = token_budgets(sets, tok)
+    budgets = token_budgets(sets, tok, slack)
     report = {"model": model_dir, "n_per_task": n, "seed": seed, "device": device, "dtype": dtype,
               "tasks": list(sets), "paths": {}, "replies": {}}
     with tempfile.TemporaryDirectory(prefix="m3serve-eval-") as tmp:
