@@ -1,4 +1,4 @@
-"""The `m3serve` command: generate | quantize | capacity | make-tiny | train-learned."""
+"""The `m3serve` command: generate | quantize | capacity | make-tiny | train-learned | eval-tasks."""
 from __future__ import annotations
 
 import argparse
@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", required=True)
     q.add_argument("--out", required=True)
     q.add_argument("--scheme", choices=["nvfp4", "mxfp8"], default="nvfp4")
-    q.add_argument("--modules", nargs="+", help="experts shared_experts dense_mlp attention indexer")
+    q.add_argument("--modules", nargs="+", help="experts shared_experts dense_mlp attention indexer; GROUP:SCHEME "
+                                                "quantizes one group with another scheme (shared_experts:mxfp8)")
     q.set_defaults(fn=cmd_quantize)
 
     c = sub.add_parser("capacity", help="KV bytes per token, weight bytes, max concurrent sequences")
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     tl = sub.add_parser("train-learned", help="train the learned tiny M3 and its DSpark draft (m3serve.learn.train)")
     _train_options(tl)
     tl.set_defaults(fn=cmd_train_learned)
+
+    from m3serve.learn.evaluate import add_parser as add_eval_tasks
+    add_eval_tasks(sub)  # eval-tasks
     return p
 
 

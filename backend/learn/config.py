@@ -31,10 +31,11 @@ def selected_span(cfg: ModelConfig) -> int:
 
 
 def make_learned(out_dir: str, state: dict | None = None, seed: int = 0, dtype: str = "bfloat16",
-                 max_shard_bytes: int = 16 << 20) -> ModelConfig:
+                 max_shard_bytes: int = 16 << 20, random_dspark: bool = False) -> ModelConfig:
     """Write the learned model's tokenizer (trained from the tasks with `seed`), config and weights to `out_dir` in
     the transformers layout (which transformers 5.25 loads as it is): `state` in transformers names (the trained
-    weights), or seeded random weights when None (for tests)."""
+    weights), or seeded random weights when None (for tests). `random_dspark`: also a seeded random DSpark draft in
+    `out_dir/dspark` (tapping layers 1, 3, 5; its mask token the unused video token), for tests."""
     from m3serve.learn.tokenizer import build_tokenizer
     from m3serve.model.tiny import random_state, write_model
 
@@ -43,4 +44,10 @@ def make_learned(out_dir: str, state: dict | None = None, seed: int = 0, dtype: 
     cfg = learned_config(vocab, tok["bos_token_id"], tok["eos_token_id"], dtype=dtype)
     write_model(out_dir, cfg, random_state(cfg, seed) if state is None else state, L.TRANSFORMERS, dtype,
                 max_shard_bytes)
+    if random_dspark:
+        from m3serve.model.dspark_tiny import make_tiny_dspark
+        from m3serve.text.tokenizer import Tokenizer
+
+        mask = Tokenizer.from_pretrained(out_dir).token_id("]<]video[>[")
+        make_tiny_dspark(out_dir, seed=seed, dtype=dtype, target_layer_ids=[1, 3, 5], mask_token_id=mask)
     return cfg

@@ -24,6 +24,7 @@ seed stream.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -157,6 +158,11 @@ _TOOLS = [
      lambda r: {"text": r.choice(_PHRASES), "target_language": r.choice(_LANGUAGES)},
      ["Translate \"{text}\" into {target_language}.", "How do you say \"{text}\" in {target_language}?"]),
 ]
+
+
+def tool_schemas() -> list[dict]:
+    """Every tool the tool_call task offers (JSON schemas in the OpenAI `tools` format)."""
+    return [copy.deepcopy(t[0]) for t in _TOOLS]
 
 
 def _tool_call(rng: random.Random):

@@ -148,6 +148,20 @@ def test_mxfp8_round_trip(tiny, tmp_path):
     assert torch.equal(wq, mxfp8.dequantize_mxfp8(raw[name + ".weight"], raw[name + ".weight_scale_inv"]))
 
 
+def test_mixed_nvfp4_experts_mxfp8_shared_expert(tiny, tmp_path):
+    """`--modules experts shared_experts:mxfp8`: M3.1-Flash's mix, each group in its own format."""
+    d = str(tmp_path / "mixed")
+    quantize_checkpoint(tiny, d, "nvfp4", modules=("experts", "shared_experts:mxfp8"), progress=False)
+    _, report = load_model(d, progress=False)
+    fmts = {k: v for k, v in report.formats.items() if ".mlp." in k and "layers.1." in k}
+    assert {v for k, v in fmts.items() if ".experts." in k} == {"nvfp4"}, fmts
+    assert {v for k, v in fmts.items() if "shared_experts" in k} == {"mxfp8"}, fmts
+    qc = json.load(open(os.path.join(d, "config.json")))["quantization_config"]
+    assert qc["module_schemes"] == {"experts": "nvfp4", "shared_experts": "mxfp8"}
+    with pytest.raises(ValueError, match="scheme must be"):
+        quantize_checkpoint(tiny, str(tmp_path / "bad"), "nvfp4", modules=("experts:int3",), progress=False)
+
+
 def _rewrite(d, fn):
     """Apply fn(name, tensor) -> (name, tensor) | None to every tensor, keeping the index in sync."""
     index_path = os.path.join(d, "model.safetensors.index.json")
