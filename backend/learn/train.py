@@ -60,7 +60,8 @@ class TrainConfig:
     budget_s: float = 420.0  # wall clock for the whole run, data to packing
     reserve_s: float = 40.0  # kept for the checks, saving and packing
     tasks: tuple[str, ...] = TASKS
-    train_examples: int = 16000  # per task (the pool is cycled through)
+    train_examples: int = 16000  # per task (the pool is cycled through), times the task's weight
+    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 2.0})  # short rows
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -104,11 +105,13 @@ def _render_chunk(job: tuple[str, str, int, int, str]) -> list[tuple[list[int], 
 
 
 def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, workers: int = 0,
-              chunk: int = 500) -> list[tuple[list[int], list[int], int]]:
-    """Rendered rows of `n_per_task` examples per task; a task's examples come in chunks of `chunk`, chunk c
-    drawn with seed `seed * 1000 + c` (so the rows do not depend on the number of workers)."""
-    jobs = [(t, split, min(chunk, n_per_task - c0), seed * 1000 + c0 // chunk, tok_dir)
-            for t in tasks for c0 in range(0, n_per_task, chunk)]
+              chunk: int = 500, weights: dict[str, float] | None = None) -> list[tuple[list[int], list[int], int]]:
+    """Rendered rows of `n_per_task` examples per task (times `weights[task]`, default 1); a task's examples come in
+    chunks of `chunk`, chunk c drawn with seed `seed * 1000 + c` (so the rows do not depend on the number of
+    workers)."""
+    counts = {t: max(1, round(n_per_task * (weights or {}).get(t, 1.0))) for t in tasks}
+    jobs = [(t, split, min(chunk, counts[t] - c0), seed * 1000 + c0 // chunk, tok_dir)
+            for t in tasks for c0 in range(0, counts[t], chunk)]
     workers = workers or min(16, os.cpu_count() or 1)
     if workers <= 1 or len(jobs) == 1:
         parts = [_render_chunk(j) for j in jobs]
@@ -469,7 +472,10 @@ def run(tc: TrainConfig) -> dict:
     vocab = -(-tok["vocab_size"] // 64) * 64
     cfg = learned_config(vocab, tok["bos_token_id"], tok["eos_token_id"], **tc.model_overrides)
     pad_id = tok["pad_token_id"] if tok.get("pad_token_id") is not None else tok["eos_token_id"]
-    rows = make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, tc.workers)
+    unknown = sorted(set(tc.task_weights) - set(TASKS))
+    if unknown:
+        raise ValueError(f"task_weights: unknown task(s) {unknown}; tasks are {list(TASKS)}")
+    rows = make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, tc.workers, weights=tc.task_weights)
     eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, tc.workers)
     lengths = sorted(len(r[0]) for r in rows)
     result["data"] = {"train_rows": len(rows), "eval_rows": len(eval_rows), "median_len": lengths[len(lengths) // 2],
