@@ -116,7 +116,7 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", nargs="+", type=str)
     p.add_argument("--model-overrides", type=json.loads, help='learned_config fields, e.g. \'{"hidden_size": 128}\'')
     p.add_argument("--task-weights", type=json.loads,
-                   help='train examples per task relative to --train-examples, e.g. \'{"arithmetic": 2}\' (the default)')
+                   help='train examples per task relative to --train-examples (default \'{"arithmetic": 2}\')')
     skip = {"out", "pack", "tasks", "model_overrides", "task_weights"}
     for name, f in TrainConfig.__dataclass_fields__.items():
         if name not in skip:

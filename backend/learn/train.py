@@ -1,4 +1,4 @@
-"""`m3serve train-learned`: train the learned tiny M3.1-Flash and its DSpark draft in one run (issue 27).
+r"""`m3serve train-learned`: train the learned tiny M3.1-Flash and its DSpark draft in one run (issue 27).
 
 One process does it all, within a wall-clock budget (`--budget-s`), so that it fits one device call:
 1. data: the tokenizer (m3serve.learn.tokenizer), then a pool of rendered training rows from every task's train
@@ -26,7 +26,13 @@ One process does it all, within a wall-clock budget (`--budget-s`), so that it f
    generation_config.json, `dspark/`); `--pack DIR` also writes it as a tar split into 15 MB parts
    (`part-aa`, ...) plus `train_log.json` (loss curves, eval, timings), for a device call's $OUT.
 
-Reassemble a packed checkpoint with `cat DIR/part-* | tar -x -C models/`.
+Reassemble a packed checkpoint with `cat DIR/part-* | tar -x -C models/`. On a GPU machine where m3serve is not
+installed (the lent H200: torch and triton, no transformers), lay the package out as benchmarks/device_run.sh does and
+carry transformers 5.25's wheels:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && mkdir -p /tmp/p/m3serve &&
+    cp -r backend/. /tmp/p/m3serve/ && cp -r kernels /tmp/p/m3serve/kernels &&
+    PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 python3 -m m3serve.cli train-learned --out /tmp/m3-tiny-learned \
+        --pack $OUT
 """
 from __future__ import annotations
 

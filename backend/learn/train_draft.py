@@ -42,8 +42,8 @@ def tap_layers(num_layers: int, m: int = 3) -> list[int]:
 
 
 def build_draft(target, cfg, tc, mask_token_id: int, device: torch.device) -> DSparkDraft:
-    dcfg = tiny_dspark_config(cfg, num_hidden_layers=tc.draft_layers, target_layer_ids=tap_layers(cfg.num_hidden_layers),
-                              mask_token_id=mask_token_id, markov_rank=tc.draft_markov_rank)
+    dcfg = tiny_dspark_config(cfg, num_hidden_layers=tc.draft_layers, mask_token_id=mask_token_id,
+                              target_layer_ids=tap_layers(cfg.num_hidden_layers), markov_rank=tc.draft_markov_rank)
     torch.manual_seed(tc.seed + 17)
     draft = DSparkDraft(dcfg, SharedTargetParts(target.model.embed_tokens, target.lm_head), torch.float32)
     with torch.no_grad():
