@@ -342,15 +342,34 @@ def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def pick_experts_implementation(model, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, log) -> str:
+    """transformers runs MoE experts as one grouped GEMM ("grouped_mm", its default where torch has it: no host syncs)
+    or as a loop over experts ("eager"). Try a forward and backward of two rows with the default; on any error fall
+    back to the loop, which runs everywhere."""
+    impl = model.config._experts_implementation
+    if impl != "eager":
+        try:
+            with autocast(device):
+                answer_loss(model, ids[:2], mask[:2])[0].backward()
+        except Exception as e:  # noqa: BLE001 - any failure of the fast path means: use the loop
+            log(f"target: experts implementation {impl!r} failed ({type(e).__name__}: {e}); using 'eager'")
+            model.set_experts_implementation("eager")
+            impl = "eager"
+        model.zero_grad(set_to_none=True)
+    return impl
+
+
 def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
                  log) -> dict:
+    data = batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id)
+    ids, mask, _ = next(data)
+    experts = pick_experts_implementation(model, ids.to(device), mask.to(device), device, log)
     groups = _param_groups(model, tc.weight_decay)
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
     sched = Schedule(tc.lr, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     distill, balance = IndexerDistill(model), RouterBalance(model, tc.bias_rate)
     distill.enabled = balance.enabled = True
-    data = batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id)
     curve, t0 = [], time.time()
     sparse_from = None
     model.train()
@@ -389,6 +408,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     model.eval()
     wall = time.time() - t0
     return {"steps": step, "planned_steps": sched.total, "sparse_from_step": sparse_from, "wall_s": round(wall, 1),
+            "experts_implementation": experts,
             "padded_tokens": tokens, "real_tokens": real_tokens,
             "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve,
             "stopped_by": "steps" if step >= sched.total else "time"}

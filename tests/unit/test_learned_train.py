@@ -21,8 +21,9 @@ from m3serve.learn.config import learned_config  # noqa: E402
 from m3serve.learn.render import prompt_ids  # noqa: E402
 from m3serve.learn.tasks import make_examples  # noqa: E402
 from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
-from m3serve.learn.train import (DenseAttention, IndexerDistill, TrainConfig, batches, build_target,  # noqa: E402
-                                 collate, exact_match, make_rows, pack, save_target, train_target)
+from m3serve.learn.train import (DenseAttention, IndexerDistill, TrainConfig, answer_loss, batches,  # noqa: E402
+                                 build_target, collate, exact_match, make_rows, pack, pick_experts_implementation,
+                                 save_target, train_target)
 from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
 from m3serve.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -161,3 +162,21 @@ def test_cli_parses_train_options():
     tc = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and v is not None})
     assert tc.budget_s == 30.0 and tc.tasks == ["arithmetic"] and tc.model_overrides == {"hidden_size": 64}
     assert tc.lr == TrainConfig.lr  # options not given keep the defaults
+
+
+def test_experts_implementation_falls_back_to_the_loop(monkeypatch, trained):
+    """A grouped-GEMM experts path that fails (e.g. a dtype a device's kernel lacks) is replaced by the loop."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no grouped_mm kernel for this dtype")
+
+    model = copy.deepcopy(trained["model"])
+    model.set_experts_implementation("grouped_mm")
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", broken)
+    ids, mask, _ = collate(trained["eval_rows"][:2], trained["pad"])
+    said = []
+    assert pick_experts_implementation(model, ids, mask, torch.device("cpu"), said.append) == "eager"
+    assert "failed" in said[0] and model.config._experts_implementation == "eager"
+    assert all(p.grad is None for p in model.parameters())
+    answer_loss(model, ids, mask)  # runs
