@@ -144,9 +144,11 @@ class Acceptance:
         self.hit += (before * match).flatten(0, -2).sum(0).cpu()
 
     def report(self) -> dict:
-        alpha = (self.hit / self.tried.clamp_min(1)).tolist()
-        return {"alpha": [round(a, 4) for a in alpha], "blocks": int(self.tried[0]),
-                "expected_accepted": round(sum(math.prod(alpha[:k + 1]) for k in range(len(alpha))), 3)}
+        """alpha per position (None where no block reached it), blocks, E[accepted] over the positions reached."""
+        alpha = [round(float(h / t), 4) if t > 0 else None for h, t in zip(self.hit, self.tried)]
+        reached = [a for a in alpha if a is not None]
+        return {"alpha": alpha, "blocks": int(self.tried[0]),
+                "expected_accepted": round(sum(math.prod(reached[:k + 1]) for k in range(len(reached))), 3)}
 
 
 def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device, deadline: float, pad_id: int,
