@@ -102,9 +102,8 @@ def cmd_train_learned(a) -> int:
     fields = {f for f in TrainConfig.__dataclass_fields__}
     tc = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and v is not None})
     result = run(tc)
-    print(json.dumps({"out": tc.out, "eval_target": result["eval_target"],
-                      "draft_expected_accepted": result["draft"]["eval"]["all"]["expected_accepted"],
-                      "wall_s": result["wall_s"]}))
+    draft = result["draft"].get("eval", {}).get("all", result["draft"])
+    print(json.dumps({"out": tc.out, "eval_target": result["eval_target"], "draft": draft, "wall_s": result["wall_s"]}))
     return 0
 
 

@@ -45,6 +45,7 @@ import os
 import random
 import tarfile
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -374,33 +375,26 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     sparse_from = None
     model.train()
     step, tokens, real_tokens = 0, 0, 0
+    error = None
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
         dense = sparse_from is None and step < tc.dense_frac * sched.total
-        if not dense and sparse_from is None:
+        try:
+            rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device)
+        except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
+            error = f"{type(e).__name__}: {e}"
+            log(f"target: step {step} failed ({error}); stopping here with the last good step's weights\n"
+                + traceback.format_exc())
+            opt.zero_grad(set_to_none=True)
+            break
+        if sparse_from is None and not dense:
             sparse_from = step
             log(f"target: sparse phase from step {step} (top-{model.config.index_topk_blocks} blocks)")
-        ids, mask, real = (t.to(device, non_blocking=True) for t in next(data))
-        for g in opt.param_groups:
-            g["lr"] = sched.lr(step)
-        with DenseAttention(model, dense), autocast(device):
-            lm, hits = answer_loss(model, ids, mask)
-        kl = distill.take(real)
-        (lm + kl).backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(groups[0]["params"] + groups[1]["params"], 1.0)
-        torch.nn.utils.clip_grad_norm_(groups[2]["params"], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        worst_load = balance.update()
-        tokens += ids.numel()
-        real_tokens += int(real.sum())
+        tokens += rec.pop("padded_tokens")
+        real_tokens += rec.pop("real_tokens")
         step += 1
         if step % tc.log_every == 0 or step == 1:
-            rec = {"step": step, "phase": "dense" if dense else "sparse", "loss": round(float(lm.detach()), 4),
-                   "answer_token_acc": round(float(hits.float().mean()), 4), "indexer_kl": round(float(kl.detach()), 4),
-                   "lr": round(sched.lr(step - 1), 6), "grad_norm": round(float(gnorm), 3),
-                   "max_expert_load_ratio": round(worst_load, 2), "elapsed_s": round(time.time() - t0, 1),
-                   "planned_steps": sched.total}
+            rec = {"step": step, **rec, "elapsed_s": round(time.time() - t0, 1), "planned_steps": sched.total}
             curve.append(rec)
             log("target " + json.dumps(rec))
     for h in distill.handles + balance.handles:
@@ -411,7 +405,27 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             "experts_implementation": experts,
             "padded_tokens": tokens, "real_tokens": real_tokens,
             "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve,
-            "stopped_by": "steps" if step >= sched.total else "time"}
+            "stopped_by": error or ("steps" if step >= sched.total else "time")}
+
+
+def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: bool, device) -> dict:
+    """One optimizer step on `batch` (the main attention unmasked if `dense`); returns its log record."""
+    ids, mask, real = (t.to(device, non_blocking=True) for t in batch)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with DenseAttention(model, dense), autocast(device):
+        lm, hits = answer_loss(model, ids, mask)
+    kl = distill.take(real)
+    (lm + kl).backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(groups[0]["params"] + groups[1]["params"], 1.0)
+    torch.nn.utils.clip_grad_norm_(groups[2]["params"], 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    worst_load = balance.update()
+    return {"phase": "dense" if dense else "sparse", "loss": round(float(lm.detach()), 4),
+            "answer_token_acc": round(float(hits.float().mean()), 4), "indexer_kl": round(float(kl.detach()), 4),
+            "lr": round(lr, 6), "grad_norm": round(float(gnorm), 3), "max_expert_load_ratio": round(worst_load, 2),
+            "padded_tokens": ids.numel(), "real_tokens": int(real.sum())}
 
 
 @torch.no_grad()
@@ -520,19 +534,26 @@ def run(tc: TrainConfig) -> dict:
     result["target"] = train_target(model, rows, tc, device, target_deadline, pad_id, log)
     log(f"target: {result['target']['steps']} steps in {result['target']['wall_s']} s "
         f"({result['target']['padded_tokens_per_s']} padded tokens/s), stopped by {result['target']['stopped_by']}")
-    eval_batch = tc.tokens_per_batch
-    result["eval_target"] = exact_match(model, eval_rows, device, pad_id, eval_batch)
-    retrieval = [r for r in eval_rows if TASKS[r[2]] == "retrieval"]
-    if retrieval:
-        result["eval_target_dense_retrieval"] = exact_match(model, retrieval, device, pad_id, eval_batch,
-                                                            dense=True)["retrieval"]
-    log("eval target (teacher-forced exact match) " + json.dumps(result["eval_target"]) +
-        f"; retrieval with the MSA mask off: {result.get('eval_target_dense_retrieval')}")
     save_target(model, cfg, tc.out)
+    try:
+        result["eval_target"] = exact_match(model, eval_rows, device, pad_id, tc.tokens_per_batch)
+        retrieval = [r for r in eval_rows if TASKS[r[2]] == "retrieval"]
+        if retrieval:
+            result["eval_target_dense_retrieval"] = exact_match(model, retrieval, device, pad_id, tc.tokens_per_batch,
+                                                                dense=True)["retrieval"]
+        log("eval target (teacher-forced exact match) " + json.dumps(result["eval_target"]) +
+            f"; retrieval with the MSA mask off: {result.get('eval_target_dense_retrieval')}")
+    except Exception as e:  # noqa: BLE001 - a failed check must not lose the trained weights
+        result["eval_target"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"eval target failed: {result['eval_target']['error']}\n" + traceback.format_exc())
 
     draft_deadline = max(time.time(), deadline - tc.reserve_s)
-    result["draft"] = train_and_save_draft(model, cfg, rows, eval_rows, tc, device, draft_deadline, pad_id,
-                                           os.path.join(tc.out, DRAFT_DIR), log)
+    try:
+        result["draft"] = train_and_save_draft(model, cfg, rows, eval_rows, tc, device, draft_deadline, pad_id,
+                                               os.path.join(tc.out, DRAFT_DIR), log)
+    except Exception as e:  # noqa: BLE001 - the target is saved already; pack it without a draft
+        result["draft"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"draft failed: {result['draft']['error']}\n" + traceback.format_exc())
     result["checkpoint_bytes"] = dir_bytes(tc.out)
     result["wall_s"] = round(time.time() - t_start, 1)
     log(f"checkpoint {tc.out}: {result['checkpoint_bytes'] / 2**20:.1f} MiB; total {result['wall_s']} s")

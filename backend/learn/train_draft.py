@@ -192,9 +192,9 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
     draft.eval()
     result = {"steps": step, "planned_steps": sched.total, "wall_s": round(time.time() - t0, 1), "curve": curve,
               "config": draft.config.to_dict()}
+    save_draft(draft, target, out_dir)
     result["eval"] = evaluate_draft(draft, target, eval_rows, device, pad_id, tc, collate, autocast)
     log("eval draft (greedy acceptance, teacher-forced) " + json.dumps(result["eval"]["all"]))
-    save_draft(draft, target, out_dir)
     return result
 
 

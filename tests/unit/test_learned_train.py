@@ -199,3 +199,24 @@ def test_experts_implementation_falls_back_to_the_loop(monkeypatch, trained):
     assert "failed" in said[0] and model.config._experts_implementation == "eager"
     assert all(p.grad is None for p in model.parameters())
     answer_loss(model, ids, mask)  # runs
+
+
+def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypatch, trained):
+    import m3serve.learn.train as train
+
+    model = build_target(trained["cfg"], torch.device("cpu"), 1)
+    calls, real_loss = [], train.answer_loss
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 4:  # the probe, then steps 0 and 1 run; step 2 fails
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_loss(*args)
+
+    monkeypatch.setattr(train, "answer_loss", flaky)
+    tc = dataclasses.replace(trained["tc"], max_steps=10, log_every=1)
+    said = []
+    out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], said.append)
+    assert out["steps"] == 2 and out["stopped_by"].startswith("OutOfMemoryError")
+    assert any("step 2 failed" in m for m in said)
+    assert all(p.grad is None for p in model.parameters())  # no half-accumulated gradients left behind
