@@ -8,7 +8,8 @@ One process does it all, within a wall-clock budget (`--budget-s`), so that it f
    the answer tokens only. Batches are length-bucketed and right-padded (right padding leaves MSA's block
    boundaries where an unpadded run has them). The MoE routers are balanced without an auxiliary loss: after each
    step every router's `e_score_correction_bias` moves by `--bias-rate` toward the mean load (DeepSeek-V3's
-   auxiliary-loss-free balancing; M3 checkpoints carry that bias).
+   auxiliary-loss-free balancing; M3 checkpoints carry that bias). The experts run through transformers'
+   grouped-GEMM path where the device has it (no host syncs), else its per-expert loop (tried on the first batch).
 3. the lightning indexer (MSA layers): top-k block selection is not differentiable, so the indexer learns by
    distillation, with its input detached (the language-model loss never reaches it, and the KL never reaches the
    backbone). The recipe is the one MiniMax published with MSA (github.com/MiniMax-AI/MSA, training/msa_v1/kl):
