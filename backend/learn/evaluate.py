@@ -177,7 +177,8 @@ def generate_triton(url: str, model: str, sets, tok, budgets):
                 if ex.tools:
                     inputs.append(tensor("tools", json.dumps(ex.tools)))
                 requests.append(inputs)
-    replies = iter(_triton_requests(url, model, requests))
+    # the ensemble's text keeps the stop token when special tokens are kept: drop it, as reply_text does
+    replies = iter(r.removesuffix(tok.eos_token) for r in _triton_requests(url, model, requests))
     return {t: [next(replies) for _ in exs] for t, exs in sets.items()}, {}
 
 
@@ -251,8 +252,10 @@ def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "c
             report["replies"][path] = texts
             if log:
                 log(f"{path}: " + ", ".join(f"{t} {s['accuracy']:.3f}" for t, s in scores.items()))
-    if "engine" in report["paths"] and "dspark-greedy" in report["replies"]:
-        report["dspark_greedy_identical"] = report["replies"]["engine"] == report["replies"]["dspark-greedy"]
+    if "engine" in report["replies"]:  # greedy paths that must answer as the engine does, token for token
+        report["same_replies_as_engine"] = {p: report["replies"][p] == report["replies"]["engine"]
+                                            for p in ("reference", "dspark-greedy", "triton-m3", "triton-ensemble")
+                                            if p in report["replies"]}
     return report
 
 
