@@ -329,14 +329,22 @@ def add_parser(sub) -> None:
     e.set_defaults(fn=cmd_eval_tasks)
 
 
+def _command_line(a) -> str:
+    """The command as parsed (every option spelled out, defaults included)."""
+    parts = ["m3serve eval-tasks", f"--model {a.model}", f"--n {a.n}", "--paths " + " ".join(a.paths),
+             "--tasks " + " ".join(a.tasks), f"--device {a.device}", f"--dtype {a.dtype}", f"--seed {a.seed}"]
+    if a.triton_url:
+        parts.append(f"--triton-url {a.triton_url}")
+    return " ".join(parts)
+
+
 def cmd_eval_tasks(a) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = evaluate(a.model, a.n, a.paths, a.device, a.dtype, a.triton_url, a.seed, tuple(a.tasks),
                       log=lambda s: print(s, file=sys.stderr, flush=True))
     if not a.replies:
         report.pop("replies")
-    report.update(date=started, device_name=_device_name(a.device), command=" ".join(["m3serve"] + sys.argv[1:]),
-                  commit=_commit())
+    report.update(date=started, device_name=_device_name(a.device), command=_command_line(a), commit=_commit())
     print(format_table(report))
     if a.out:
         with open(a.out, "w") as f:
