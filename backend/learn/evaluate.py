@@ -19,7 +19,6 @@ model with special tokens kept in the text (`./build.sh demo` writes one: docs/q
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -61,21 +60,34 @@ def reply_text(tok, ids: list[int]) -> str:
 
 # ---------------------------------------------------------------- generators: {task: [reply text]}, {task: extra}
 
-def generate_reference(model_dir: str, sets, tok, budgets, device: str, dtype: str):
+def generate_reference(model_dir: str, sets, tok, budgets, device: str, dtype: str, batch: int | None = None):
+    """Greedy `generate` of the transformers reference. `batch` > 1 runs prompts of equal length together (no
+    padding, so MSA's blocks stay where they are); default: 64 on CUDA, 1 on CPU (where the CI compares it with the
+    engine token for token)."""
     import torch
     from transformers import MiniMaxM3VLForCausalLM
 
+    batch = batch or (64 if device.startswith("cuda") else 1)
     torch_dtype = getattr(torch, dtype if dtype != "auto" else "bfloat16")
     model = MiniMaxM3VLForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     out = {}
     with torch.no_grad():
         for task, exs in sets.items():
-            texts = []
-            for ex in exs:
-                ids = torch.tensor([prompt_ids(ex, tok)], device=device)
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budgets[task],
-                                     do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-                texts.append(reply_text(tok, gen[0, ids.shape[1]:].tolist()))
+            prompts = [prompt_ids(ex, tok) for ex in exs]
+            by_len: dict[int, list[int]] = {}
+            for i, p in enumerate(prompts):
+                by_len.setdefault(len(p), []).append(i)
+            texts: list[str | None] = [None] * len(exs)
+            for idx in by_len.values():
+                for k in range(0, len(idx), batch):
+                    rows = idx[k:k + batch]
+                    ids = torch.tensor([prompts[i] for i in rows], device=device)
+                    gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budgets[task],
+                                         do_sample=False, eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.eos_token_id)
+                    for i, row in zip(rows, gen[:, ids.shape[1]:].tolist()):
+                        texts[i] = reply_text(tok, row[:row.index(tok.eos_token_id) + 1]
+                                              if tok.eos_token_id in row else row)
             out[task] = texts
     return out, {}
 
@@ -177,7 +189,8 @@ def generate_triton(url: str, model: str, sets, tok, budgets):
                 if ex.tools:
                     inputs.append(tensor("tools", json.dumps(ex.tools)))
                 requests.append(inputs)
-    replies = iter(_triton_requests(url, model, requests))
+    # the ensemble's text keeps the stop token when special tokens are kept: drop it, as reply_text does
+    replies = iter(r.removesuffix(tok.eos_token) for r in _triton_requests(url, model, requests))
     return {t: [next(replies) for _ in exs] for t, exs in sets.items()}, {}
 
 
@@ -251,8 +264,10 @@ def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "c
             report["replies"][path] = texts
             if log:
                 log(f"{path}: " + ", ".join(f"{t} {s['accuracy']:.3f}" for t, s in scores.items()))
-    if "engine" in report["paths"] and "dspark-greedy" in report["replies"]:
-        report["dspark_greedy_identical"] = report["replies"]["engine"] == report["replies"]["dspark-greedy"]
+    if "engine" in report["replies"]:  # greedy paths that must answer as the engine does, token for token
+        report["same_replies_as_engine"] = {p: report["replies"][p] == report["replies"]["engine"]
+                                            for p in ("reference", "dspark-greedy", "triton-m3", "triton-ensemble")
+                                            if p in report["replies"]}
     return report
 
 
@@ -314,14 +329,22 @@ def add_parser(sub) -> None:
     e.set_defaults(fn=cmd_eval_tasks)
 
 
+def _command_line(a) -> str:
+    """The command as parsed (every option spelled out, defaults included)."""
+    parts = ["m3serve eval-tasks", f"--model {a.model}", f"--n {a.n}", "--paths " + " ".join(a.paths),
+             "--tasks " + " ".join(a.tasks), f"--device {a.device}", f"--dtype {a.dtype}", f"--seed {a.seed}"]
+    if a.triton_url:
+        parts.append(f"--triton-url {a.triton_url}")
+    return " ".join(parts)
+
+
 def cmd_eval_tasks(a) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = evaluate(a.model, a.n, a.paths, a.device, a.dtype, a.triton_url, a.seed, tuple(a.tasks),
                       log=lambda s: print(s, file=sys.stderr, flush=True))
     if not a.replies:
         report.pop("replies")
-    report.update(date=started, device_name=_device_name(a.device), command=" ".join(["m3serve"] + sys.argv[1:]),
-                  commit=_commit())
+    report.update(date=started, device_name=_device_name(a.device), command=_command_line(a), commit=_commit())
     print(format_table(report))
     if a.out:
         with open(a.out, "w") as f:

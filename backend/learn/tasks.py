@@ -6,7 +6,7 @@ Five tasks, each a chat in M3's template with one exact answer:
   negative results) and 1-2 digits for *. Sizes a ~15M-parameter model reads digit by digit (the tokenizer splits
   digits) and learns in minutes: at most 4 answer digits, carries over at most 3 positions.
 - `retrieval`: RETRIEVAL_PAIRS random `key: value` lines (4-letter keys, 4-digit values), then a question about one
-  key. The prompt is about 1K tokens with the learned tokenizer, over 4x the span MSA selects (top-4 blocks of 32 =
+  key. The prompt is about 710 tokens with the learned tokenizer, over 5x the span MSA selects (top-4 blocks of 32 =
   128 tokens), so the indexer has to find the block that holds the key.
 - `tool_call`: 1-3 tools given as JSON schemas (`tools=`), the answer one call in M3's tool-call markup with the
   arguments the user's message names.

@@ -293,3 +293,22 @@ def test_loader_streams_one_tensor_at_a_time(tiny, monkeypatch):
     assert sorted(opened) == sorted(shards * 2)
     with safe_open(os.path.join(tiny, shards[0]), "pt") as s:
         assert len(list(s.keys())) > 1
+
+
+def test_transformers_layout_loads_in_transformers(tmp_path):
+    """make-tiny's transformers layout is what transformers 5.25 loads with nothing missing: the router bias is
+    `...e_score_correction_bias` (a buffer, no `.weight` suffix; with one, transformers left it at zero)."""
+    pytest.importorskip("transformers")
+    os.environ.setdefault("USE_HUB_KERNELS", "0")
+    from transformers import MiniMaxM3VLForCausalLM
+
+    d = str(tmp_path / "tf")
+    make_tiny(d, seed=3, layout=L.TRANSFORMERS, dspark=False)
+    names = list_tensors(d)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    hf, info = MiniMaxM3VLForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ours, _ = load_model(d, progress=False)
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().sum() > 0
+    assert torch.equal(bias, ours.model.layers[1].mlp.gate.e_score_correction_bias.float().to(bias.device))

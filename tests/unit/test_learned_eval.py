@@ -75,3 +75,27 @@ def test_reply_text_keeps_special_tokens_and_drops_eos(tmp_path):
     ids = tok.encode(ex.answer) + [tok.eos_token_id]
     assert reply_text(tok, ids) == ex.answer and ex.check(reply_text(tok, ids))
     assert not ex.check(tok.decode(ids))  # special tokens skipped: the call markup is gone
+
+
+def test_eval_tasks_command(tmp_path, capsys):
+    """The CLI end to end on a random-weight learned checkpoint: table, JSON fields, DSpark's acceptance per task,
+    and greedy DSpark answering as the engine does."""
+    import json
+
+    from m3serve.cli import main
+    from m3serve.learn.config import make_learned
+
+    model = str(tmp_path / "m")
+    make_learned(model, dtype="float32", random_dspark=True)
+    out = str(tmp_path / "eval.json")
+    assert main(["eval-tasks", "--model", model, "--n", "2", "--tasks", "arithmetic", "multi_turn", "--paths",
+                 "engine", "dspark-greedy", "--dtype", "float32", "--out", out]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split() == ["path", "arithmetic", "multi_turn", "seconds"]
+    report = json.load(open(out))
+    assert report["tasks"] == ["arithmetic", "multi_turn"] and report["n_per_task"] == 2
+    assert {"date", "device_name", "command", "commit"} <= set(report) and "eval-tasks" in report["command"]
+    assert report["same_replies_as_engine"] == {"dspark-greedy": True}
+    spec = report["paths"]["dspark-greedy"]["tasks"]["arithmetic"]
+    assert spec["num_drafts"] > 0 and 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
+    assert "replies" not in report
