@@ -8,7 +8,8 @@
 #                      logging, trace and shared-memory APIs need the header m3serve-repository-key (gRPC:
 #                      triton-grpc-protocol-m3serve-repository-key) with the operator's key: $M3SERVE_REPOSITORY_KEY,
 #                      the file $M3SERVE_REPOSITORY_KEY_FILE, else one generated into .cache/repository-key (mode 600)
-#   ./build.sh demo    setup, make the tiny model, start the server, stream one chat reply, stop the server
+#   ./build.sh demo    setup, start the server on the learned model (models/m3-tiny-learned; else the tiny random
+#                      model), stream an arithmetic answer and a parsed tool call, stop the server
 #   ./build.sh test    setup, run the whole test suite
 #   ./build.sh assemble                   only assemble the backend dir (with $M3SERVE_PYTHON: no venv; Docker)
 # $M3SERVE_PYTHON: use this Python (packages already installed) instead of .venv; $M3SERVE_TRITON_DIR: where the
@@ -195,25 +196,54 @@ stop_group() {
 
 free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
+# The learned model (models/m3-tiny-learned) when it is there: a copy of the default repository naming it, with
+# special tokens kept in the ensemble's text (the tool-call markup is made of them); else the tiny random model.
 demo() {
   setup
-  tiny
-  "$VENV/bin/m3serve" generate --model "$TINY" --prompt-ids 5,7,9 --prompt-ids 11,12 \
-    --max-tokens 16 --temperature 0 --device cpu --dtype float32 --speculative-config \
-    '{"method": "dspark", "num_speculative_tokens": 7, "draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}'
-  local grpc http metrics logf pid
+  local learned="$ROOT/models/m3-tiny-learned" repo="$ROOT/model_repository" grpc http metrics logf pid
+  if [ -f "$learned/config.json" ]; then
+    repo="$ROOT/.cache/demo-repository"
+    rm -rf "$repo" && cp -r "$ROOT/model_repository" "$repo"
+    sed -i 's/"tiny-m3"/"m3-tiny-learned"/' "$repo"/*/1/model.json "$repo"/*/config.pbtxt
+    sed -i '/"skip_special_tokens"/s/"true"/"false"/' "$repo/postprocessing/config.pbtxt"
+    mkdir -p "$ROOT/.cache/demo-models"
+    ln -sfn "$learned" "$ROOT/.cache/demo-models/m3-tiny-learned"
+    export M3SERVE_MODEL_DIR="$ROOT/.cache/demo-models"
+    "$VENV/bin/python" -c 'import json; from m3serve.learn.tasks import tool_schemas; print(json.dumps(tool_schemas()[:3]))' \
+      >"$ROOT/.cache/demo-tools.json"
+  else
+    log "no learned checkpoint at models/m3-tiny-learned (config.json missing): serving the tiny random model instead," \
+      "whose replies are random text"
+    tiny
+    "$VENV/bin/m3serve" generate --model "$TINY" --prompt-ids 5,7,9 --prompt-ids 11,12 \
+      --max-tokens 16 --temperature 0 --device cpu --dtype float32 --speculative-config \
+      '{"method": "dspark", "num_speculative_tokens": 7, "draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}'
+  fi
   grpc="$(free_port)"; http="$(free_port)"; metrics="$(free_port)"
   logf="$ROOT/.cache/demo-server.log"
   mkdir -p "$ROOT/.cache"
   log "starting tritonserver (log: $logf)"
-  setsid "$ROOT/build.sh" serve --grpc-port "$grpc" --http-port "$http" --metrics-port "$metrics" >"$logf" 2>&1 &
+  setsid "$ROOT/build.sh" serve --model-repository "$repo" --grpc-port "$grpc" --http-port "$http" \
+    --metrics-port "$metrics" >"$logf" 2>&1 &
   pid=$!
   # shellcheck disable=SC2064
   trap "stop_group $pid" EXIT
-  if ! "$VENV/bin/python" "$ROOT/clients/stream.py" --url "localhost:$grpc" --wait-ready 180 --max-tokens 48 \
-      --ignore-eos --chat "What is the weather like in Paris today?"; then
-    log "the demo failed; server log follows"; tail -n 60 "$logf" >&2; return 1
+  local stream=("$VENV/bin/python" "$ROOT/clients/stream.py" --url "localhost:$grpc" --wait-ready 180)
+  if [ "$repo" = "$ROOT/model_repository" ]; then
+    "${stream[@]}" --max-tokens 48 --ignore-eos --chat "What is the weather like in Paris today?" || {
+      log "the demo failed; server log follows"; tail -n 60 "$logf" >&2; return 1; }
+    return 0
   fi
+  local out="$ROOT/.cache/demo-replies.txt"
+  log "the learned model: an arithmetic question (347 + 85 = 432), then a tool call"
+  { "${stream[@]}" --max-tokens 16 --thinking disabled --temperature 0 --chat "What is 347 + 85?" &&
+    "${stream[@]}" --max-tokens 96 --thinking disabled --temperature 0 --tools "$ROOT/.cache/demo-tools.json" \
+      --chat "What is the weather in Oslo for the next 3 days?"; } | tee "$out" || {
+    log "the demo failed; server log follows"; tail -n 60 "$logf" >&2; return 1; }
+  if ! grep -qx "432" "$out" || ! grep -q '"tool_calls": \[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\]' "$out"; then
+    log "the learned model did not answer correctly (see above)"; return 1
+  fi
+  log "both answers are correct"
 }
 
 # The suite through tests/run_suite.py: one pytest process without a GPU; with one, tests/kernels (interpreter)

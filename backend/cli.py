@@ -1,4 +1,4 @@
-"""The `m3serve` command: generate | quantize | capacity | make-tiny."""
+"""The `m3serve` command: generate | quantize | capacity | make-tiny | train-learned | eval-tasks."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,33 @@ def cmd_make_tiny(a) -> int:
     return 0
 
 
+def cmd_train_learned(a) -> int:
+    from m3serve.learn.train import TrainConfig, run
+
+    fields = {f for f in TrainConfig.__dataclass_fields__}
+    tc = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and v is not None})
+    result = run(tc)
+    draft = result["draft"].get("eval", {}).get("all", result["draft"])
+    print(json.dumps({"out": tc.out, "eval_target": result["eval_target"], "draft": draft, "wall_s": result["wall_s"]}))
+    return 0
+
+
+def _train_options(p: argparse.ArgumentParser) -> None:
+    from m3serve.learn.train import TrainConfig
+
+    p.add_argument("--out", required=True, help="the checkpoint directory to write")
+    p.add_argument("--pack", help="also write the checkpoint as part-aa.. (15 MB each) + train_log.json here")
+    p.add_argument("--tasks", nargs="+", type=str)
+    p.add_argument("--model-overrides", type=json.loads, help='learned_config fields, e.g. \'{"hidden_size": 128}\'')
+    p.add_argument("--task-weights", type=json.loads,
+                   help='train examples per task relative to --train-examples (default \'{"arithmetic": 2}\')')
+    skip = {"out", "pack", "tasks", "model_overrides", "task_weights"}
+    for name, f in TrainConfig.__dataclass_fields__.items():
+        if name not in skip:
+            p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=None,
+                           help=f"default {f.default}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m3serve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -117,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", required=True)
     q.add_argument("--out", required=True)
     q.add_argument("--scheme", choices=["nvfp4", "mxfp8"], default="nvfp4")
-    q.add_argument("--modules", nargs="+", help="experts shared_experts dense_mlp attention indexer")
+    q.add_argument("--modules", nargs="+", help="experts shared_experts dense_mlp attention indexer; GROUP:SCHEME "
+                                                "quantizes one group with another scheme (shared_experts:mxfp8)")
     q.set_defaults(fn=cmd_quantize)
 
     c = sub.add_parser("capacity", help="KV bytes per token, weight bytes, max concurrent sequences")
@@ -140,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dspark", action=argparse.BooleanOptionalAction, default=True,
                    help="also write its tiny DSpark draft to OUT/dspark (default; --no-dspark: the target only)")
     t.set_defaults(fn=cmd_make_tiny)
+
+    tl = sub.add_parser("train-learned", help="train the learned tiny M3 and its DSpark draft (m3serve.learn.train)")
+    _train_options(tl)
+    tl.set_defaults(fn=cmd_train_learned)
+
+    from m3serve.learn.evaluate import add_parser as add_eval_tasks
+    add_eval_tasks(sub)  # eval-tasks
     return p
 
 

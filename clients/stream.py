@@ -4,6 +4,7 @@
   python clients/stream.py --prompt "The quick brown fox"                    # raw prompt, model m3
   python clients/stream.py --chat "What is the weather like in Paris?"       # chat template on the server
   python clients/stream.py --messages msgs.json --reasoning                  # messages file, show reasoning
+  python clients/stream.py --chat "Weather in Oslo, 3 days?" --tools tools.json   # + tools; prints the parsed calls
   python clients/stream.py --model ensemble --prompt "Hello"                 # tokenize -> m3_ids -> detokenize
 
 At the end: time to first token, output tokens, and tokens/s (decode rate after the first token).
@@ -54,6 +55,8 @@ def build_inputs(a) -> list[grpcclient.InferInput]:
             messages = ([{"role": "system", "content": a.system}] if a.system else []) + \
                        [{"role": "user", "content": a.chat}]
         ins.append(tensor("messages", json.dumps(messages)))
+        if a.tools:
+            ins.append(tensor("tools", json.dumps(a.tool_list)))
         if a.thinking:
             ins.append(tensor("chat_template_kwargs", json.dumps({"thinking_mode": a.thinking})))
     if a.reasoning:
@@ -65,6 +68,8 @@ def build_inputs(a) -> list[grpcclient.InferInput]:
         sp["seed"] = a.seed
     if a.ignore_eos:
         sp["ignore_eos"] = True
+    if a.tools:
+        sp["skip_special_tokens"] = False  # the tool-call markup is made of special tokens
     ins.append(tensor("sampling_parameters", json.dumps(sp)))
     return ins
 
@@ -91,6 +96,8 @@ def main(argv=None) -> int:
     src.add_argument("--chat", help="one user message (the server applies the chat template)")
     src.add_argument("--messages", help="JSON file with a list of chat messages")
     p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--tools", help="JSON file with a list of tools (JSON schemas) for --chat / --messages; the "
+                                   "reply's tool calls are parsed and printed at the end (needs m3serve)")
     p.add_argument("--thinking", choices=["enabled", "disabled", "adaptive"], help="chat template thinking_mode")
     p.add_argument("--reasoning", action="store_true", help="ask for reasoning_output (minimax_m3 parser)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -101,6 +108,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
     a = p.parse_args(argv)
     a.model_kind = "ensemble" if a.model == "ensemble" else "text"
+    if a.tools:
+        if a.prompt is not None or a.model_kind == "ensemble":
+            raise SystemExit("--tools goes with --chat or --messages on the m3 model")
+        with open(a.tools, encoding="utf-8") as f:
+            a.tool_list = json.load(f)
 
     client = grpcclient.InferenceServerClient(a.url)
     if a.wait_ready:
@@ -111,6 +123,7 @@ def main(argv=None) -> int:
     client.async_stream_infer(a.model, build_inputs(a), request_id="stream-1", enable_empty_final_response=True)
     ttft = t_last = None
     tokens = 0
+    reply: list[str] = []
     finish = None
     in_reasoning = False
     tty = sys.stdout.isatty()
@@ -139,6 +152,7 @@ def main(argv=None) -> int:
                     sys.stdout.write("\x1b[0m\n" if tty else "\n")
                     in_reasoning = False
                 sys.stdout.write(t)
+                reply.append(t)
             sys.stdout.flush()
             n = result.as_numpy("num_output_tokens")
             got = int(n.sum()) if n is not None else (1 if (t or r) else 0)
@@ -161,6 +175,11 @@ def main(argv=None) -> int:
     total = time.perf_counter() - t0
     rate = (tokens - 1) / (t_last - t0 - ttft) if ttft is not None and tokens > 1 and t_last > t0 + ttft else 0.0
     print()
+    if a.tools:
+        from m3serve.text.tool_parser import parse_tool_calls
+
+        content, calls = parse_tool_calls("".join(reply), a.tool_list)
+        print(json.dumps({"content": content, "tool_calls": calls}, ensure_ascii=False))
     print(f"[stream] TTFT {1000 * (ttft or 0):.1f} ms | {tokens} tokens in {total:.2f} s | "
           f"{rate:.1f} tokens/s after the first | finish_reason {finish}", file=sys.stderr)
     return 0

@@ -81,6 +81,10 @@ LAYER_PREFIXES = {ORIGINAL: ("language_model.model.layers.",),
 # tensors that are not the text model: skipped (vision tower, projectors, MTP draft modules)
 SKIP = re.compile(r"(^|\.)(vision_tower|multi_modal_projector|patch_merge_mlp|mtp)\.")
 
+# tensors named without a role suffix: a module's buffer, not a weight (the Hub and transformers both spell
+# `...e_score_correction_bias`)
+BARE_TENSORS = {"mlp.gate.e_score_correction_bias"}
+
 # tensor roles (the name's last component) -> normalized role; compressed-tensors and MXFP8 spellings
 ROLES = {
     "weight": "weight", "weight_scale": "weight_scale", "weight_scale_2": "weight_scale_2",
@@ -135,6 +139,7 @@ def checkpoint_name(layout: str, layer: int | None, path: str, part, expert, rol
     for suffix, (p, pt) in LAYER_MAPS[layout].items():
         if p == path and pt == part and (("{e}" in suffix) == (expert is not None) or part == "stack"):
             s = suffix.replace("{e}", str(expert))
-            tail = "" if part == "stack" and role == "weight" else f".{role}"
+            bare = part == "stack" or path in BARE_TENSORS  # stored under the module name itself
+            tail = "" if bare and role == "weight" else f".{role}"
             return f"{LAYER_PREFIXES[layout][0]}{layer}.{s}{tail}"
     return f"layer {layer} {path} ({part}, expert {expert}) {role}"

@@ -72,13 +72,27 @@ def quantization_config(scheme: str, modules: tuple[str, ...]) -> dict:
             "producer": {"name": "m3serve", "version": "0.1.0"}, "quantized_modules": list(modules)}
 
 
-def quantize_checkpoint(src: str, dst: str, scheme: str = "nvfp4", modules: tuple[str, ...] = DEFAULT_MODULES,
-                        max_shard_bytes: int = 4 << 30, progress: bool = True) -> dict:
-    if scheme not in ("nvfp4", "mxfp8"):
-        raise ValueError(f"scheme must be nvfp4 or mxfp8, got {scheme!r}")
-    unknown = set(modules) - set(MODULE_GROUPS)
+def module_schemes(scheme: str, modules: tuple[str, ...]) -> dict[str, str]:
+    """{group: scheme} from module entries "group" (quantized with `scheme`) or "group:scheme" (e.g.
+    "shared_experts:mxfp8" next to NVFP4 experts, as M3.1-Flash ships them)."""
+    out = {}
+    for m in modules:
+        group, _, own = m.partition(":")
+        out[group] = own or scheme
+    unknown = set(out) - set(MODULE_GROUPS)
     if unknown:
         raise ValueError(f"unknown module group(s) {sorted(unknown)}; choose from {sorted(MODULE_GROUPS)}")
+    bad = {s for s in [scheme, *out.values()] if s not in ("nvfp4", "mxfp8")}
+    if bad:
+        raise ValueError(f"scheme must be nvfp4 or mxfp8, got {sorted(bad)[0]!r}")
+    return out
+
+
+def quantize_checkpoint(src: str, dst: str, scheme: str = "nvfp4", modules: tuple[str, ...] = DEFAULT_MODULES,
+                        max_shard_bytes: int = 4 << 30, progress: bool = True) -> dict:
+    """Quantize `modules` (group names, or "group:scheme" to override `scheme` for that group) of `src` into `dst`."""
+    schemes = module_schemes(scheme, modules)
+    modules = tuple(schemes)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("--out must differ from --model")
     cfg = ModelConfig.from_pretrained(src)
@@ -104,8 +118,8 @@ def quantize_checkpoint(src: str, dst: str, scheme: str = "nvfp4", modules: tupl
                 group = _group_of(path)
                 for pt, e, piece in pieces_for(L.ORIGINAL, path, part, expert, t):
                     out_name = L.checkpoint_name(L.ORIGINAL, layer, path, pt, e, "weight")
-                    if group in modules:
-                        for k, v in _quantize_piece(out_name[: -len(".weight")], piece, scheme).items():
+                    if group in schemes:
+                        for k, v in _quantize_piece(out_name[: -len(".weight")], piece, schemes[group]).items():
                             writer.add(k, v)
                         counts["quantized"] += 1
                     else:
@@ -113,7 +127,9 @@ def quantize_checkpoint(src: str, dst: str, scheme: str = "nvfp4", modules: tupl
                         counts["kept"] += 1
     bar.close()
     writer.close()
-    cfg.quantization_config = quantization_config(scheme, tuple(modules))
+    cfg.quantization_config = quantization_config(scheme, modules)
+    if len(set(schemes.values())) > 1 or scheme not in schemes.values():
+        cfg.quantization_config["module_schemes"] = schemes
     write_config(dst, cfg, L.ORIGINAL)
     with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
         qc = cfg.quantization_config

@@ -69,6 +69,15 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
+def write_model(out_dir: str, cfg: ModelConfig, state: dict[str, torch.Tensor], layout: str = L.ORIGINAL,
+                dtype: str = "bfloat16", max_shard_bytes: int = 1 << 20) -> None:
+    """The checkpoint (`state` in transformers names), config.json and generation_config.json in `out_dir`."""
+    write_checkpoint(out_dir, cfg, state, layout=layout, dtype=getattr(torch, dtype), max_shard_bytes=max_shard_bytes)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id[0],
+                   "temperature": 1.0, "top_p": 0.95}, f, indent=2)
+
+
 def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str = "bfloat16",
               dspark: bool = True, **over) -> ModelConfig:
     """The tiny model in `out_dir` and (unless `dspark` is False) its tiny DSpark draft in `out_dir/dspark`, which
@@ -80,11 +89,7 @@ def make_tiny(out_dir: str, seed: int = 0, layout: str = L.ORIGINAL, dtype: str 
     tok = build_tiny_tokenizer(out_dir)
     vocab = -(-tok["vocab_size"] // 64) * 64  # embedding rows padded to a multiple of 64, as real models do
     cfg = tiny_config(vocab, tok["bos_token_id"], tok["eos_token_id"], dtype=dtype, **over)
-    write_checkpoint(out_dir, cfg, random_state(cfg, seed), layout=layout, dtype=getattr(torch, dtype),
-                     max_shard_bytes=1 << 20)
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id[0],
-                   "temperature": 1.0, "top_p": 0.95}, f, indent=2)
+    write_model(out_dir, cfg, random_state(cfg, seed), layout, dtype)
     if dspark:
         from m3serve.model.dspark_tiny import make_tiny_dspark
 

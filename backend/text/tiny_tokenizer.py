@@ -1,4 +1,5 @@
-"""Build a tiny byte-level BPE tokenizer with MiniMax-M3 special strings (for tests)."""
+"""Byte-level BPE tokenizers with MiniMax-M3 special strings: the tests' tiny one (`build_tiny_tokenizer`), and the
+shared pieces (`train_bpe`, `write_tokenizer`) the learned model's tokenizer (m3serve.learn.tokenizer) uses too."""
 
 from __future__ import annotations
 
@@ -80,18 +81,22 @@ def _corpus_lines() -> list[str]:
     return lines * 3
 
 
-def _train() -> Tokenizer:
+def train_bpe(lines, vocab_size: int, split_digits: bool = False) -> Tokenizer:
+    """A byte-level BPE trained on `lines` (`vocab_size` before M3's added tokens), M3's special tokens added
+    after it; `split_digits` makes every digit a token of its own (so numbers are read digit by digit)."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BASE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     for content, special in M3_SPECIAL_TOKENS:
         added = AddedToken(content, special=special, normalized=False, single_word=False,
                            lstrip=False, rstrip=False)
@@ -102,10 +107,9 @@ def _train() -> Tokenizer:
     return tok
 
 
-def build_tiny_tokenizer(out_dir: str) -> dict:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return key ids."""
+def write_tokenizer(out_dir: str, tok: Tokenizer, model_max_length: int = MODEL_MAX_LENGTH) -> dict:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (M3's layout); return key ids."""
     os.makedirs(out_dir, exist_ok=True)
-    tok = _train()
     template = TINY_M3_CHAT_TEMPLATE
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tok.to_str(pretty=True))
@@ -126,7 +130,7 @@ def build_tiny_tokenizer(out_dir: str) -> dict:
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_MAX_LENGTH,
+        "model_max_length": model_max_length,
         "chat_template": template,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
@@ -138,3 +142,8 @@ def build_tiny_tokenizer(out_dir: str) -> dict:
         "eos_token_id": ids[EOS_TOKEN],
         "pad_token_id": ids[EOS_TOKEN],
     }
+
+
+def build_tiny_tokenizer(out_dir: str) -> dict:
+    """The tests' tiny tokenizer (512 ids) in `out_dir`; return key ids."""
+    return write_tokenizer(out_dir, train_bpe(_corpus_lines(), BASE_VOCAB_SIZE))

@@ -148,6 +148,20 @@ def test_mxfp8_round_trip(tiny, tmp_path):
     assert torch.equal(wq, mxfp8.dequantize_mxfp8(raw[name + ".weight"], raw[name + ".weight_scale_inv"]))
 
 
+def test_mixed_nvfp4_experts_mxfp8_shared_expert(tiny, tmp_path):
+    """`--modules experts shared_experts:mxfp8`: M3.1-Flash's mix, each group in its own format."""
+    d = str(tmp_path / "mixed")
+    quantize_checkpoint(tiny, d, "nvfp4", modules=("experts", "shared_experts:mxfp8"), progress=False)
+    _, report = load_model(d, progress=False)
+    fmts = {k: v for k, v in report.formats.items() if ".mlp." in k and "layers.1." in k}
+    assert {v for k, v in fmts.items() if ".experts." in k} == {"nvfp4"}, fmts
+    assert {v for k, v in fmts.items() if "shared_experts" in k} == {"mxfp8"}, fmts
+    qc = json.load(open(os.path.join(d, "config.json")))["quantization_config"]
+    assert qc["module_schemes"] == {"experts": "nvfp4", "shared_experts": "mxfp8"}
+    with pytest.raises(ValueError, match="scheme must be"):
+        quantize_checkpoint(tiny, str(tmp_path / "bad"), "nvfp4", modules=("experts:int3",), progress=False)
+
+
 def _rewrite(d, fn):
     """Apply fn(name, tensor) -> (name, tensor) | None to every tensor, keeping the index in sync."""
     index_path = os.path.join(d, "model.safetensors.index.json")
@@ -341,3 +355,22 @@ def test_streaming_check_fails_on_an_eager_loader(tiny, monkeypatch):
     shards = sorted(set(tensors.values()))
     assert sorted(opened) == sorted(shards * 2)
     assert peak >= max(sum(1 for v in tensors.values() if v == sh) for sh in shards) > 2
+
+
+def test_transformers_layout_loads_in_transformers(tmp_path):
+    """make-tiny's transformers layout is what transformers 5.25 loads with nothing missing: the router bias is
+    `...e_score_correction_bias` (a buffer, no `.weight` suffix; with one, transformers left it at zero)."""
+    pytest.importorskip("transformers")
+    os.environ.setdefault("USE_HUB_KERNELS", "0")
+    from transformers import MiniMaxM3VLForCausalLM
+
+    d = str(tmp_path / "tf")
+    make_tiny(d, seed=3, layout=L.TRANSFORMERS, dspark=False)
+    names = list_tensors(d)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    hf, info = MiniMaxM3VLForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ours, _ = load_model(d, progress=False)
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().sum() > 0
+    assert torch.equal(bias, ours.model.layers[1].mlp.gate.e_score_correction_bias.float().to(bias.device))

@@ -1,0 +1,22 @@
+"""An example as a training row: the prompt the engine's chat-template path builds, then the answer and the
+end-of-turn token the engine stops on; the loss mask covers only the target."""
+from __future__ import annotations
+
+from m3serve.learn.tasks import Example
+
+
+def prompt_ids(example: Example, tokenizer) -> list[int]:
+    """The chat template with add_generation_prompt=True, tokenized (what `LLMEngine.prepare_request` builds from
+    the same messages, tools and chat_template_kwargs)."""
+    return tokenizer.apply_chat_template(example.messages, tools=example.tools, add_generation_prompt=True,
+                                         tokenize=True, **example.chat_template_kwargs)
+
+
+def render(example: Example, tokenizer) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask): prompt + answer + eos; loss_mask is 1 on the answer and the eos token.
+    `tokenizer` is m3serve.text.tokenizer.Tokenizer."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token")
+    prompt = prompt_ids(example, tokenizer)
+    target = tokenizer.encode(example.answer) + [tokenizer.eos_token_id]
+    return prompt + target, [0] * len(prompt) + [1] * len(target)

@@ -1,0 +1,263 @@
+"""Tasks with checkable answers for the learned tiny M3 (issue 27): seeded generators, train and eval splits.
+
+Five tasks, each a chat in M3's template with one exact answer:
+
+- `arithmetic`: "What is A op B?" with op in + - *; A and B have 1-3 digits for + and - (A >= B for -, so no
+  negative results) and 1-2 digits for *. Sizes a ~15M-parameter model reads digit by digit (the tokenizer splits
+  digits) and learns in minutes: at most 4 answer digits, carries over at most 3 positions.
+- `retrieval`: RETRIEVAL_PAIRS random `key: value` lines (4-letter keys, 4-digit values), then a question about one
+  key. The prompt is about 710 tokens with the learned tokenizer, over 5x the span MSA selects (top-4 blocks of 32 =
+  128 tokens), so the indexer has to find the block that holds the key.
+- `tool_call`: 1-3 tools given as JSON schemas (`tools=`), the answer one call in M3's tool-call markup with the
+  arguments the user's message names.
+- `reasoning`: a two-step word problem; thinking enabled, the answer is a short trace inside M3's think tags, then
+  the number.
+- `multi_turn`: 1-2 turns where the user states facts (the assistant acknowledges), then a question about one of
+  them.
+
+Every task but `reasoning` runs with thinking disabled. The answer text is what the chat template itself renders for
+the assistant's reply (so training targets and the template never disagree), without the end-of-turn token.
+
+Splits never overlap: each problem has a key (for arithmetic the operands, not the wording), and a stable hash of the
+key puts it in the eval split (1 in EVAL_BUCKETS) or the train split (the rest); each split also draws from its own
+seed stream.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import random
+import zlib
+from typing import Any
+
+from m3serve.text.chat_template import render_chat_template
+from m3serve.text.reasoning import extract
+from m3serve.text.tiny_chat_template import TINY_M3_CHAT_TEMPLATE
+from m3serve.text.tiny_tokenizer import EOS_TOKEN
+from m3serve.text.tool_parser import parse_tool_calls
+
+TASKS = ("arithmetic", "retrieval", "tool_call", "reasoning", "multi_turn")
+SPLITS = ("train", "eval")
+EVAL_BUCKETS = 8  # 1 in 8 problems is held out for eval
+RETRIEVAL_PAIRS = 64
+END_OF_TURN = EOS_TOKEN + "\n"  # what the template writes after an assistant reply
+
+THINK_OFF = {"thinking_mode": "disabled"}
+THINK_ON = {"thinking_mode": "enabled"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One chat and the exact assistant text the model must produce (`answer`). `expected` is what `check` compares:
+    the final answer string, or for tool_call the call {"name", "arguments"}. `chat_template_kwargs` hold
+    thinking_mode; `tools` go to the template as `tools=` (through the engine: chat_template_kwargs["tools"])."""
+
+    task: str
+    messages: list[dict]
+    tools: list[dict] | None
+    chat_template_kwargs: dict
+    answer: str
+    key: str  # the problem's identity (which split it is in)
+    expected: Any = dataclasses.field(repr=False)
+
+    def check(self, generated_text: str) -> bool:
+        """Exact match of a generated reply (special tokens kept; a trailing end-of-turn token is ignored)."""
+        text = generated_text.removesuffix(EOS_TOKEN)
+        _, content = extract(text, self.chat_template_kwargs.get("thinking_mode"))
+        if self.task == "tool_call":
+            rest, calls = parse_tool_calls(content, self.tools)
+            return not rest.strip() and calls == [self.expected]
+        return content == self.expected
+
+
+def _reply_text(messages: list[dict], reply: dict, tools: list[dict] | None, kwargs: dict) -> str:
+    """The text the chat template renders for `reply` after the generation prompt of `messages`."""
+    prompt = render_chat_template(TINY_M3_CHAT_TEMPLATE, messages, tools=tools, add_generation_prompt=True,
+                                  **kwargs)
+    full = render_chat_template(TINY_M3_CHAT_TEMPLATE, messages + [reply], tools=tools,
+                                add_generation_prompt=False, **kwargs)
+    if not (full.startswith(prompt) and full.endswith(END_OF_TURN)):
+        raise AssertionError("the chat template's reply does not extend its generation prompt")
+    return full[len(prompt):-len(END_OF_TURN)]
+
+
+def _example(task, messages, reply, expected, tools=None, kwargs=THINK_OFF) -> Example:
+    return Example(task, messages, tools, dict(kwargs), _reply_text(messages, reply, tools, kwargs), "", expected)
+
+
+# ---------------------------------------------------------------- arithmetic
+
+def _arithmetic(rng: random.Random):
+    op = rng.choice("+-*")
+    digits = 2 if op == "*" else 3
+    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    if op == "-" and a < b:
+        a, b = b, a
+    result = {"+": a + b, "-": a - b, "*": a * b}[op]
+    wording = rng.choice(["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?"])
+    messages = [{"role": "user", "content": wording.format(a=a, op=op, b=b)}]
+    return (op, a, b), lambda: _example("arithmetic", messages, {"role": "assistant", "content": str(result)},
+                                        str(result))
+
+
+# ---------------------------------------------------------------- retrieval
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _retrieval(rng: random.Random):
+    keys: list[str] = []
+    while len(keys) < RETRIEVAL_PAIRS:
+        k = "".join(rng.choice(_LETTERS) for _ in range(4))
+        if k not in keys:
+            keys.append(k)
+    values = [str(rng.randint(1000, 9999)) for _ in keys]
+    q = rng.randrange(len(keys))
+    lines = "".join(f"{k}: {v}\n" for k, v in zip(keys, values))
+    text = f"Here is a list of codes.\n{lines}What is the code for {keys[q]}?"
+    messages = [{"role": "user", "content": text}]
+    return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": values[q]}, values[q])
+
+
+# ---------------------------------------------------------------- tool_call
+
+def _tool(name: str, description: str, props: dict[str, str]) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {k: {"type": t} for k, t in props.items()},
+                       "required": list(props)}}}
+
+
+_CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Rome", "Seoul", "Quito", "Dakar", "Perth", "Miami",
+           "Berlin", "Madrid", "Nairobi", "Toronto", "Hanoi", "Prague", "Dublin", "Havana"]
+_CURRENCIES = ["USD", "EUR", "JPY", "GBP", "CHF", "CAD", "INR", "BRL", "KRW", "MXN"]
+_LABELS = ["tea", "pasta", "laundry", "workout", "meeting", "nap", "bread", "eggs", "study", "call"]
+_PLACES = ["Luigi's", "Blue Moon", "Sakura", "El Toro", "The Oak", "Spice Hut", "Le Coq", "Green Leaf"]
+_PHRASES = ["good morning", "thank you", "where is the station", "I am hungry", "see you soon", "how much is it"]
+_LANGUAGES = ["French", "German", "Spanish", "Italian", "Japanese", "Korean", "Dutch", "Polish"]
+
+_TOOLS = [
+    (_tool("get_weather", "Get the weather forecast for a city", {"city": "string", "days": "integer"}),
+     lambda r: {"city": r.choice(_CITIES), "days": r.randint(1, 14)},
+     ["What is the weather in {city} for the next {days} days?", "Forecast for {city}, {days} days please."]),
+    (_tool("convert_currency", "Convert an amount of money",
+           {"amount": "integer", "from_currency": "string", "to_currency": "string"}),
+     lambda r: dict(zip(("amount", "from_currency", "to_currency"),
+                        [r.randint(1, 9999), *r.sample(_CURRENCIES, 2)])),
+     ["Convert {amount} {from_currency} to {to_currency}.", "How much is {amount} {from_currency} in {to_currency}?"]),
+    (_tool("set_timer", "Start a named timer", {"minutes": "integer", "label": "string"}),
+     lambda r: {"minutes": r.randint(1, 120), "label": r.choice(_LABELS)},
+     ["Set a timer for {minutes} minutes called {label}.", "Timer named {label}, {minutes} minutes."]),
+    (_tool("book_table", "Book a restaurant table", {"restaurant": "string", "people": "integer", "time": "string"}),
+     lambda r: {"restaurant": r.choice(_PLACES), "people": r.randint(1, 12),
+                "time": f"{r.randint(11, 22)}:{r.choice(['00', '15', '30', '45'])}"},
+     ["Book a table at {restaurant} for {people} people at {time}.",
+      "Reserve {restaurant} at {time}, we are {people}."]),
+    (_tool("translate", "Translate a phrase", {"text": "string", "target_language": "string"}),
+     lambda r: {"text": r.choice(_PHRASES), "target_language": r.choice(_LANGUAGES)},
+     ["Translate \"{text}\" into {target_language}.", "How do you say \"{text}\" in {target_language}?"]),
+]
+
+
+def tool_schemas() -> list[dict]:
+    """Every tool the tool_call task offers (JSON schemas in the OpenAI `tools` format)."""
+    return [copy.deepcopy(t[0]) for t in _TOOLS]
+
+
+def _tool_call(rng: random.Random):
+    chosen = rng.sample(range(len(_TOOLS)), rng.randint(1, 3))
+    tool, make_args, wordings = _TOOLS[chosen[0]]
+    args = make_args(rng)
+    tools = [_TOOLS[i][0] for i in rng.sample(chosen, len(chosen))]
+    name = tool["function"]["name"]
+    messages = [{"role": "user", "content": rng.choice(wordings).format(**args)}]
+    reply = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": name, "arguments": args}}]}
+    key = json.dumps([name, args], sort_keys=True)
+    return key, lambda: _example("tool_call", messages, reply, {"name": name, "arguments": args}, tools=tools)
+
+
+# ---------------------------------------------------------------- reasoning
+
+_NAMES = ["Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena", "Max", "Nora",
+          "Omar", "Pia", "Raj", "Sara", "Tom", "Uma", "Vic", "Wes", "Yara", "Zoe"]
+_ITEMS = ["apples", "pens", "books", "coins", "cards", "stamps", "shells", "marbles", "cookies", "stickers"]
+
+
+def _reasoning(rng: random.Random):
+    kind = rng.randrange(3)
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if kind == 0:
+        a, b = rng.randint(1, 50), rng.randint(1, 50)
+        c = rng.randint(1, a + b)
+        s, r = a + b, a + b - c
+        q = f"{name} has {a} {item}, buys {b} more, then gives away {c}. How many {item} does {name} have now?"
+        thought = f"{a} + {b} = {s}. {s} - {c} = {r}."
+    elif kind == 1:
+        a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 20)
+        s, r = a * b, a * b + c
+        q = f"{name} has {a} boxes of {b} {item} and {c} loose {item}. How many {item} is that in all?"
+        thought = f"{a} * {b} = {s}. {s} + {c} = {r}."
+    else:
+        a = rng.randint(2, 50)
+        b, c = rng.randint(1, a), rng.randint(1, 50)
+        s, r = a - b, a - b + c
+        q = f"{name} had {a} {item}, lost {b}, then found {c}. How many {item} does {name} have?"
+        thought = f"{a} - {b} = {s}. {s} + {c} = {r}."
+    messages = [{"role": "user", "content": q}]
+    reply = {"role": "assistant", "content": str(r), "reasoning_content": thought}
+    return (kind, a, b, c), lambda: _example("reasoning", messages, reply, str(r), kwargs=THINK_ON)
+
+
+# ---------------------------------------------------------------- multi_turn
+
+_COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown"]
+_PETS = ["Rex", "Luna", "Milo", "Bella", "Coco", "Max", "Daisy", "Oscar", "Ruby", "Leo"]
+_FACTS = [  # statement, question, value
+    ("My favourite color is {}.", "What is my favourite color?", lambda r: r.choice(_COLORS)),
+    ("My dog is called {}.", "What is my dog called?", lambda r: r.choice(_PETS)),
+    ("I live in {}.", "Which city do I live in?", lambda r: r.choice(_CITIES)),
+    ("My locker number is {}.", "What is my locker number?", lambda r: str(r.randint(100, 999))),
+    ("My sister's name is {}.", "What is my sister's name?", lambda r: r.choice(_NAMES)),
+]
+_ACKS = ["Got it.", "Noted.", "OK, I will remember that."]
+
+
+def _multi_turn(rng: random.Random):
+    facts = rng.sample(range(len(_FACTS)), rng.randint(1, 2))
+    values = {f: _FACTS[f][2](rng) for f in facts}
+    messages: list[dict] = []
+    for f in facts:
+        messages += [{"role": "user", "content": _FACTS[f][0].format(values[f])},
+                     {"role": "assistant", "content": rng.choice(_ACKS)}]
+    asked = rng.choice(facts)
+    messages.append({"role": "user", "content": _FACTS[asked][1]})
+    key = json.dumps([sorted(values.items()), asked])
+    return key, lambda: _example("multi_turn", messages, {"role": "assistant", "content": values[asked]},
+                                 values[asked])
+
+
+_GENERATORS = {"arithmetic": _arithmetic, "retrieval": _retrieval, "tool_call": _tool_call, "reasoning": _reasoning,
+               "multi_turn": _multi_turn}
+
+
+def split_of(task: str, key) -> str:
+    """The split a problem belongs to, from a stable hash of its key."""
+    h = zlib.crc32(f"{task}|{key}".encode())
+    return "eval" if h % EVAL_BUCKETS == 0 else "train"
+
+
+def make_examples(task: str, split: str, n: int, seed: int = 0) -> list[Example]:
+    """`n` examples of `task` from `split` ("train" or "eval"), deterministic in (task, split, n, seed)."""
+    if task not in _GENERATORS:
+        raise ValueError(f"unknown task {task!r}; one of {TASKS}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; one of {SPLITS}")
+    rng = random.Random(f"m3serve-learn|{task}|{split}|{seed}")
+    out: list[Example] = []
+    while len(out) < n:
+        key, build = _GENERATORS[task](rng)
+        if split_of(task, key) == split:
+            out.append(dataclasses.replace(build(), key=str(key)))
+    return out

@@ -1,0 +1,568 @@
+r"""`m3serve train-learned`: train the learned tiny M3.1-Flash and its DSpark draft in one run (issue 27).
+
+One process does it all, within a wall-clock budget (`--budget-s`), so that it fits one device call:
+1. data: the tokenizer (m3serve.learn.tokenizer), then a pool of rendered training rows from every task's train
+   split (generated in worker processes), and the eval split's rows;
+2. the target: transformers 5.25 `MiniMaxM3VLForCausalLM` (the numerical reference the engine equals) built from
+   `learned_config`, random init, AdamW, bf16 autocast on CUDA, linear warm-up then cosine decay, cross-entropy on
+   the answer tokens only. Batches are length-bucketed and right-padded (right padding leaves MSA's block
+   boundaries where an unpadded run has them). The MoE routers are balanced without an auxiliary loss: after each
+   step every router's `e_score_correction_bias` moves by `--bias-rate` toward the mean load (DeepSeek-V3's
+   auxiliary-loss-free balancing; M3 checkpoints carry that bias). The experts run through transformers'
+   grouped-GEMM path where the device has it (no host syncs), else its per-expert loop (tried on the first batch).
+3. the lightning indexer (MSA layers): top-k block selection is not differentiable, so the indexer learns by
+   distillation, with its input detached (the language-model loss never reaches it, and the KL never reaches the
+   backbone). The recipe is the one MiniMax published with MSA (github.com/MiniMax-AI/MSA, training/msa_v1/kl):
+   per query and index head, KL(teacher || student) where the teacher is the main attention's probability over
+   keys, averaged over the query heads of that GQA group (detached), and the student is softmax(q_idx . k_idx /
+   sqrt(d_idx)) over the same keys. It runs in two phases, as DeepSeek-V3.2 trained its indexer: a dense warm-up
+   (`--dense-frac` of the steps; the main attention unmasked: every block selected, the KL over all causal keys),
+   then the sparse phase (the real top-k mask on; the main attention and the KL both over the selected blocks
+   only, as MSA's sparse KL does).
+4. the DSpark draft (train_draft.py), on the frozen target's tapped hidden states;
+5. checks on the eval split: teacher-forced exact match per task (every answer token argmax-correct given the
+   prompt, which is exactly what greedy decoding produces), for the target with its sparse mask (and, as a check
+   of the indexer, retrieval with the mask off), and the draft's per-position acceptance;
+6. output: `--out` holds the checkpoint (transformers layout, bf16, tokenizer + chat template,
+   generation_config.json, `dspark/`); `--pack DIR` also writes it as a tar split into 15 MB parts
+   (`part-aa`, ...) plus `train_log.json` (loss curves, eval, timings), for a device call's $OUT.
+
+Reassemble a packed checkpoint with `cat DIR/part-* | tar -x -C models/`. On a GPU machine where m3serve is not
+installed (the lent H200: torch and triton, no transformers), lay the package out as benchmarks/device_run.sh does and
+carry transformers 5.25's wheels:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && mkdir -p /tmp/p/m3serve &&
+    cp -r backend/. /tmp/p/m3serve/ && cp -r kernels /tmp/p/m3serve/kernels &&
+    PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 python3 -m m3serve.cli train-learned --out /tmp/m3-tiny-learned \
+        --pack $OUT
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import multiprocessing
+import os
+import random
+import tarfile
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from m3serve.learn.tasks import TASKS
+
+PART_BYTES = 15 << 20
+DRAFT_DIR = "dspark"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    out: str
+    pack: str | None = None  # also write part-aa.. + train_log.json here
+    device: str = "auto"
+    seed: int = 0
+    budget_s: float = 420.0  # wall clock for the whole run, data to packing
+    reserve_s: float = 40.0  # kept for the checks, saving and packing
+    tasks: tuple[str, ...] = TASKS
+    train_examples: int = 16000  # per task (the pool is cycled through), times the task's weight
+    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 2.0})  # short rows
+    eval_examples: int = 200  # per task
+    workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
+    model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # target
+    tokens_per_batch: int = 32768  # padded tokens per step
+    max_steps: int = 6000
+    warmup_steps: int = 50
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.1
+    dense_frac: float = 0.3
+    bias_rate: float = 1e-2  # router bias step per training step
+    # draft (train_draft.py)
+    draft_frac: float = 0.22  # of the training time
+    draft_max_steps: int = 3000
+    draft_lr: float = 1e-3
+    draft_layers: int = 2
+    draft_markov_rank: int = 64
+    draft_anchors: int = 32  # anchors per sequence
+    draft_tokens_per_batch: int = 16384
+    log_every: int = 25
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+_WORKER_TOKENIZER: dict[str, Any] = {}
+
+
+def _render_chunk(job: tuple[str, str, int, int, str]) -> list[tuple[list[int], list[int], int]]:
+    """(task, split, n, seed, tokenizer dir) -> [(input_ids, loss_mask, task index)]; runs in a worker."""
+    from m3serve.learn.render import render
+    from m3serve.learn.tasks import make_examples
+    from m3serve.text.tokenizer import Tokenizer
+
+    task, split, n, seed, tok_dir = job
+    tok = _WORKER_TOKENIZER.get(tok_dir)
+    if tok is None:
+        tok = _WORKER_TOKENIZER[tok_dir] = Tokenizer.from_pretrained(tok_dir)
+    ti = TASKS.index(task)
+    return [(*render(ex, tok), ti) for ex in make_examples(task, split, n, seed=seed)]
+
+
+def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, workers: int = 0,
+              chunk: int = 500, weights: dict[str, float] | None = None) -> list[tuple[list[int], list[int], int]]:
+    """Rendered rows of `n_per_task` examples per task (times `weights[task]`, default 1); a task's examples come in
+    chunks of `chunk`, chunk c drawn with seed `seed * 1000 + c` (so the rows do not depend on the number of
+    workers)."""
+    counts = {t: max(1, round(n_per_task * (weights or {}).get(t, 1.0))) for t in tasks}
+    jobs = [(t, split, min(chunk, counts[t] - c0), seed * 1000 + c0 // chunk, tok_dir)
+            for t in tasks for c0 in range(0, counts[t], chunk)]
+    workers = workers or min(16, os.cpu_count() or 1)
+    if workers <= 1 or len(jobs) == 1:
+        parts = [_render_chunk(j) for j in jobs]
+    else:
+        with multiprocessing.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            parts = pool.map(_render_chunk, jobs, chunksize=1)
+    return [row for part in parts for row in part]
+
+
+def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group: int = 256
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless length-bucketed batches (ids [B, S], loss mask [B, S], real-token mask [B, S]), right-padded,
+    B * S <= tokens_per_batch (one over-long row makes a batch of its own)."""
+    order = list(range(len(rows)))
+    while True:
+        rng.shuffle(order)
+        cut: list[list[int]] = []
+        for g0 in range(0, len(order), group):
+            chunk = sorted(order[g0:g0 + group], key=lambda i: len(rows[i][0]))
+            cur: list[int] = []
+            for i in chunk:  # ascending lengths: row i is the longest so far
+                if cur and len(rows[i][0]) * (len(cur) + 1) > tokens_per_batch:
+                    cut.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                cut.append(cur)
+        rng.shuffle(cut)
+        for idx in cut:
+            yield collate([rows[i] for i in idx], pad_id)
+
+
+def collate(rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), s), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), s, dtype=torch.bool)
+    real = torch.zeros(len(rows), s, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        n = len(r[0])
+        ids[b, :n] = torch.tensor(r[0])
+        mask[b, :n] = torch.tensor(r[1], dtype=torch.bool)
+        real[b, :n] = True
+    return ids, mask, real
+
+
+# ---------------------------------------------------------------------------------------------- the target
+
+def build_target(cfg, device: torch.device, seed: int):
+    """transformers' MiniMaxM3VLForCausalLM from our ModelConfig (`to_hf_dict` is the config.json transformers
+    reads), seeded random init (transformers' own init), eager attention (the indexer distillation reads the
+    attention probabilities it returns), fp32 master weights."""
+    from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
+    hf_cfg = MiniMaxM3VLTextConfig(**cfg.to_hf_dict())
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return MiniMaxM3VLForCausalLM(hf_cfg).to(device)
+
+
+def sparse_attentions(model) -> list:
+    return [layer.self_attn for layer in model.model.layers if layer.self_attn.indexer is not None]
+
+
+class DenseAttention:
+    """Within the context the MSA layers select every block: the main attention is unmasked (dense warm-up)."""
+
+    def __init__(self, model, on: bool = True):
+        self.indexers = [a.indexer for a in sparse_attentions(model)]
+        self.on = on
+
+    def __enter__(self):
+        self.saved = [i.topk_blocks for i in self.indexers]
+        if self.on:
+            for i in self.indexers:
+                i.topk_blocks = 1 << 30
+        return self
+
+    def __exit__(self, *exc):
+        for i, k in zip(self.indexers, self.saved):
+            i.topk_blocks = k
+
+
+class IndexerDistill:
+    """Forward hooks on the MSA layers: the indexer's KL to the main attention (module docstring, item 3).
+
+    The indexer hook recomputes the index scores with gradients (from its detached input) and keeps the block
+    selection it returned; the attention hook then takes the attention probabilities the eager attention returned
+    (zero outside the selection) as the teacher. `take(real)` returns the mean KL over index heads and real query
+    positions of every MSA layer of the last forward."""
+
+    def __init__(self, model):
+        from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
+
+        self.apply_rope = hf.apply_rotary_pos_emb
+        self.enabled = False
+        self.kls: list[torch.Tensor] = []
+        self.pending: dict[int, tuple] = {}
+        self.handles = []
+        for attn in sparse_attentions(model):
+            self.handles.append(attn.indexer.register_forward_hook(self._on_indexer))
+            self.handles.append(attn.register_forward_hook(self._on_attention))
+
+    def _on_indexer(self, indexer, args, block_indices):
+        if not self.enabled:
+            return
+        hidden, (cos, sin), _cache, position_ids = args
+        h, d = hidden.detach(), indexer.head_dim
+        b, s, _ = h.shape
+        q = indexer.q_norm(indexer.q_proj(h).view(b, s, -1, d)).transpose(1, 2)
+        k = indexer.k_norm(indexer.k_proj(h).view(b, s, 1, d)).transpose(1, 2)
+        q, k = self.apply_rope(q, k, cos[..., :d], sin[..., :d])
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * d ** -0.5  # [B, H_idx, S, S]
+        self.pending[id(indexer)] = (scores, block_indices, position_ids)
+
+    def _on_attention(self, attn, args, out):
+        if not self.enabled:
+            return
+        scores, block_indices, position_ids = self.pending.pop(id(attn.indexer))
+        weights = out[1].detach().float()  # [B, H_q, S, S], zero outside the selected blocks
+        h_idx = scores.shape[1]
+        teacher = weights.unflatten(1, (h_idx, -1)).mean(2)
+        s = scores.shape[-1]
+        allowed = attn.indexer.build_block_mask(block_indices, None, s, torch.float32, scores.device,
+                                                position_ids)[:, ::weights.shape[1] // h_idx] == 0
+        log_student = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        kl = (torch.xlogy(teacher, teacher) - teacher * log_student.masked_fill(~allowed, 0.0)).sum(-1)
+        self.kls.append(kl)  # [B, H_idx, S]
+
+    def take(self, real: torch.Tensor) -> torch.Tensor:
+        """Mean KL over the MSA layers, index heads and real query positions (real: bool [B, S])."""
+        kls, self.kls = self.kls, []
+        if not kls:
+            return torch.zeros((), device=real.device)
+        w = real[:, None, :].float()
+        return sum((kl * w).sum() / (w.sum() * kl.shape[1]) for kl in kls) / len(kls)
+
+
+class RouterBalance:
+    """Auxiliary-loss-free MoE balancing: count each router's expert loads in the forward, then move its
+    `e_score_correction_bias` by `rate` toward the mean load (down for overloaded experts)."""
+
+    def __init__(self, model, rate: float):
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLTopKRouter
+
+        self.rate = rate
+        self.routers = [m for m in model.modules() if isinstance(m, MiniMaxM3VLTopKRouter)]
+        self.loads: dict[int, torch.Tensor] = {}
+        self.enabled = False
+        self.handles = [r.register_forward_hook(self._on_router) for r in self.routers]
+
+    def _on_router(self, router, args, out):
+        if self.enabled:
+            self.loads[id(router)] = torch.bincount(out[2].flatten(), minlength=router.num_experts).float()
+
+    @torch.no_grad()
+    def update(self) -> float:
+        """Apply the bias steps; return the worst max/mean load ratio seen (1.0 = balanced)."""
+        worst = 1.0
+        for r in self.routers:
+            load = self.loads.pop(id(r), None)
+            if load is None:
+                continue
+            r.e_score_correction_bias += self.rate * torch.sign(load.mean() - load)
+            worst = max(worst, float(load.max() / load.mean().clamp_min(1e-6)))
+        return worst
+
+
+def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits."""
+    hidden = model.model(input_ids=ids).last_hidden_state
+    sel = mask[:, 1:]
+    logits = model.lm_head(hidden[:, :-1][sel]).float()
+    gold = ids[:, 1:][sel]
+    return F.cross_entropy(logits, gold), logits.argmax(-1) == gold
+
+
+class Schedule:
+    """Linear warm-up, then cosine decay to `min_ratio` at `total` steps. `tick(step, deadline)` before each step
+    re-plans `total` (at most `cap`) at step `first_plan` and every `every` steps while under 60% of the way, from
+    the mean step time since step 5 (past the first steps' one-off costs), so that the decay ends when the phase's
+    time is up whatever the device's speed."""
+
+    MARK = 5
+
+    def __init__(self, base: float, warmup: int, cap: int, min_ratio: float, first_plan: int = 25, every: int = 100):
+        self.base, self.min_ratio, self.cap, self.first_plan, self.every = base, min_ratio, cap, first_plan, every
+        self.total = cap
+        self.warmup = max(1, min(warmup, cap // 10))
+        self.mark: float | None = None
+
+    def lr(self, step: int) -> float:
+        if step < self.warmup:
+            return self.base * (step + 1) / self.warmup
+        p = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.base * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+    def tick(self, step: int, deadline: float) -> None:
+        if step == self.MARK:
+            self.mark = time.time()
+        elif (self.mark is not None and step >= self.first_plan and step < 0.6 * self.total
+              and (step == self.first_plan or step % self.every == 0)):
+            rate = (time.time() - self.mark) / (step - self.MARK)
+            left = deadline - time.time()
+            fit = self.cap if math.isinf(left) else step + int(left / rate)
+            self.total = max(step + 1, min(self.cap, fit))
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    decay, no_decay, indexer = [], [], []
+    for name, p in model.named_parameters():
+        if ".indexer." in name:
+            indexer.append(p)
+        elif p.ndim < 2 or "norm" in name or "embed_tokens" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0},
+            {"params": indexer, "weight_decay": 0.0}]
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def pick_experts_implementation(model, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, log) -> str:
+    """transformers runs MoE experts as one grouped GEMM ("grouped_mm", its default where torch has it: no host syncs)
+    or as a loop over experts ("eager"). Try a forward and backward of two rows with the default; on any error fall
+    back to the loop, which runs everywhere."""
+    impl = model.config._experts_implementation
+    if impl != "eager":
+        try:
+            with autocast(device):
+                answer_loss(model, ids[:2], mask[:2])[0].backward()
+        except Exception as e:  # noqa: BLE001 - any failure of the fast path means: use the loop
+            log(f"target: experts implementation {impl!r} failed ({type(e).__name__}: {e}); using 'eager'")
+            model.set_experts_implementation("eager")
+            impl = "eager"
+        model.zero_grad(set_to_none=True)
+    return impl
+
+
+def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
+                 log) -> dict:
+    data = batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id)
+    ids, mask, _ = next(data)
+    experts = pick_experts_implementation(model, ids.to(device), mask.to(device), device, log)
+    groups = _param_groups(model, tc.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+    sched = Schedule(tc.lr, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
+    distill, balance = IndexerDistill(model), RouterBalance(model, tc.bias_rate)
+    distill.enabled = balance.enabled = True
+    curve, t0 = [], time.time()
+    sparse_from = None
+    model.train()
+    step, tokens, real_tokens = 0, 0, 0
+    error = None
+    while step < sched.total and time.time() < deadline:
+        sched.tick(step, deadline)
+        dense = sparse_from is None and step < tc.dense_frac * sched.total
+        try:
+            rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device)
+        except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
+            error = f"{type(e).__name__}: {e}"
+            log(f"target: step {step} failed ({error}); stopping here with the last good step's weights\n"
+                + traceback.format_exc())
+            opt.zero_grad(set_to_none=True)
+            break
+        if sparse_from is None and not dense:
+            sparse_from = step
+            log(f"target: sparse phase from step {step} (top-{model.config.index_topk_blocks} blocks)")
+        tokens += rec.pop("padded_tokens")
+        real_tokens += rec.pop("real_tokens")
+        step += 1
+        if step % tc.log_every == 0 or step == 1:
+            rec = {"step": step, **rec, "elapsed_s": round(time.time() - t0, 1), "planned_steps": sched.total}
+            curve.append(rec)
+            log("target " + json.dumps(rec))
+    for h in distill.handles + balance.handles:
+        h.remove()
+    model.eval()
+    wall = time.time() - t0
+    return {"steps": step, "planned_steps": sched.total, "sparse_from_step": sparse_from, "wall_s": round(wall, 1),
+            "experts_implementation": experts,
+            "padded_tokens": tokens, "real_tokens": real_tokens,
+            "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve,
+            "stopped_by": error or ("steps" if step >= sched.total else "time")}
+
+
+def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: bool, device) -> dict:
+    """One optimizer step on `batch` (the main attention unmasked if `dense`); returns its log record."""
+    ids, mask, real = (t.to(device, non_blocking=True) for t in batch)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with DenseAttention(model, dense), autocast(device):
+        lm, hits = answer_loss(model, ids, mask)
+    kl = distill.take(real)
+    (lm + kl).backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(groups[0]["params"] + groups[1]["params"], 1.0)
+    torch.nn.utils.clip_grad_norm_(groups[2]["params"], 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    worst_load = balance.update()
+    return {"phase": "dense" if dense else "sparse", "loss": round(float(lm.detach()), 4),
+            "answer_token_acc": round(float(hits.float().mean()), 4), "indexer_kl": round(float(kl.detach()), 4),
+            "lr": round(lr, 6), "grad_norm": round(float(gnorm), 3), "max_expert_load_ratio": round(worst_load, 2),
+            "padded_tokens": ids.numel(), "real_tokens": int(real.sum())}
+
+
+@torch.no_grad()
+def exact_match(model, rows, device: torch.device, pad_id: int, tokens_per_batch: int, dense: bool = False
+                ) -> dict[str, float]:
+    """Teacher-forced exact match per task: every answer token is the argmax given the true prefix (= the
+    greedy decode's answer)."""
+    hits: dict[int, list[bool]] = {}
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+    b0 = 0
+    while b0 < len(order):
+        n = max(1, tokens_per_batch // len(rows[order[b0]][0]))
+        idx = order[b0:b0 + n]
+        idx = [i for i in idx if len(rows[i][0]) * len(idx) <= tokens_per_batch] or idx[:1]
+        b0 += len(idx)
+        ids, mask, _ = (t.to(device) for t in collate([rows[i] for i in idx], pad_id))
+        with DenseAttention(model, dense), autocast(device):
+            hidden = model.model(input_ids=ids).last_hidden_state
+            pred = model.lm_head(hidden[:, :-1]).argmax(-1)
+        ok = ((pred == ids[:, 1:]) | ~mask[:, 1:]).all(-1)
+        for i, good in zip(idx, ok.tolist()):
+            hits.setdefault(rows[i][2], []).append(good)
+    return {TASKS[t]: round(sum(v) / len(v), 4) for t, v in sorted(hits.items())}
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+def save_target(model, cfg, out_dir: str) -> None:
+    """The trained weights (transformers names) as the transformers-layout bf16 checkpoint + configs."""
+    from m3serve.model import layout as L
+    from m3serve.model.tiny import write_model
+
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    write_model(out_dir, cfg, state, L.TRANSFORMERS, "bfloat16", max_shard_bytes=16 << 20)
+
+
+def pack(model_dir: str, dest: str, part_bytes: int = PART_BYTES) -> list[str]:
+    """`model_dir` as an uncompressed tar (top folder = its name) split into `part-aa`, `part-ab`, ... in `dest`."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(model_dir, arcname=os.path.basename(os.path.normpath(model_dir)))
+    data = buf.getvalue()
+    os.makedirs(dest, exist_ok=True)
+    names = []
+    for i, off in enumerate(range(0, len(data), part_bytes)):
+        name = "part-" + chr(ord("a") + i // 26) + chr(ord("a") + i % 26)
+        with open(os.path.join(dest, name), "wb") as f:
+            f.write(data[off:off + part_bytes])
+        names.append(name)
+    return names
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+def run(tc: TrainConfig) -> dict:
+    """Train, check, save (and pack); returns the log that `train_log.json` holds."""
+    from m3serve.learn.config import learned_config
+    from m3serve.learn.tokenizer import build_tokenizer
+    from m3serve.learn.train_draft import train_and_save_draft
+
+    t_start = time.time()
+    deadline = t_start + tc.budget_s
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    device = torch.device("cuda" if tc.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if tc.device == "auto" else tc.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    random.seed(tc.seed)
+    torch.manual_seed(tc.seed)
+    os.makedirs(tc.out, exist_ok=True)
+    result: dict[str, Any] = {"config": dataclasses.asdict(tc), "device": str(device), "torch": torch.__version__}
+    import transformers
+
+    result["transformers"] = transformers.__version__
+
+    tok = build_tokenizer(tc.out, seed=tc.seed)
+    vocab = -(-tok["vocab_size"] // 64) * 64
+    cfg = learned_config(vocab, tok["bos_token_id"], tok["eos_token_id"], **tc.model_overrides)
+    pad_id = tok["pad_token_id"] if tok.get("pad_token_id") is not None else tok["eos_token_id"]
+    unknown = sorted(set(tc.task_weights) - set(TASKS))
+    if unknown:
+        raise ValueError(f"task_weights: unknown task(s) {unknown}; tasks are {list(TASKS)}")
+    rows = make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, tc.workers, weights=tc.task_weights)
+    eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, tc.workers)
+    lengths = sorted(len(r[0]) for r in rows)
+    result["data"] = {"train_rows": len(rows), "eval_rows": len(eval_rows), "median_len": lengths[len(lengths) // 2],
+                      "max_len": lengths[-1], "answer_tokens": sum(sum(r[1]) for r in rows),
+                      "seconds": round(time.time() - t_start, 1)}
+    log("data " + json.dumps(result["data"]))
+
+    # CUDA is first touched here, after the data workers (forked processes) are done
+    result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    model = build_target(cfg, device, tc.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    result["target_params"] = n_params
+    log(f"target: {n_params / 1e6:.2f}M parameters, layers {cfg.layer_types}, MLPs {cfg.mlp_layer_types}")
+    train_time = max(0.0, deadline - tc.reserve_s - time.time())
+    target_deadline = time.time() + train_time * (1 - tc.draft_frac)
+    result["target"] = train_target(model, rows, tc, device, target_deadline, pad_id, log)
+    log(f"target: {result['target']['steps']} steps in {result['target']['wall_s']} s "
+        f"({result['target']['padded_tokens_per_s']} padded tokens/s), stopped by {result['target']['stopped_by']}")
+    save_target(model, cfg, tc.out)
+    try:
+        result["eval_target"] = exact_match(model, eval_rows, device, pad_id, tc.tokens_per_batch)
+        retrieval = [r for r in eval_rows if TASKS[r[2]] == "retrieval"]
+        if retrieval:
+            result["eval_target_dense_retrieval"] = exact_match(model, retrieval, device, pad_id, tc.tokens_per_batch,
+                                                                dense=True)["retrieval"]
+        log("eval target (teacher-forced exact match) " + json.dumps(result["eval_target"]) +
+            f"; retrieval with the MSA mask off: {result.get('eval_target_dense_retrieval')}")
+    except Exception as e:  # noqa: BLE001 - a failed check must not lose the trained weights
+        result["eval_target"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"eval target failed: {result['eval_target']['error']}\n" + traceback.format_exc())
+
+    draft_deadline = max(time.time(), deadline - tc.reserve_s)
+    try:
+        result["draft"] = train_and_save_draft(model, cfg, rows, eval_rows, tc, device, draft_deadline, pad_id,
+                                               os.path.join(tc.out, DRAFT_DIR), log)
+    except Exception as e:  # noqa: BLE001 - the target is saved already; pack it without a draft
+        result["draft"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"draft failed: {result['draft']['error']}\n" + traceback.format_exc())
+    result["checkpoint_bytes"] = dir_bytes(tc.out)
+    result["wall_s"] = round(time.time() - t_start, 1)
+    log(f"checkpoint {tc.out}: {result['checkpoint_bytes'] / 2**20:.1f} MiB; total {result['wall_s']} s")
+    with open(os.path.join(tc.out, "train_log.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if tc.pack:
+        result["parts"] = pack(tc.out, tc.pack)
+        with open(os.path.join(tc.pack, "train_log.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        log(f"packed into {tc.pack}: {result['parts']}")
+    return result

@@ -1,0 +1,101 @@
+"""The learned model on CPU (issue 27): the engine in fp32 answers a fixed slice of every eval set exactly as the
+transformers 5.25 reference does, and the slice's accuracy clears a threshold. Runs on the committed checkpoint
+(models/m3-tiny-learned); $M3SERVE_LEARNED_DIR points it at another one (a random-weight `make_learned` checkpoint
+exercises the parity test; only the accuracy test needs trained weights)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from m3serve.learn.evaluate import format_table, reply_text, score
+from m3serve.learn.tasks import TASKS, make_examples
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LEARNED_DIR = os.environ.get("M3SERVE_LEARNED_DIR", os.path.join(ROOT, "models", "m3-tiny-learned"))
+SLICE = 8  # eval examples per task
+MIN_TASK_ACCURACY = 0.75  # every task: at least 6 of its 8
+MIN_MEAN_ACCURACY = 0.9  # over the 40
+
+
+@pytest.fixture(scope="module")
+def report():
+    if not os.path.isfile(os.path.join(LEARNED_DIR, "config.json")):
+        pytest.skip("no learned checkpoint committed yet")
+    pytest.importorskip("transformers")
+    from m3serve.learn.evaluate import evaluate
+
+    return evaluate(LEARNED_DIR, n=SLICE, paths=("reference", "engine"), device="cpu", dtype="float32", slack=4)
+
+
+def test_engine_answers_as_the_reference_does(report):
+    assert "skipped" not in report["paths"]["reference"], report["paths"]["reference"]
+    ref, eng = report["replies"]["reference"], report["replies"]["engine"]
+    for task in TASKS:
+        assert len(eng[task]) == SLICE
+        for i, (a, b) in enumerate(zip(eng[task], ref[task])):
+            assert a == b, (task, i, a, b)
+    assert report["paths"]["engine"]["tasks"] == report["paths"]["reference"]["tasks"]
+
+
+def test_slice_accuracy(report):
+    acc = {t: s["accuracy"] for t, s in report["paths"]["engine"]["tasks"].items()}
+    print(format_table(report))
+    assert min(acc.values()) >= MIN_TASK_ACCURACY, acc
+    assert sum(acc.values()) / len(acc) >= MIN_MEAN_ACCURACY, acc
+
+
+# ---------------------------------------------------------------- the report's pieces, without a model
+
+def test_score_and_table():
+    sets = {t: make_examples(t, "eval", 3) for t in ("arithmetic", "tool_call")}
+    texts = {t: [ex.answer for ex in exs] for t, exs in sets.items()}
+    texts["tool_call"][1] = "no call"
+    got = score(sets, texts)
+    assert got["arithmetic"] == {"correct": 3, "n": 3, "accuracy": 1.0}
+    assert got["tool_call"]["correct"] == 2
+    got["tool_call"].update(acceptance_rate=0.5, mean_accepted_length=4.5)
+    report = {"tasks": list(sets), "paths": {"engine": {"seconds": 1.0, "tasks": got},
+                                             "reference": {"skipped": "no transformers"}}}
+    table = format_table(report).splitlines()
+    assert table[0].split() == ["path", "arithmetic", "tool_call", "seconds"]
+    assert table[1].split()[:3] == ["engine", "100.0", "66.7"] and "len 4.50" in table[1]
+    assert "skipped" in table[2]
+    with pytest.raises(ValueError):  # a reply missing is an error, not a silent zip
+        score(sets, {"arithmetic": texts["arithmetic"][:2], "tool_call": texts["tool_call"]})
+
+
+def test_reply_text_keeps_special_tokens_and_drops_eos(tmp_path):
+    from m3serve.learn.tokenizer import build_tokenizer
+    from m3serve.text.tokenizer import Tokenizer
+
+    build_tokenizer(str(tmp_path))
+    tok = Tokenizer.from_pretrained(str(tmp_path))
+    ex = make_examples("tool_call", "eval", 1)[0]
+    ids = tok.encode(ex.answer) + [tok.eos_token_id]
+    assert reply_text(tok, ids) == ex.answer and ex.check(reply_text(tok, ids))
+    assert not ex.check(tok.decode(ids))  # special tokens skipped: the call markup is gone
+
+
+def test_eval_tasks_command(tmp_path, capsys):
+    """The CLI end to end on a random-weight learned checkpoint: table, JSON fields, DSpark's acceptance per task,
+    and greedy DSpark answering as the engine does."""
+    import json
+
+    from m3serve.cli import main
+    from m3serve.learn.config import make_learned
+
+    model = str(tmp_path / "m")
+    make_learned(model, dtype="float32", random_dspark=True)
+    out = str(tmp_path / "eval.json")
+    assert main(["eval-tasks", "--model", model, "--n", "2", "--tasks", "arithmetic", "multi_turn", "--paths",
+                 "engine", "dspark-greedy", "--dtype", "float32", "--out", out]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split() == ["path", "arithmetic", "multi_turn", "seconds"]
+    report = json.load(open(out))
+    assert report["tasks"] == ["arithmetic", "multi_turn"] and report["n_per_task"] == 2
+    assert {"date", "device_name", "command", "commit"} <= set(report) and "eval-tasks" in report["command"]
+    assert report["same_replies_as_engine"] == {"dspark-greedy": True}
+    spec = report["paths"]["dspark-greedy"]["tasks"]["arithmetic"]
+    assert spec["num_drafts"] > 0 and 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
+    assert "replies" not in report

@@ -1,0 +1,222 @@
+"""`m3serve train-learned` on a micro config (CPU, under a minute): training on a few rows lowers the answer loss
+until the model answers most of them, and the engine's greedy replies are right exactly where the teacher-forced
+exact match says so; the trained indexer follows the attention better than its initial one; the saved checkpoint's
+greedy tokens in the engine equal transformers' on it; the trained draft loads in the engine and speculative greedy
+decoding reproduces plain decoding; batching, packing, the experts-path fallback."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+import tarfile
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import MiniMaxM3VLForCausalLM  # noqa: E402
+
+from m3serve import LLM, SamplingParams  # noqa: E402
+from m3serve.config import FULL, SPARSE  # noqa: E402
+from m3serve.learn.config import learned_config  # noqa: E402
+from m3serve.learn.render import prompt_ids  # noqa: E402
+from m3serve.learn.tasks import make_examples  # noqa: E402
+from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
+from m3serve.learn.train import (DenseAttention, IndexerDistill, TrainConfig, answer_loss, batches,  # noqa: E402
+                                 build_target, collate, exact_match, make_rows, pack, pick_experts_implementation,
+                                 save_target, train_target)
+from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
+from m3serve.text.tokenizer import Tokenizer  # noqa: E402
+
+MICRO = dict(hidden_size=32, head_dim=16, index_head_dim=16, num_attention_heads=2, num_key_value_heads=1,
+             index_n_heads=1, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
+             num_hidden_layers=2, layer_types=[FULL, SPARSE], mlp_layer_types=["dense", "sparse"],
+             num_local_experts=4, index_block_size=8, index_topk_blocks=2)
+TASKS = ("arithmetic", "multi_turn")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("learned") / "model")
+    tc = TrainConfig(out=out, device="cpu", tasks=TASKS, train_examples=4, eval_examples=6, workers=1,
+                     tokens_per_batch=4096, max_steps=60, warmup_steps=5, lr=1e-2, dense_frac=0.3, log_every=10,
+                     draft_max_steps=3, draft_tokens_per_batch=1024, draft_anchors=4, model_overrides=MICRO)
+    tok = build_tokenizer(out)
+    cfg = learned_config(-(-tok["vocab_size"] // 64) * 64, tok["bos_token_id"], tok["eos_token_id"], **MICRO)
+    rows = make_rows(out, TASKS, "train", tc.train_examples, 0)
+    eval_rows = make_rows(out, TASKS, "eval", tc.eval_examples, 1)
+    model = build_target(cfg, torch.device("cpu"), 0)
+    pad = tok["eos_token_id"]
+    far = float("inf")
+    target = train_target(model, rows, tc, torch.device("cpu"), far, pad, lambda _msg: None)
+    save_target(model, cfg, out)
+    draft = train_and_save_draft(model, cfg, rows, eval_rows, tc, torch.device("cpu"), far, pad,
+                                 os.path.join(out, "dspark"), lambda _msg: None)
+    return dict(out=out, tc=tc, target=target, draft=draft, model=model, rows=rows, eval_rows=eval_rows, pad=pad,
+                cfg=cfg)
+
+
+def test_training_lowers_the_losses(trained):
+    curve = trained["target"]["curve"]
+    assert trained["target"]["steps"] == 60 and trained["target"]["sparse_from_step"] == 18
+    assert [r["phase"] for r in curve] == ["dense"] * 2 + ["sparse"] * 5  # logged at steps 1, 10, 20 .. 60
+    first, last = curve[0], curve[-1]
+    assert last["loss"] < 0.2 * first["loss"], (first, last)
+    assert all(r["indexer_kl"] >= 0 for r in curve)
+    assert trained["draft"]["steps"] == 3
+    assert {"loss", "ce", "tv", "bce"} <= set(trained["draft"]["curve"][0])
+    acc = trained["draft"]["eval"]["all"]
+    assert len(acc["alpha"]) == 7 and acc["blocks"] > 0
+
+
+def _dense_indexer_kl(model, ids, real) -> float:
+    distill = IndexerDistill(model)
+    distill.enabled = True
+    with torch.no_grad(), DenseAttention(model):
+        model.model(input_ids=ids)
+    for h in distill.handles:
+        h.remove()
+    return float(distill.take(real))
+
+
+def test_indexer_learns_the_attention(trained):
+    """Same trained backbone, same batch: the trained indexer's KL to the dense attention is well below the KL of
+    the indexer it started from."""
+    model = trained["model"]
+    untrained = copy.deepcopy(model)
+    fresh = build_target(trained["cfg"], torch.device("cpu"), 0)
+    untrained.load_state_dict({k: v for k, v in fresh.state_dict().items() if ".indexer." in k}, strict=False)
+    ids, _, real = collate(trained["eval_rows"][-8:], trained["pad"])
+    kl_trained, kl_start = _dense_indexer_kl(model, ids, real), _dense_indexer_kl(untrained, ids, real)
+    assert kl_trained < 0.8 * kl_start, (kl_trained, kl_start)
+
+
+def test_engine_greedy_equals_transformers_and_dspark(trained):
+    out = trained["out"]
+    tok = Tokenizer.from_pretrained(out)
+    prompts = [prompt_ids(e, tok) for task in TASKS for e in make_examples(task, "eval", 1, seed=5)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    hf = MiniMaxM3VLForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            gen = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            want.append(gen[0, len(p):].tolist())
+    with LLM(model=out, device="cpu", dtype="float32") as llm:
+        got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    spec = {"method": "dspark", "num_speculative_tokens": 7}
+    with LLM(model=out, device="cpu", dtype="float32", speculative_config=spec) as llm:
+        drafted = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert drafted == got  # greedy DSpark is lossless with the trained draft loaded
+
+
+def test_engine_answers_where_teacher_forcing_says_so(trained):
+    """The 8 training problems, memorised: teacher-forced exact match (on the reloaded checkpoint) is high, and the
+    engine's greedy replies pass each example's check on exactly as many problems per task."""
+    out = trained["out"]
+    hf = MiniMaxM3VLForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    em = exact_match(hf, trained["rows"], torch.device("cpu"), trained["pad"], 4096)
+    assert sum(em.values()) / len(em) >= 0.75, em
+    tok = Tokenizer.from_pretrained(out)
+    examples = [e for task in TASKS for e in make_examples(task, "train", 4, seed=0)]  # the rows' problems
+    with LLM(model=out, device="cpu", dtype="float32") as llm:
+        replies = llm.generate([prompt_ids(e, tok) for e in examples], SamplingParams(max_tokens=16, temperature=0))
+    for task in TASKS:
+        ok = [e.check(r.text) for e, r in zip(examples, replies) if e.task == task]
+        assert sum(ok) / len(ok) == em[task], (task, ok, em)
+
+
+def test_saved_weights_are_the_trained_ones(trained):
+    """The checkpoint holds the trained model (exact match on the eval rows is the same after reloading)."""
+    model = trained["model"]
+    hf = MiniMaxM3VLForCausalLM.from_pretrained(trained["out"], dtype=torch.float32).eval()
+    ours = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v.to(torch.bfloat16), ours[k]), k
+    em = exact_match(model, trained["eval_rows"], torch.device("cpu"), trained["pad"], 4096)
+    assert set(em) == set(TASKS)
+
+
+def test_batches_fit_the_token_budget():
+    rows = [([1] * n, [0] * (n - 2) + [1, 1], 0) for n in (5, 40, 17, 90, 33, 8, 61, 2, 300)]
+    it = batches(rows, 128, random.Random(0), pad_id=7, group=4)
+    seen = []
+    while len(seen) < len(rows):  # the first pass
+        ids, mask, real = next(it)
+        assert ids.numel() <= 128 or ids.shape[0] == 1
+        assert ids.shape[1] == int(real.sum(-1).max())  # padded to the batch's longest row only
+        assert bool((ids[~real] == 7).all()) and not bool((mask & ~real).any())
+        seen += real.sum(-1).tolist()
+    assert sorted(seen) == sorted(len(r[0]) for r in rows)  # every row exactly once
+
+
+def test_pack_reassembles(tmp_path):
+    src = tmp_path / "m"
+    src.mkdir()
+    payload = os.urandom(2_500_000)
+    (src / "w.bin").write_bytes(payload)
+    names = pack(str(src), str(tmp_path / "out"), part_bytes=1 << 20)
+    assert names == ["part-aa", "part-ab", "part-ac"]
+    joined = tmp_path / "all.tar"
+    joined.write_bytes(b"".join((tmp_path / "out" / n).read_bytes() for n in names))
+    with tarfile.open(joined) as tar:
+        tar.extractall(tmp_path / "x")
+    assert (tmp_path / "x" / "m" / "w.bin").read_bytes() == payload
+
+
+def test_tap_layers():
+    assert tap_layers(6) == [1, 3, 4]  # never the last layer (post-norm in HF's convention)
+    assert tap_layers(4) == [1, 2] and tap_layers(3) == [1] and tap_layers(2) == [-1]
+
+
+def test_cli_parses_train_options():
+    from m3serve.cli import build_parser
+
+    a = build_parser().parse_args(["train-learned", "--out", "x", "--budget-s", "30", "--tasks", "arithmetic",
+                                   "--model-overrides", '{"hidden_size": 64}'])
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    tc = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and v is not None})
+    assert tc.budget_s == 30.0 and tc.tasks == ["arithmetic"] and tc.model_overrides == {"hidden_size": 64}
+    assert tc.lr == TrainConfig.lr  # options not given keep the defaults
+
+
+def test_experts_implementation_falls_back_to_the_loop(monkeypatch, trained):
+    """A grouped-GEMM experts path that fails (e.g. a dtype a device's kernel lacks) is replaced by the loop."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no grouped_mm kernel for this dtype")
+
+    model = copy.deepcopy(trained["model"])
+    model.set_experts_implementation("grouped_mm")
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", broken)
+    ids, mask, _ = collate(trained["eval_rows"][:2], trained["pad"])
+    said = []
+    assert pick_experts_implementation(model, ids, mask, torch.device("cpu"), said.append) == "eager"
+    assert "failed" in said[0] and model.config._experts_implementation == "eager"
+    assert all(p.grad is None for p in model.parameters())
+    answer_loss(model, ids, mask)  # runs
+
+
+def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypatch, trained):
+    import m3serve.learn.train as train
+
+    model = build_target(trained["cfg"], torch.device("cpu"), 1)
+    calls, real_loss = [], train.answer_loss
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 4:  # the probe, then steps 0 and 1 run; step 2 fails
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_loss(*args)
+
+    monkeypatch.setattr(train, "answer_loss", flaky)
+    tc = dataclasses.replace(trained["tc"], max_steps=10, log_every=1)
+    said = []
+    out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], said.append)
+    assert out["steps"] == 2 and out["stopped_by"].startswith("OutOfMemoryError")
+    assert any("step 2 failed" in m for m in said)
+    assert all(p.grad is None for p in model.parameters())  # no half-accumulated gradients left behind
