@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from m3serve.config import ConfigError, normalize_kv_dtype
+from m3serve.kernels import fp8
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.kv_codec import KVCodec
 
@@ -35,6 +36,20 @@ def draft_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     return normalize_kv_dtype(kv_cache_dtype, model_dtype)
 
 
+class _Codec(KVCodec):
+    """The KV codec with its FP8 scale held on the cache's device."""
+
+    def __init__(self, dtype: str, scale: float, device: torch.device):
+        super().__init__(dtype, scale)
+        self.scale_t = torch.tensor(self.scale, dtype=torch.float32, device=device)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (fp8.quantize_fp8(x, self.scale_t)[0],) if self.dtype == "fp8" else super().encode(x)
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return fp8.dequantize_fp8(parts[0], self.scale_t, dtype) if self.dtype == "fp8" else super().decode(parts, dtype)
+
+
 class DraftKVCache:
     def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str = "fp8", dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -49,8 +64,10 @@ class DraftKVCache:
         self.v = [torch.zeros(shape, dtype=_STORAGE[kv_dtype], device=self.device) for _ in range(num_layers)]
         self.k_scale = [float(scales.get(i, (1.0, 1.0))[0]) for i in range(num_layers)]
         self.v_scale = [float(scales.get(i, (1.0, 1.0))[1]) for i in range(num_layers)]
-        self._k_codec = [KVCodec(kv_dtype, s) for s in self.k_scale]
-        self._v_codec = [KVCodec(kv_dtype, s) for s in self.v_scale]
+        # FP8 scales as device tensors made once: a Python-float scale would be copied to the device (a host
+        # synchronisation, and not allowed inside a CUDA graph) by every write and every read
+        self._k_codec = [_Codec(kv_dtype, s, self.device) for s in self.k_scale]
+        self._v_codec = [_Codec(kv_dtype, s, self.device) for s in self.v_scale]
 
     @classmethod
     def for_draft(cls, cfg: DSparkConfig, num_pages: int, block_size: int, kv_cache_dtype: str = "fp8",
