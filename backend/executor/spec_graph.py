@@ -176,7 +176,7 @@ class SpecGraphs:
         state, graphs = StepState(view), []
         for phase in d.phases:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):  # mid-serving: other threads
                 phase(state)
             if self.pool is None:
                 self.pool = g.pool()

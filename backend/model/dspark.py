@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m3serve.distributed.parallel import Parallel
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
 from m3serve.model.layers.moe import swiglu_oai
@@ -117,7 +118,8 @@ class SharedTargetParts:
     they are neither copied, nor saved, nor counted twice)."""
 
     embed_tokens: nn.Module  # ids [...] -> [..., H]
-    lm_head: nn.Module  # [..., H] -> [..., V]
+    lm_head: nn.Module  # [..., H] -> [..., V] (this rank's vocabulary rows under tensor parallelism)
+    parallel: Parallel | None = None  # the target's (None: one rank)
 
 
 def block_mask(ctx_len: torch.Tensor, num_ctx_rows: int, gamma: int, window: int | None, causal: bool
@@ -179,7 +181,7 @@ class DSparkDraft(nn.Module):
         s = anchor_ids.shape[0]
         ids = torch.full((s, g), cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
         ids[:, 0] = anchor_ids
-        x = self.shared.embed_tokens(ids).to(self.dtype)
+        x = self.shared.embed_tokens(ids.flatten()).view(s, g, -1).to(self.dtype)
         positions = anchor_positions[:, None].long() + torch.arange(g, device=anchor_ids.device)[None]
         cos, sin = self.rotary(positions.flatten(), self.dtype)
         masks: dict[tuple, torch.Tensor] = {}
@@ -193,5 +195,7 @@ class DSparkDraft(nn.Module):
 
     @torch.inference_mode()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """U = lm_head(h) with the target's lm_head, fp32 [..., V]."""
-        return self.shared.lm_head(h).float()
+        """U = lm_head(h) with the target's lm_head, fp32 [..., V]: under tensor parallelism each rank's vocabulary
+        rows gathered on every rank (every rank drafts)."""
+        u = self.shared.lm_head(h).float()
+        return u if self.shared.parallel is None else self.shared.parallel.all_gather(u, -1)

@@ -1,0 +1,56 @@
+"""DSpark speculative steps on CUDA, replayed from their graphs (executor/spec_graph.py) and run eagerly: greedy
+tokens identical to plain decoding (fp32 tiny model, fp32 caches), seeded sampled tokens identical with graphs on
+and off, under in-flight batching with batch sizes between the buckets (padded rows) and mixed steps (prefill
+chunks, sequences near max_tokens with fewer drafts) that run eagerly."""
+import pytest
+import torch
+
+from m3serve import LLM, SamplingParams
+from m3serve.engine.spec.controlled import ControlledProposals
+
+pytestmark = pytest.mark.gpu
+K = 5
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, 480, (n,), generator=g).tolist() for n in (20, 90, 150, 7, 64)]
+
+
+def _llm(tiny_model_dir, eager: bool, spec: dict | None):
+    return LLM(model=tiny_model_dir, device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=96,
+               max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager,
+               speculative_config=None if spec is None else {"method": "dspark", "num_speculative_tokens": K, **spec})
+
+
+def _speculate(tiny_model_dir, eager, spec, params, known):
+    llm = _llm(tiny_model_dir, eager, spec)
+    drafter = llm.engine.executor.worker.drafter
+    drafter.proposal_hook = ControlledProposals(known, 0.7, drafter.draft.config.vocab_size, "cuda")
+    outs = [o.token_ids for o in llm.generate(_prompts(), params)]
+    return outs, drafter.graphs, llm.engine.stats()
+
+
+def test_greedy_speculation_equals_plain_decoding_with_graphs_on_and_off(tiny_model_dir):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=100 + i)
+              for i, n in enumerate((40, 33, 25, 48, 30))]
+    plain = [o.token_ids for o in _llm(tiny_model_dir, False, None).generate(_prompts(), params)]
+    known = {100 + i: p + t for i, (p, t) in enumerate(zip(_prompts(), plain))}
+    for eager in (False, True):
+        got, graphs, st = _speculate(tiny_model_dir, eager, {}, params, known)
+        assert got == plain, f"eager={eager}"
+        assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+        if eager:
+            assert graphs is None
+        else:
+            assert graphs.num_steps > 5 and len(graphs.graphs) >= 2  # replayed, several batch buckets
+
+
+def test_sampled_speculation_same_tokens_with_graphs_on_and_off(tiny_model_dir):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=n, ignore_eos=True, seed=200 + i)
+              for i, n in enumerate((30, 22, 35, 18, 27))]
+    known = {200 + i: p for i, p in enumerate(_prompts())}  # no continuation: the draft's own tokens
+    spec = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block", "kv_cache_dtype": "fp8"}
+    graphed, graphs, _ = _speculate(tiny_model_dir, False, spec, params, known)
+    eager, _, _ = _speculate(tiny_model_dir, True, spec, params, known)
+    assert graphed == eager and any(not key[2] for key in graphs.graphs)
