@@ -2,7 +2,9 @@
 
 One `execute(step)` per engine step, as five phases on the device (`phases`), no host synchronisation in between:
 1. draft: for the R speculating sequences (`step.spec`), one draft backbone pass over [anchor, mask x (gamma-1)]
-   reading the draft's paged context cache through the target's block tables -> base logits U;
+   reading the draft's paged context cache through the target's block tables (on CUDA the decode attention kernel
+   reads each sequence's pages in place up to its anchor, split-K partials merged with the block's own rows; on the
+   CPU every page of the table is gathered, the torch reference) -> base logits U;
 2. markov: K sequential Markov steps: K drafts x_1..x_K per sequence, drawn from the draft distribution Q
    (`probabilistic`, the request's sampling transform) or its argmax (`greedy`), with the DRAFT uniform stream
    (engine/spec/rng.py); the drafts go into the step's placeholder tokens (positions t+1..t+k of each sequence);
@@ -92,12 +94,13 @@ class SpeculativeDecoder:
             raise ConfigError(f"vocabulary of {cfg.vocab_size} tokens: speculative decoding supports < {MAX_VOCAB}")
         self.kv_dtype = draft_kv_dtype(spec.kv_cache_dtype, self.draft.dtype)
         self.cache: DraftKVCache | None = None
+        self.paged = False  # the draft reads its context pages through the kernel (`attach`: on CUDA)
         self.runner = None
         self.graphs = None  # SpecGraphs (executor/spec_graph.py) once `enable_graphs` ran
         self._hook: ProposalHook | None = None
         log.info("speculative decoding: DSpark draft %s (%d layers, taps %s), %d tokens per step, %s drafts, %s "
-                 "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft "
-                 "attends with torch SDPA)", spec.draft_dir(model_dir),
+                 "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft's "
+                 "context attention: the paged kernel on CUDA, torch elsewhere)", spec.draft_dir(model_dir),
                  cfg.num_hidden_layers, self.draft.tap_layers, k, spec.draft_sample_method,
                  spec.rejection_sample_method, self.kv_dtype, spec.confidence_threshold, spec.attention_backend)
 
@@ -120,6 +123,10 @@ class SpeculativeDecoder:
                                   self.draft.dtype, runner.device, self.load_report.kv_scales)
         self.runner = runner
         runner.spec = self
+        cfg = self.draft.config
+        # the draft's context attention: on CUDA the kernel reads the pages in place (sliding-window layers: not yet)
+        self.paged = runner.device.type == "cuda" and all(
+            cfg.attention_window(i)[0] is None for i in range(cfg.num_hidden_layers))
 
     def enable_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Speculative steps of decoding sequences only replay CUDA graphs from now on (captured per batch and
@@ -173,7 +180,8 @@ class SpeculativeDecoder:
         tables, k = step.block_tables[sp.seq_index], sp.num_speculative_tokens
         st.blocks = []
         for c in self._chunks(sp.num_seqs):
-            h = self.draft.block_hidden(anchors[c], positions[c], self.cache.context_fn(tables[c]))[:, :k]
+            context = (self.cache.paged_fn if self.paged else self.cache.context_fn)(tables[c])
+            h = self.draft.block_hidden(anchors[c], positions[c], context)[:, :k]
             st.blocks.append((h, self.draft.base_logits(h)))
 
     def markov_phase(self, st: "StepState") -> None:

@@ -20,6 +20,7 @@ import torch
 
 from m3serve.config import ConfigError, normalize_kv_dtype
 from m3serve.kernels import fp8
+from m3serve.model.dspark import PagedContext
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.kv_codec import KVCodec
 
@@ -122,8 +123,25 @@ class DraftKVCache:
         return rows(self.k, self._k_codec), rows(self.v, self._v_codec)
 
     def context_fn(self, block_tables: torch.Tensor) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-        """`layer -> (k, v)` for `DSparkDraft.block_hidden`."""
+        """`layer -> (k, v)` for `DSparkDraft.block_hidden` (every page of the tables gathered: the torch path)."""
         return lambda layer: self.gather(layer, block_tables)
+
+    def paged_fn(self, block_tables: torch.Tensor) -> Callable[[int], PagedContext]:
+        """`layer -> PagedContext` for `DSparkDraft.block_hidden`: the pages read in place by the kernel."""
+        tables = block_tables.to(torch.int32)
+        return lambda layer: PagedContext(_LayerPages(self, layer), tables)
+
+
+class _LayerPages:
+    """One draft layer's pages with the attributes the attention kernels read (kernels/cache.py `LayerCache`)."""
+
+    k_scale_blocks = v_scale_blocks = index = index_scale_blocks = None
+    index_scale = 1.0
+
+    def __init__(self, cache: DraftKVCache, layer: int):
+        self.k, self.v = cache.k[layer], cache.v[layer]
+        fp8 = cache.kv_dtype == "fp8"
+        self.k_scale, self.v_scale = (cache.k_scale[layer], cache.v_scale[layer]) if fp8 else (1.0, 1.0)
 
 
 def commit_slots(slots: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
