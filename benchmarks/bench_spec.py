@@ -146,6 +146,39 @@ def phase_split(r: dict, graphs) -> None:
     graphs.phase_ms = []
 
 
+def describe(a) -> tuple[str, str]:
+    """(the device, the model geometry) of the run."""
+    dev = platform.processor() or "cpu" if a.smoke else torch.cuda.get_device_name()
+    return dev, "toy fp32" if a.smoke else "M3.1-Flash (NVFP4 experts, MXFP8 shared expert, NVFP4 KV)"
+
+
+def save(out: str | None, rows: list[dict], a) -> None:
+    """The rows so far as JSON (rewritten after each batch size)."""
+    if out:
+        dev, geometry = describe(a)
+        with open(out, "w") as f:
+            json.dump({"device": dev, "torch": torch.__version__, "geometry": geometry, "args": vars(a),
+                       "rows": rows}, f, indent=1)
+
+
+def rows_of(results: dict, b: int, ps: list[float]) -> list[dict]:
+    """The table rows of batch size b: each p against the plain run."""
+    base, out = results[("plain", b)], []
+    for p in [0.0] + ps:
+        r, st = results[("spec", b, p)], results[("spec", b, p)]["stats"]
+        tau = st["spec_decode_mean_accepted_length"]
+        speedup = r["tok_s"] / base["tok_s"]
+        out.append({
+            "batch": b, "p": p, "baseline_tok_s": base["tok_s"], "spec_tok_s": r["tok_s"], "speedup": speedup,
+            "acceptance_rate": st["spec_decode_acceptance_rate"],
+            "acceptance_per_pos": st["spec_decode_acceptance_rate_per_pos"], "ideal_speedup": tau,
+            "efficiency": speedup / tau if tau else 0.0, "step_cost": r["step_ms"] / base["step_ms"],
+            "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
+            "phase_ms": r.get("phase_ms"), "graphed_steps": r.get("graphed_steps", 0),
+            "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, toy widths, few tokens: checks the script runs")
@@ -216,26 +249,14 @@ def main(argv: list[str] | None = None) -> int:
                 phase_split(r, drafter.graphs)
                 r["stats"] = eng.spec_stats.as_dict()
                 results[("spec", b, p)] = r
+            if drafter is not None:  # this batch's rows now (and the JSON so far: a run cut short keeps them)
+                rows += rows_of(results, b, ps)
+                save(a.out, rows, a)
             print(f"batch {b} done ({time.perf_counter() - t_build:.0f} s)", flush=True)
         del eng
         if device == "cuda":
             torch.cuda.empty_cache()
-    for b in batches:
-        base = results[("plain", b)]
-        for p in [0.0] + ps:
-            r, st = results[("spec", b, p)], results[("spec", b, p)]["stats"]
-            tau = st["spec_decode_mean_accepted_length"]
-            speedup = r["tok_s"] / base["tok_s"]
-            rows.append({
-                "batch": b, "p": p, "baseline_tok_s": base["tok_s"], "spec_tok_s": r["tok_s"], "speedup": speedup,
-                "acceptance_rate": st["spec_decode_acceptance_rate"],
-                "acceptance_per_pos": st["spec_decode_acceptance_rate_per_pos"], "ideal_speedup": tau,
-                "efficiency": speedup / tau if tau else 0.0, "step_cost": r["step_ms"] / base["step_ms"],
-                "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
-                "phase_ms": r.get("phase_ms"), "graphed_steps": r.get("graphed_steps", 0),
-                "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
-    dev = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
-    geometry = "toy fp32" if a.smoke else "M3.1-Flash (NVFP4 experts, MXFP8 shared expert, NVFP4 KV)"
+    dev, geometry = describe(a)
     print(f"\n{dev}, torch {torch.__version__}; {geometry}, {a.layers} layers, draft {a.draft_layers} layer(s), "
           f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, speculative steps "
           f"{'eager' if a.smoke or a.eager else 'graphed'}\n")
@@ -248,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
               f"{split} | {r['match']:.2f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"device": dev, "torch": torch.__version__, "geometry": geometry, "args": vars(a),
-                       "rows": rows}, f, indent=1)
+    save(a.out, rows, a)
     return 0
 
 
