@@ -412,10 +412,10 @@ def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block
 
 
 def context_partials(q, cache: LayerCache, block_tables, ctx_lens, scale: float):
-    """Dense attention of any number of query heads per sequence over each sequence's first ``ctx_lens[s]`` cached
-    tokens (keys 0..ctx_len-1, no causal mask among the queries), as split-K partials for the caller to merge with
-    keys of its own: q ``[S, H, D]`` with H a multiple of H_kv (query head h reads KV head h // (H / H_kv); the
-    DSpark draft's block rows x heads) -> (``op`` fp32 ``[S, H, n_splits, D]``: each split's normalized output,
+    """Dense attention of one query (H heads) per row over the row's first ``ctx_lens[s]`` cached tokens (keys
+    0..ctx_len-1, whatever the query's position), as split-K partials for the caller to merge with keys of its own
+    (the DSpark draft's block rows: each a row, its sequence's table repeated): q ``[S, H, D]`` (query head h reads
+    KV head h // (H / H_kv)) -> (``op`` fp32 ``[S, H, n_splits, D]``: each split's normalized output,
     ``lse`` fp32 ``[S, H, n_splits]``: its log-sum-exp in log2 units of the scaled scores, -inf where the split saw
     no key). The decode kernel with its split-K outputs; the number of splits depends on the table's width only
     (static in a CUDA graph). `context_partials_ref` is the torch reference."""

@@ -105,23 +105,24 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(s, g, -1))
 
     def _paged(self, q, k, v, ctx: PagedContext, mask: torch.Tensor) -> torch.Tensor:
-        """Block queries q [S, G, H_q, D] over the paged context (split-K partials of the kernel) and the block's
-        own rows k, v [S, G, H_kv, D] (torch: G x G), merged by their log-sum-exps -> [S, G, H_q * D] fp32."""
+        """Block queries q [S, G, H_q, D] over the paged context (each block row a query of the kernel, its
+        sequence's table and length repeated: the decode kernel's own head grouping) and over the block's own rows
+        k, v [S, G, H_kv, D] (torch: G x G), merged by their log-sum-exps -> [S, G, H_q * D] fp32."""
         from m3serve.kernels.msa_attention import context_partials
 
         s, g, _, d = q.shape
         grp = self.n_heads // self.n_kv
         scale = self.head_dim ** -0.5
-        qh = q.view(s, g, self.n_kv, grp, d).permute(0, 2, 1, 3, 4)  # [S, H_kv, G slots, group, D]
-        op, lse = context_partials(qh.reshape(s, -1, d).contiguous(), ctx.cache, ctx.block_tables, ctx.lens, scale)
-        sc = torch.einsum("shqgd,skhd->shqgk", qh.float(), k.float()) * scale
-        sc = sc.masked_fill(~mask[None, None, :, None, :], float("-inf"))
-        own = torch.einsum("shqgk,skhd->shqgd", torch.softmax(sc, -1), v.float())
-        lse_all = torch.cat([lse, (torch.logsumexp(sc, -1) * LOG2E).reshape(s, -1, 1)], -1)  # [S, H', splits + 1]
-        parts = torch.cat([op, own.reshape(s, -1, 1, d)], 2)  # [S, H', splits + 1, D]
+        op, lse = context_partials(q.reshape(s * g, self.n_heads, d).contiguous(), ctx.cache,
+                                   ctx.block_tables.repeat_interleave(g, 0), ctx.lens.repeat_interleave(g), scale)
+        qg = q.view(s, g, self.n_kv, grp, d).float()
+        sc = torch.einsum("sqhgd,skhd->sqhgk", qg, k.float()) * scale
+        sc = sc.masked_fill(~mask[None, :, None, None, :], float("-inf"))
+        own = torch.einsum("sqhgk,skhd->sqhgd", torch.softmax(sc, -1), v.float())
+        lse_all = torch.cat([lse, (torch.logsumexp(sc, -1) * LOG2E).reshape(s * g, -1, 1)], -1)  # [S*G, H_q, n+1]
+        parts = torch.cat([op, own.reshape(s * g, self.n_heads, 1, d)], 2)  # [S*G, H_q, n+1, D]
         w = torch.exp2(lse_all - lse_all.amax(-1, keepdim=True))  # the block's own part is never empty
-        out = (parts * w[..., None]).sum(2) / w.sum(-1)[..., None]  # [S, H', D]
-        return out.view(s, self.n_kv, g, grp, d).permute(0, 2, 1, 3, 4).reshape(s, g, -1)
+        return ((parts * w[..., None]).sum(2) / w.sum(-1)[..., None]).reshape(s, g, -1)
 
 
 class DraftMLP(nn.Module):
