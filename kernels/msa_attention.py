@@ -359,13 +359,11 @@ def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block
     indexer's, else looked up here). NVFP4 at M3's shapes on sm_89/sm_90 runs `nvfp4_mma`'s kernel
     (`dispatch.use_mma_decode_attention`); tile sizes, splits and decoders: `dispatch.Tuning`."""
     S, H_q, D = q.shape
-    k_data = cache.k
-    _, H_kv, B, _ = k_data.shape
-    G = H_q // H_kv
+    _, H_kv, B, _ = cache.k.shape
     out = torch.empty_like(q) if out is None else out
     if S == 0:
         return out
-    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
+    fmt, _, _, k_scale, _ = _kv_operands(cache)
     sparse = block_ids is not None
     on_mma = dispatch.use_mma_decode_attention(q, cache)
     block_n = dispatch.decode_block_n(fmt, sparse, on_mma, B)
@@ -391,6 +389,21 @@ def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block
                                                  sparse, topk, num_splits, tiles_per_split, out, op, lse,
                                                  t.decode_mma_kmode)
         return _merge(out, op, lse, num_splits)
+    _decode_launch(q, cache, block_tables, seq_lens, bid, pg, sparse, topk, block_n, num_splits, tiles_per_split,
+                   out, op, lse, scale)
+    return _merge(out, op, lse, num_splits)
+
+
+def _decode_launch(q, cache: LayerCache, block_tables, seq_lens, bid, pg, sparse: bool, topk: int, block_n: int,
+                   num_splits: int, tiles_per_split: int, out, op, lse, scale: float, split: bool | None = None):
+    """The portable decode kernel's launch: grid (row, KV head, split); ``split`` (default: more than one split)
+    writes the partials ``op`` / ``lse`` instead of ``out``."""
+    S, H_q, D = q.shape
+    k_data = cache.k
+    _, H_kv, B, _ = k_data.shape
+    G = H_q // H_kv
+    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
+    t = dispatch.tuning()
     ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.decode_words(fmt, sparse))
     kwargs = {} if t.decode_num_stages is None else {"num_stages": t.decode_num_stages}
     _msa_decode_kernel[(S, H_kv, num_splits)](
@@ -399,16 +412,15 @@ def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables, block_tables.stride(0), seq_lens,
         bid, pg, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
-        out, out.stride(0), out.stride(1),
+        out, out.stride(0) if out.dim() == 3 else 0, out.stride(1) if out.dim() == 3 else 0,
         op, lse,
         float(scale * k_scale * LOG2E * qk_s), float(v_scale * v_s), tiles_per_split, num_splits,
         G, B,
         G_PAD=max(16, dispatch.next_pow2(G)), D=D, BN=block_n, TOPK=topk, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
-        DOT_DT=dot_dtype(fmt, k_data.dtype), SPLIT=num_splits > 1, PERM=perm,
+        DOT_DT=dot_dtype(fmt, k_data.dtype), SPLIT=num_splits > 1 if split is None else split, PERM=perm,
         ASM=perm and dispatch.asm(q.device),
         num_warps=t.decode_num_warps, **kwargs,
     )
-    return _merge(out, op, lse, num_splits)
 
 
 def context_partials(q, cache: LayerCache, block_tables, ctx_lens, scale: float):
@@ -420,11 +432,8 @@ def context_partials(q, cache: LayerCache, block_tables, ctx_lens, scale: float)
     no key). The decode kernel with its split-K outputs; the number of splits depends on the table's width only
     (static in a CUDA graph). `context_partials_ref` is the torch reference."""
     S, H, D = q.shape
-    k_data = cache.k
-    _, H_kv, B, _ = k_data.shape
-    G = H // H_kv
-    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
-    block_n = dispatch.decode_block_n(fmt, False, False, B)
+    _, H_kv, B, _ = cache.k.shape
+    block_n = dispatch.decode_block_n(cache_format(cache.k), False, False, B)
     max_tiles = block_tables.shape[1] * (B // block_n)
     num_splits, tiles_per_split = dispatch.decode_splits(max_tiles, S * H_kv, False, False, q.device)
     op = torch.empty(S, H, num_splits, D, dtype=torch.float32, device=q.device)
@@ -432,23 +441,8 @@ def context_partials(q, cache: LayerCache, block_tables, ctx_lens, scale: float)
     if S == 0:
         return op, lse
     lens = ctx_lens.to(torch.int32).contiguous()
-    ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.decode_words(fmt, False))
-    t = dispatch.tuning()
-    kwargs = {} if t.decode_num_stages is None else {"num_stages": t.decode_num_stages}
-    _msa_decode_kernel[(S, H_kv, num_splits)](
-        q, q.stride(0), q.stride(1),
-        k_data, cache.v, k_data.stride(0), k_data.stride(1), k_data.stride(2),
-        ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
-        block_tables, block_tables.stride(0), lens,
-        lens, lens, 0, 0,
-        op, 0, 0,
-        op, lse,
-        float(scale * k_scale * LOG2E * qk_s), float(v_scale * v_s), tiles_per_split, num_splits,
-        G, B,
-        G_PAD=max(16, dispatch.next_pow2(G)), D=D, BN=block_n, TOPK=1, SPARSE=False, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
-        DOT_DT=dot_dtype(fmt, k_data.dtype), SPLIT=True, PERM=perm, ASM=perm and dispatch.asm(q.device),
-        num_warps=t.decode_num_warps, **kwargs,
-    )
+    _decode_launch(q, cache, block_tables, lens, lens, lens, False, 1, block_n, num_splits, tiles_per_split, op, op,
+                   lse, scale, split=True)
     return op, lse
 
 
