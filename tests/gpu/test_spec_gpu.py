@@ -76,3 +76,31 @@ def test_sampled_speculation_same_tokens_with_graphs_on_and_off(tiny_model_dir):
     graphed, graphs, _ = _speculate(tiny_model_dir, False, spec, params, known)
     eager, _, _ = _speculate(tiny_model_dir, True, spec, params, known)
     assert graphed == eager and any(not key[2] for key in graphs.graphs)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_draft_context_partials_at_m3_widths(kv):
+    """The draft's paged context attention kernel compiled at M3's widths (64 query / 4 KV heads of 128, pages of
+    128, bf16 queries), contexts of 0 to 3000 tokens, against its torch reference (merged over the splits)."""
+    from m3serve.engine.spec.draft_cache import DraftKVCache
+    from m3serve.kernels.msa_attention import context_partials, context_partials_ref
+
+    g = torch.Generator("cuda").manual_seed(0)
+    lens = [0, 100, 700, 3000]
+    cache = DraftKVCache(1, 120, 128, 4, 128, kv, torch.bfloat16, "cuda", scales={0: (0.25, 0.5)})
+    tables = torch.randperm(120, device="cuda", generator=g)[:4 * 24].view(4, 24).to(torch.int32)
+    for s, n in enumerate(lens):
+        pos = torch.arange(n, device="cuda")
+        kv_rows = torch.randn(2, n, 4, 128, device="cuda", generator=g)
+        cache.write(0, tables[s, pos // 128].long() * 128 + pos % 128, kv_rows[0], kv_rows[1])
+    pages = cache.paged_fn(tables)(0).cache
+    q = torch.randn(4, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    ctx = torch.tensor(lens, device="cuda")
+    op, lse = context_partials(q, pages, tables, ctx, 128 ** -0.5)
+    rop, rlse = context_partials_ref(q, pages, tables, ctx, 128 ** -0.5)
+    top = lse.amax(-1, keepdim=True)
+    w = torch.exp2(lse[1:] - top[1:])
+    merged = (op[1:] * w[..., None]).sum(2) / w.sum(-1)[..., None]
+    assert torch.allclose(merged, rop[1:, :, 0], atol=2e-2, rtol=2e-2), (merged - rop[1:, :, 0]).abs().max()
+    assert torch.allclose(torch.log2(w.sum(-1)) + top[1:, :, 0], rlse[1:, :, 0], atol=2e-2)
+    assert bool((lse[0] == float("-inf")).all())
