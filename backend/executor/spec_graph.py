@@ -15,7 +15,8 @@ in the same order). So a step costs five replays and no synchronisation: the onl
 the host (`PendingOutput`). With `timing` set, a CUDA event is recorded between the phases (`phase_ms`).
 
 A bucket's graphs are captured at its first step: that step runs its phases eagerly over the buffers (compiling
-the kernels; its result is the step's), then each phase is captured. A new proposal hook drops them (`clear`).
+the kernels; its result is the step's), then each phase is captured (should a capture fail, the error is logged
+and speculative steps run eagerly from then on). A new proposal hook drops them (`clear`).
 On the CPU (the tests) nothing is captured: every step runs the same static-buffer path eagerly.
 """
 from __future__ import annotations
@@ -142,7 +143,12 @@ class SpecGraphs:
         else:
             out = self.decoder.run(view)  # eager over the buffers: this step's result, and the warm-up
             if self.capture_graphs:
-                self.graphs[key] = self._capture(view)
+                try:
+                    self.graphs[key] = self._capture(view)
+                except Exception:  # the step's result stands; later steps run the same phases eagerly
+                    log.exception("capturing the speculative step's graphs failed: speculative steps run eagerly")
+                    self.capture_graphs = False
+                    torch.cuda.synchronize(self.decoder.runner.device)
         return _rows(out, n)
 
     def _replay(self, graphs: list[torch.cuda.CUDAGraph]) -> None:
