@@ -335,9 +335,6 @@ class EngineConfig:
             if k is not None and self.max_num_batched_tokens < k + 1:
                 problems.append(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold one speculative "
                                 f"step (num_speculative_tokens + 1 = {k + 1})")
-            if isinstance(tp, int) and tp > 1:
-                problems.append("speculative_config: speculative decoding with tensor_parallel_size > 1 is not "
-                                "supported yet (the draft runs on rank 0's device only)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")

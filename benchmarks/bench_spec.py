@@ -1,17 +1,15 @@
 #!/usr/bin/env python3
 """DSpark speculative decoding in the engine: decode tokens/s with and without speculation, against the ideal
-speedup for the acceptance measured in the same run, on the M3 geometry cut to a few layers (random weights).
+speedup for the acceptance measured in the same run, on the M3.1-Flash geometry cut to a few layers (random weights).
 
-    python benchmarks/bench_spec.py --out /tmp/bench_spec.json        (H200: one device call, see below)
+    python benchmarks/bench_spec.py --out /tmp/bench_spec.json        (H200, ~3-4 minutes)
     python benchmarks/bench_spec.py --smoke --out /tmp/s.json          (CPU, toy sizes: checks the script runs)
-On the lent H200, through benchmarks/device_run.sh (the package laid out on PYTHONPATH):
-    STEPS=spec bash benchmarks/device_run.sh                          (writes $OUT/bench_spec.{json,log})
 
-Model: `build_m3_cut` — MiniMax-M3's widths (hidden 6144, 64 query / 4 KV heads of 128, 128 experts top-4 of
-3072, dense MLP 12288, vocabulary 200,064, MSA blocks of 128) with --layers layers (the first full attention +
-dense MLP, the rest MSA + MoE, as M3's first and later layers), random bf16 weights. The DSpark draft: the tiny
-draft's architecture at these widths (--draft-layers dense layers, Markov rank 256, confidence head), random,
-written as a checkpoint to a temporary folder and loaded by the engine's loader.
+Model: benchmarks/geometry.py's `flash_geometry(--layers)` + `random_model`: MiniMax-M3.1-Flash's shapes, layer 0
+full attention + dense MLP, the rest MSA + MoE with NVFP4 routed experts and an MXFP8 shared expert, bf16 elsewhere;
+NVFP4 KV cache and index keys. The DSpark draft: the tiny draft's architecture at these widths (--draft-layers dense
+layers, Markov rank 256, confidence head), random, written as a checkpoint to a temporary folder and loaded by the
+engine's loader. (--smoke: a toy fp32 cut of M3, `build_m3_cut`, where greedy speculation must match exactly.)
 
 Controlled acceptance (a random draft is never right): the real draft runs for its cost, then its proposals go
 through `ControlledProposals` (engine/spec/controlled.py): at each drafted position the draft's token is
@@ -20,24 +18,24 @@ first by the speculative engine with p = 0 so the numerics are the verify path's
 true mixture distribution. With greedy decoding a drafted position whose prefix was accepted is then accepted
 with probability ~p.
 
-Per batch size B (--batches) the same B random prompts (--prompt-len tokens, --gen-len greedy tokens each,
-ignore_eos) run through:
-  baseline (graphs)  the engine without speculation, CUDA graphs for decode (the default)
-  baseline (eager)   the same with enforce_eager (speculative steps always run eagerly)
-  spec p=0           speculation with K = --k drafts, none replaced: the recording run, and the cost of drafts
-                     that are all rejected
-  spec p             for each p in --ps
+Per batch size B (--batches, default 1,4,8,16,32) the same B random prompts (--prompt-len tokens, --gen-len greedy
+tokens each, ignore_eos) run through:
+  plain      the engine without speculation, CUDA graphs for decode (the default)
+  spec p=0   speculation with K = --k drafts, none replaced: the recording run, and the cost of drafts that are all
+             rejected; speculative steps replay their CUDA graphs (executor/spec_graph.py; --eager: eagerly)
+  spec p     for each p in --ps
 Decode tokens/s = tokens generated after every request's first token / wall time of those steps (the prefill
 step is excluded). Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a
 speculative step emits: what a free draft and a verify forward as cheap as a decode step would give).
-Efficiency = speedup over the graph baseline / tau (goal >= 0.8). "step cost" = mean speculative step time /
-mean baseline step time, the reason efficiency falls short of 1. "match" = fraction of requests whose tokens equal
-the graph baseline's (greedy: expected 1.0 up to bf16 near-ties between the decode and verify kernels).
+Efficiency = speedup / tau (goal >= 0.8). "step cost" = mean speculative step time / mean plain step time, in plain
+steps. The split: mean device time of each phase graph of the graphed steps (CUDA events between the replays:
+draft backbone, Markov steps, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
+and acceptance, insert = the draft-cache rows), and "host" = the step's wall time minus those. "match" = fraction
+of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties between the decode and verify
+kernels).
 
 Caveat, to read the figures: the cut model has few layers while the draft keeps its full width, so the draft's
-share of a step is larger than on the 60-layer model; the MoE layer runs whatever method the engine picks on the
-device (the dense all-experts method until the MoE kernels land reads every expert whatever the token count,
-which favours the multi-token verify step).
+share of a step is larger than on the 60-layer model.
 """
 from __future__ import annotations
 
@@ -62,6 +60,11 @@ from m3serve.engine.spec.metrics import SpecDecodeStats  # noqa: E402
 from m3serve.engine.step_builder import as_int64  # noqa: E402
 from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from geometry import flash_geometry, random_model  # noqa: E402
+
+PHASES = ("draft", "markov", "verify", "rule", "insert")  # SpeculativeDecoder.phases (target forward = "verify")
 
 M3_WIDTHS = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                  intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4, dense_intermediate_size=12288,
@@ -128,58 +131,102 @@ def run_batch(eng: LLMEngine, prompts: list[list[int]], gen: int, seed0: int) ->
             "steps": steps, "tok_s": decoded / dt if dt > 0 else 0.0, "step_ms": 1e3 * dt / max(steps, 1)}
 
 
+def phase_split(r: dict, graphs) -> None:
+    """Mean device time of each phase of the graphed speculative steps (CUDA events between the phase graphs), and
+    the host's share: the step's wall time not covered by them."""
+    if graphs is None:
+        return
+    graphs.flush_timing()
+    ms = graphs.phase_ms
+    if ms:
+        mean = [sum(col) / len(ms) for col in zip(*ms)]
+        r["phase_ms"] = dict(zip(PHASES, mean))
+        r["phase_ms"]["host"] = max(0.0, r["step_ms"] - sum(mean))
+        r["graphed_steps"] = len(ms)
+    graphs.phase_ms = []
+
+
+def describe(a) -> tuple[str, str]:
+    """(the device, the model geometry) of the run."""
+    dev = platform.processor() or "cpu" if a.smoke else torch.cuda.get_device_name()
+    return dev, "toy fp32" if a.smoke else "M3.1-Flash (NVFP4 experts, MXFP8 shared expert, NVFP4 KV)"
+
+
+def save(out: str | None, rows: list[dict], a) -> None:
+    """The rows so far as JSON (rewritten after each batch size)."""
+    if out:
+        dev, geometry = describe(a)
+        with open(out, "w") as f:
+            json.dump({"device": dev, "torch": torch.__version__, "geometry": geometry, "args": vars(a),
+                       "rows": rows}, f, indent=1)
+
+
+def rows_of(results: dict, b: int, ps: list[float]) -> list[dict]:
+    """The table rows of batch size b: each p against the plain run."""
+    base, out = results[("plain", b)], []
+    for p in [0.0] + ps:
+        r, st = results[("spec", b, p)], results[("spec", b, p)]["stats"]
+        tau = st["spec_decode_mean_accepted_length"]
+        speedup = r["tok_s"] / base["tok_s"]
+        out.append({
+            "batch": b, "p": p, "baseline_tok_s": base["tok_s"], "spec_tok_s": r["tok_s"], "speedup": speedup,
+            "acceptance_rate": st["spec_decode_acceptance_rate"],
+            "acceptance_per_pos": st["spec_decode_acceptance_rate_per_pos"], "ideal_speedup": tau,
+            "efficiency": speedup / tau if tau else 0.0, "step_cost": r["step_ms"] / base["step_ms"],
+            "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
+            "phase_ms": r.get("phase_ms"), "graphed_steps": r.get("graphed_steps", 0),
+            "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, toy widths, few tokens: checks the script runs")
     ap.add_argument("--out", default=None, help="JSON results (a markdown table is printed)")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--ps", default="0.5,0.8,0.95")
+    ap.add_argument("--batches", default="1,4,8,16,32")
+    ap.add_argument("--ps", default="0.5,0.9")
     ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=1)
-    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: M3's 128)")
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=96)
     ap.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
     ap.add_argument("--draft-kv-cache-dtype", default="fp8")
+    ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
     a = ap.parse_args(argv)
     if a.smoke:
         a.batches, a.ps, a.layers, a.prompt_len, a.gen_len, a.k = "1,2", "0.8", 2, 20, 10, 3
     device = "cpu" if a.smoke else "cuda"
-    dtype = torch.float32 if a.smoke else torch.bfloat16
-    widths = dict(SMOKE_WIDTHS) if a.smoke else {}
-    if a.experts:
-        widths["num_local_experts"] = a.experts
     batches = [int(b) for b in a.batches.split(",")]
     ps = [float(p) for p in a.ps.split(",")]
     t_build = time.perf_counter()
-    model = build_m3_cut(a.layers, device, dtype, **widths)
+    if a.smoke:  # fp32 toy widths: greedy speculation must match exactly
+        model = build_m3_cut(a.layers, device, torch.float32, **SMOKE_WIDTHS)
+        kv = {}
+    else:  # M3.1-Flash: NVFP4 routed experts, MXFP8 shared expert, bf16 elsewhere; NVFP4 KV and index keys
+        model = random_model(flash_geometry(a.layers), device)
+        kv = dict(kv_cache_dtype="nvfp4", attention_config={"indexer_kv_dtype": "nvfp4"})
     cfg = model.config
     tmp = tempfile.mkdtemp(prefix="bench_spec_")
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_dict(), f)
     write_draft(model, os.path.join(tmp, "dspark"), a.draft_layers, a.k, 16 if a.smoke else 256)
     print(f"built the model and its draft in {time.perf_counter() - t_build:.1f} s", flush=True)
 
     bs = cfg.index_block_size
     max_len = a.prompt_len + a.gen_len + a.k + 1
     pages = max(batches) * -(-max_len // bs) + 8
-    common = dict(model=tmp, device=device, dtype=str(dtype).split(".")[1], max_model_len=max_len,
+    common = dict(model=tmp, device=device, dtype=str(model.dtype).split(".")[1], max_model_len=max_len,
                   max_num_seqs=max(batches), max_num_batched_tokens=max(4096, max(batches) * (a.k + 1)),
-                  num_gpu_blocks_override=pages, enable_prefix_caching=False)
+                  num_gpu_blocks_override=pages, enable_prefix_caching=False, enforce_eager=a.smoke, **kv)
     spec_cfg = {"method": "dspark", "num_speculative_tokens": a.k, "draft_sample_method": a.draft_sample_method,
                 "kv_cache_dtype": a.draft_kv_cache_dtype}
     g = torch.Generator().manual_seed(1)
     prompts = {b: [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(b)]
                for b in batches}
     warm = [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
-    engines = {"graphs": dict(enforce_eager=False), "eager": dict(enforce_eager=True),
-               "spec": dict(enforce_eager=True, speculative_config=spec_cfg)}
+    engines = {"plain": {}, "spec": dict(speculative_config=spec_cfg, enforce_eager=a.smoke or a.eager)}
     rows, results = [], {}
     for name, opts in engines.items():
-        if a.smoke and name == "graphs":
-            continue  # no CUDA graphs on the CPU
-        eng = LLMEngine(EngineConfig(**common, **opts), model=model)
+        eng = LLMEngine(EngineConfig(**{**common, **opts}), model=model)
         drafter = eng.executor.worker.drafter
         for b in batches:
             if not a.smoke:  # compile / warm every shape first
@@ -194,43 +241,35 @@ def main(argv: list[str] | None = None) -> int:
                     drafter.proposal_hook = ControlledProposals(known, p, cfg.vocab_size, device)
                 else:
                     drafter.proposal_hook = None
+                if drafter.graphs is not None:  # warm (capture) this p's graphs, then time the phases
+                    run_batch(eng, warm[:b], min(a.gen_len, 2 * (a.k + 1)), 500)
+                    drafter.graphs.timing, drafter.graphs.phase_ms = True, []
                 eng.spec_stats = SpecDecodeStats(a.k)
                 r = run_batch(eng, prompts[b], a.gen_len, 1000)
+                phase_split(r, drafter.graphs)
                 r["stats"] = eng.spec_stats.as_dict()
                 results[("spec", b, p)] = r
+            if drafter is not None:  # this batch's rows now (and the JSON so far: a run cut short keeps them)
+                rows += rows_of(results, b, ps)
+                save(a.out, rows, a)
+            print(f"batch {b} done ({time.perf_counter() - t_build:.0f} s)", flush=True)
         del eng
         if device == "cuda":
             torch.cuda.empty_cache()
-    for b in batches:
-        base = results.get(("graphs", b)) or results[("eager", b)]
-        eager = results[("eager", b)]
-        for p in [0.0] + ps:
-            r, st = results[("spec", b, p)], results[("spec", b, p)]["stats"]
-            tau = st["spec_decode_mean_accepted_length"]
-            speedup = r["tok_s"] / base["tok_s"]
-            rows.append({
-                "batch": b, "p": p, "baseline_graphs_tok_s": results.get(("graphs", b), {}).get("tok_s"),
-                "baseline_eager_tok_s": eager["tok_s"], "spec_tok_s": r["tok_s"], "speedup": speedup,
-                "speedup_vs_eager": r["tok_s"] / eager["tok_s"], "acceptance_rate": st["spec_decode_acceptance_rate"],
-                "acceptance_per_pos": st["spec_decode_acceptance_rate_per_pos"], "ideal_speedup": tau,
-                "efficiency": speedup / tau if tau else 0.0, "step_cost": r["step_ms"] / base["step_ms"],
-                "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
-                "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
-    dev = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
-    print(f"\n{dev}, torch {torch.__version__}; {a.layers} layers, draft {a.draft_layers} layer(s), K={a.k}, "
-          f"prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}\n")
-    head = ("| batch | p | baseline tok/s (graphs) | baseline tok/s (eager) | spec tok/s | speedup | acceptance | "
-            "ideal (tau) | efficiency | step cost | match |")
+    dev, geometry = describe(a)
+    print(f"\n{dev}, torch {torch.__version__}; {geometry}, {a.layers} layers, draft {a.draft_layers} layer(s), "
+          f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, speculative steps "
+          f"{'eager' if a.smoke or a.eager else 'graphed'}\n")
+    head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
+            "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | match |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
-        gph = "-" if r["baseline_graphs_tok_s"] is None else f"{r['baseline_graphs_tok_s']:.1f}"
-        print(f"| {r['batch']} | {r['p']} | {gph} | {r['baseline_eager_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f} | {r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | "
-              f"{r['step_cost']:.2f} | {r['match']:.2f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"device": dev, "torch": torch.__version__, "args": vars(a), "rows": rows}, f, indent=1)
+        split = " | ".join("-" if r["phase_ms"] is None else f"{r['phase_ms'][ph]:.2f}" for ph in PHASES + ("host",))
+        print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
+              f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
+              f"{split} | {r['match']:.2f} |")
+    save(a.out, rows, a)
     return 0
 
 

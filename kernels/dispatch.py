@@ -131,7 +131,10 @@ def prefill_tiles(query_start_loc, block_t: int, device) -> torch.Tensor:
     qsl = [int(x) for x in query_start_loc]
     rows = [(s, t, min(t + block_t, qsl[s + 1])) for s in range(len(qsl) - 1)
             for t in range(qsl[s], qsl[s + 1], block_t)]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 3)
+    tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+    if torch.device(device).type == "cuda":  # from page-locked memory: the copy does not wait for the device
+        return tiles.pin_memory().to(device, non_blocking=True)
+    return tiles.to(device)
 
 
 def _rows_per_tile(rows: int, pad: int) -> int:

@@ -48,7 +48,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from . import dispatch  # noqa: E402
-from .cache import LayerCache, gather_part_ref  # noqa: E402
+from .cache import LayerCache, cache_part, dequant_pages_ref, gather_part_ref  # noqa: E402
 from .codecs import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8, FP8_WORDS_UNSCALE, NVFP4, NVFP4_UNSCALE,  # noqa: E402
                      cache_format, cast_to, dot_dtype, fp8_words_f16, joined_cols, nvfp4_joined_tile, nvfp4_tile_f16,
                      nvfp4_words_f16)
@@ -359,13 +359,11 @@ def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block
     indexer's, else looked up here). NVFP4 at M3's shapes on sm_89/sm_90 runs `nvfp4_mma`'s kernel
     (`dispatch.use_mma_decode_attention`); tile sizes, splits and decoders: `dispatch.Tuning`."""
     S, H_q, D = q.shape
-    k_data = cache.k
-    _, H_kv, B, _ = k_data.shape
-    G = H_q // H_kv
+    _, H_kv, B, _ = cache.k.shape
     out = torch.empty_like(q) if out is None else out
     if S == 0:
         return out
-    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
+    fmt, _, _, k_scale, _ = _kv_operands(cache)
     sparse = block_ids is not None
     on_mma = dispatch.use_mma_decode_attention(q, cache)
     block_n = dispatch.decode_block_n(fmt, sparse, on_mma, B)
@@ -391,6 +389,21 @@ def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block
                                                  sparse, topk, num_splits, tiles_per_split, out, op, lse,
                                                  t.decode_mma_kmode)
         return _merge(out, op, lse, num_splits)
+    _decode_launch(q, cache, block_tables, seq_lens, bid, pg, sparse, topk, block_n, num_splits, tiles_per_split,
+                   out, op, lse, scale)
+    return _merge(out, op, lse, num_splits)
+
+
+def _decode_launch(q, cache: LayerCache, block_tables, seq_lens, bid, pg, sparse: bool, topk: int, block_n: int,
+                   num_splits: int, tiles_per_split: int, out, op, lse, scale: float, split: bool | None = None):
+    """The portable decode kernel's launch: grid (row, KV head, split); ``split`` (default: more than one split)
+    writes the partials ``op`` / ``lse`` instead of ``out``."""
+    S, H_q, D = q.shape
+    k_data = cache.k
+    _, H_kv, B, _ = k_data.shape
+    G = H_q // H_kv
+    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
+    t = dispatch.tuning()
     ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.decode_words(fmt, sparse))
     kwargs = {} if t.decode_num_stages is None else {"num_stages": t.decode_num_stages}
     _msa_decode_kernel[(S, H_kv, num_splits)](
@@ -399,16 +412,62 @@ def msa_decode(q, cache: LayerCache, block_tables, seq_lens, scale: float, block
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables, block_tables.stride(0), seq_lens,
         bid, pg, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
-        out, out.stride(0), out.stride(1),
+        out, out.stride(0) if out.dim() == 3 else 0, out.stride(1) if out.dim() == 3 else 0,
         op, lse,
         float(scale * k_scale * LOG2E * qk_s), float(v_scale * v_s), tiles_per_split, num_splits,
         G, B,
         G_PAD=max(16, dispatch.next_pow2(G)), D=D, BN=block_n, TOPK=topk, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
-        DOT_DT=dot_dtype(fmt, k_data.dtype), SPLIT=num_splits > 1, PERM=perm,
+        DOT_DT=dot_dtype(fmt, k_data.dtype), SPLIT=num_splits > 1 if split is None else split, PERM=perm,
         ASM=perm and dispatch.asm(q.device),
         num_warps=t.decode_num_warps, **kwargs,
     )
-    return _merge(out, op, lse, num_splits)
+
+
+def context_partials(q, cache: LayerCache, block_tables, ctx_lens, scale: float):
+    """Dense attention of one query (H heads) per row over the row's first ``ctx_lens[s]`` cached tokens (keys
+    0..ctx_len-1, whatever the query's position), as split-K partials for the caller to merge with keys of its own
+    (the DSpark draft's block rows: each a row, its sequence's table repeated): q ``[S, H, D]`` (query head h reads
+    KV head h // (H / H_kv)) -> (``op`` fp32 ``[S, H, n_splits, D]``: each split's normalized output,
+    ``lse`` fp32 ``[S, H, n_splits]``: its log-sum-exp in log2 units of the scaled scores, -inf where the split saw
+    no key). The decode kernel with its split-K outputs; the number of splits depends on the table's width only
+    (static in a CUDA graph). `context_partials_ref` is the torch reference."""
+    S, H, D = q.shape
+    _, H_kv, B, _ = cache.k.shape
+    block_n = dispatch.decode_block_n(cache_format(cache.k), False, False, B)
+    max_tiles = block_tables.shape[1] * (B // block_n)
+    num_splits, tiles_per_split = dispatch.decode_splits(max_tiles, S * H_kv, False, False, q.device)
+    op = torch.empty(S, H, num_splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(S, H, num_splits, dtype=torch.float32, device=q.device)
+    if S == 0:
+        return op, lse
+    lens = ctx_lens.to(torch.int32).contiguous()
+    _decode_launch(q, cache, block_tables, lens, lens, lens, False, 1, block_n, num_splits, tiles_per_split, op, op,
+                   lse, scale, split=True)
+    return op, lse
+
+
+def context_partials_ref(q, cache: LayerCache, block_tables, ctx_lens, scale: float):
+    """`context_partials` in torch, as one split: every page of the table gathered (the reference path)."""
+    S, H, D = q.shape
+    B = cache.k.shape[2]
+    tables = block_tables.long()
+
+    def rows(part: str) -> torch.Tensor:  # [S, W * B, H_kv, D]
+        data, blocks, sc = cache_part(cache, part)
+        x = dequant_pages_ref(data[tables], None if blocks is None else blocks[tables], sc)  # [S, W, H_kv, B, D]
+        return x.transpose(2, 3).reshape(S, -1, x.shape[2], x.shape[-1])
+
+    keys, vals = rows("k"), rows("v")
+    g = H // keys.shape[2]
+    sc = torch.einsum("shd,sjhd->shj", q.float(), keys.float().repeat_interleave(g, 2)) * scale
+    keep = torch.arange(tables.shape[1] * B, device=q.device)[None, None, :] < ctx_lens[:, None, None]
+    sc = sc.masked_fill(~keep, float("-inf"))
+    m = sc.amax(-1, keepdim=True)
+    p = torch.exp(sc - torch.where(m == float("-inf"), 0.0, m))
+    l_ = p.sum(-1, keepdim=True)
+    out = torch.einsum("shj,sjhd->shd", p, vals.float().repeat_interleave(g, 2)) / torch.where(l_ == 0, 1.0, l_)
+    lse = torch.where(l_[..., 0] == 0, float("-inf"), (m[..., 0] + torch.log(l_[..., 0].clamp_min(1e-30))) * LOG2E)
+    return out[:, :, None], lse[:, :, None]
 
 
 def _merge(out, op, lse, num_splits: int):

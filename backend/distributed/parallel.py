@@ -70,6 +70,15 @@ class Parallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim` in rank order, on every rank."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim)
+
     def gather_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Every rank's `x` concatenated along `dim` in rank order, on rank 0; None on the others."""
         if self.size == 1:

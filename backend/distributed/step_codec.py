@@ -20,9 +20,9 @@ import struct
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, SamplingInput, StepInput
+from m3serve.engine.step import SamplerOutput, SamplingInput, SpecInput, StepInput
 
-CLASSES = (StepInput, SamplingInput, SamplerOutput)
+CLASSES = (StepInput, SamplingInput, SamplerOutput, SpecInput)
 DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32, torch.float16,
           torch.bfloat16, torch.float64)
 NONE, INT, BOOL, FLOAT, TENSOR, LIST, OBJ = range(7)

@@ -46,9 +46,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
-        """Final hidden states [T, H] of a step already on the device."""
+        """Final hidden states [T, H] of a step already on the device (its tile maps planned here unless a CUDA
+        graph's static step already carries them)."""
         plan = getattr(self.backend, "plan", None)
-        if plan is not None:
+        if plan is not None and step.attn_tiles is None:
             plan(step)
         return self.model(step, self.backend)
 

@@ -2,7 +2,7 @@
 
 Rank 0 is a `Worker` in the engine process (the engine schedules and samples there); ranks 1..N-1 are worker
 processes (`worker_process.py`), spawned here, so also from inside Triton's Python backend stub. Each step:
-the `StepInput` (sampling fields stripped: only rank 0 samples) is written once to shared memory and a 24-byte
+the `StepInput` (sampling fields stripped but for speculative steps: only rank 0 samples; every rank drafts) is written once to shared memory and a 24-byte
 command wakes every worker (`distributed/shm_channel.py`); all ranks run the same forward, their collectives go
 over the process group (NCCL on CUDA, gloo on CPU); the logits are gathered to rank 0, which samples.
 
@@ -233,7 +233,8 @@ class MultiprocExecutor(Executor):
             if self.failure is not None or self._closed:
                 raise RuntimeError(f"the tensor-parallel executor is down: {self.failure or 'shut down'}")
             try:
-                self.channel.send(ch.STEP, obj=dataclasses.replace(step, sampling=None))
+                # a speculative step keeps its sampling fields: every rank draws the same drafts from them
+                self.channel.send(ch.STEP, obj=step if step.spec is not None else dataclasses.replace(step, sampling=None))
                 return self.worker.execute(step, timeout_s=self.timeout_s)
             except BaseException as e:
                 self._fail(self._diagnose(e))

@@ -1,27 +1,44 @@
 """The worker's DSpark speculative step (design/dspark.md section 2; the engine side is engine/spec/scheduling.py).
 
-One `execute(step)` per engine step, all on the device, no host synchronisation in between:
-1. propose: for the R speculating sequences (`step.spec`), one draft backbone pass over [anchor, mask x (gamma-1)]
-   reading the draft's paged context cache through the target's block tables, then K sequential Markov steps:
-   K drafts x_1..x_K per sequence, drawn from the draft distribution Q (`probabilistic`, the request's sampling
-   transform) or its argmax (`greedy`), with the DRAFT uniform stream (engine/spec/rng.py);
-2. the drafts go into the step's placeholder tokens (positions t+1..t+k of each sequence), and the target runs
-   ONE forward over the whole step: prefill chunks, plain decodes and the speculating sequences' k+1 verify
-   positions together (multi-token queries: the prefill attention kernels / the reference attention), its tapped
-   layers recorded (`TapRecorder`);
-3. sample: plain rows through the sampler as usual; each speculating row's k+1 verify logits -> the target's
+One `execute(step)` per engine step, as five phases on the device (`phases`), no host synchronisation in between:
+1. draft: for the R speculating sequences (`step.spec`), one draft backbone pass over [anchor, mask x (gamma-1)]
+   reading the draft's paged context cache through the target's block tables (on CUDA the decode attention kernel
+   reads each sequence's pages in place up to its anchor, split-K partials merged with the block's own rows; on the
+   CPU every page of the table is gathered, the torch reference) -> base logits U;
+2. markov: K sequential Markov steps: K drafts x_1..x_K per sequence, drawn from the draft distribution Q
+   (`probabilistic`, the request's sampling transform) or its argmax (`greedy`), with the DRAFT uniform stream
+   (engine/spec/rng.py); the drafts go into the step's placeholder tokens (positions t+1..t+k of each sequence);
+3. target: ONE forward over the whole step: prefill chunks, plain decodes and the speculating sequences' k+1
+   verify positions together (multi-token queries: the prefill attention kernels / the reference attention), its
+   tapped layers recorded (`TapRecorder`);
+4. rule: plain rows through the sampler as usual; each speculating row's k+1 verify logits -> the target's
    distributions T (the same transform), verified against Q by rule "standard" or "block" (engine/spec/verify.py)
    with the ACCEPT / FINAL uniform streams: n accepted drafts and one correction / bonus token;
-4. insert: the tapped features of every row the target computed and kept (prefill rows, plain decodes, anchors
-   and accepted drafts) become draft-cache rows at the target's slots; rejected drafts' rows go to the scratch
-   slot -1. So every committed target row has its draft row, and prefix-cache pages stay consistent.
+5. insert: the tapped features of every row the target computed become draft-cache rows at the target's slots
+   (a rejected draft's row, like its target KV row, lies past the accepted length: never read, rewritten when that
+   position is committed). So the draft cache does not depend on verification, and tensor-parallel ranks, which
+   all run every phase (rank 0 alone verifies), keep identical caches and draw identical drafts.
 It returns up to K+1 tokens per row (`SamplerOutput.num_tokens`) with their raw logprobs; the engine appends them,
 rolls its pages back to the accepted length and applies stop conditions.
 
+Steps where every sequence speculates with K drafts replay one CUDA graph per phase (executor/spec_graph.py);
+other steps (prefill chunks, plain decodes, fewer drafts, top-n logprobs) run the phases eagerly.
+
+Launches and host synchronisations of one speculative step (counted by reading the code; launches = torch ops
+dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers, K = 7, one chunk):
+  before (2026-12-04, eager):  draft + Markov 375, rule 264, insert 96 launches, plus the target's forward launched
+    kernel by kernel; Python loops over K (the Markov steps), the draft layers and the chunks, none over sequences.
+    Host synchronisations 3 + 4 L_d (L_d = draft layers; +1 with a confidence threshold): the two attention tile
+    maps copied from pageable memory, every FP8 draft-cache write and read turning its Python-float scale into a
+    device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
+    host. 7 for the benchmark's 1-layer draft.
+  after, graphed:  22 small copies / fills into the persistent buffers, then 5 graph replays; ONE host
+    synchronisation (the tokens' copy to the host). Eager steps: the same launches as before minus the sync points
+    (tile maps from page-locked memory, scales held on the device): one synchronisation too.
+
 Memory: the fp32 [rows, K+1, V] tensors of verification (and the draft's [rows, K, V]) are made `CHUNK_ELEMENTS`
-at a time; only the draft's Q of every speculating row ([R, K, V] fp32, `probabilistic` only) lives through the
-target forward. Speculative steps are multi-token, so they run eagerly: the worker captures no CUDA graphs when
-speculative decoding is on (every step must also record the tapped layers).
+at a time; the draft's U and Q of every speculating row ([R, K, V] fp32 each, Q for `probabilistic` only) live from
+the draft phase to the rule phase.
 """
 from __future__ import annotations
 
@@ -36,7 +53,7 @@ from m3serve.engine.spec.config import SpeculativeConfig
 from m3serve.engine.spec.confidence import confident_prefix_length
 from m3serve.engine.spec.draft_cache import DraftKVCache, draft_kv_dtype
 from m3serve.engine.spec.probs import sampling_probs
-from m3serve.engine.spec.proposer import Proposal, insert_context, propose
+from m3serve.engine.spec.proposer import Proposal, insert_context, sample_block
 from m3serve.engine.spec.rng import ACCEPT, DRAFT, FINAL, MAX_VOCAB, stream_uniforms
 from m3serve.engine.spec.verify import verify
 from m3serve.engine.step import SamplerOutput, StepInput
@@ -77,11 +94,13 @@ class SpeculativeDecoder:
             raise ConfigError(f"vocabulary of {cfg.vocab_size} tokens: speculative decoding supports < {MAX_VOCAB}")
         self.kv_dtype = draft_kv_dtype(spec.kv_cache_dtype, self.draft.dtype)
         self.cache: DraftKVCache | None = None
+        self.paged = False  # the draft reads its context pages through the kernel (`attach`: on CUDA)
         self.runner = None
-        self.proposal_hook: ProposalHook | None = None
+        self.graphs = None  # SpecGraphs (executor/spec_graph.py) once `enable_graphs` ran
+        self._hook: ProposalHook | None = None
         log.info("speculative decoding: DSpark draft %s (%d layers, taps %s), %d tokens per step, %s drafts, %s "
-                 "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft "
-                 "attends with torch SDPA); steps run eagerly (no CUDA graphs)", spec.draft_dir(model_dir),
+                 "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft's "
+                 "context attention: the paged kernel on CUDA, torch elsewhere)", spec.draft_dir(model_dir),
                  cfg.num_hidden_layers, self.draft.tap_layers, k, spec.draft_sample_method,
                  spec.rejection_sample_method, self.kv_dtype, spec.confidence_threshold, spec.attention_backend)
 
@@ -91,10 +110,11 @@ class SpeculativeDecoder:
 
     def reserve_bytes(self, max_num_seqs: int) -> int:
         """Working memory of a speculative step beyond the target's (a heuristic, like the activation reserve):
-        the draft's Q of every row (probabilistic drafts) and ~12 chunk-sized fp32 temporaries."""
+        the draft's base logits U of every row (kept from the draft phase to the Markov phase), its Q (probabilistic
+        drafts) and ~12 chunk-sized fp32 temporaries."""
         k, v = self.spec.num_speculative_tokens, self.draft.config.vocab_size
         q = max_num_seqs * k * v * 4 if self.spec.draft_sample_method == "probabilistic" else 0
-        return q + 12 * CHUNK_ELEMENTS * 4
+        return q + max_num_seqs * k * v * 4 + 12 * CHUNK_ELEMENTS * 4
 
     def attach(self, runner, num_pages: int) -> None:
         """Make the draft cache over the runner's page pool; the runner's steps go through `execute` from now on."""
@@ -103,6 +123,27 @@ class SpeculativeDecoder:
                                   self.draft.dtype, runner.device, self.load_report.kv_scales)
         self.runner = runner
         runner.spec = self
+        cfg = self.draft.config
+        # the draft's context attention: on CUDA the kernel reads the pages in place (sliding-window layers: not yet)
+        self.paged = runner.device.type == "cuda" and all(
+            cfg.attention_window(i)[0] is None for i in range(cfg.num_hidden_layers))
+
+    def enable_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Speculative steps of decoding sequences only replay CUDA graphs from now on (captured per batch and
+        block-table width bucket at their first step; executor/spec_graph.py)."""
+        from m3serve.executor.spec_graph import SpecGraphs
+        self.graphs = SpecGraphs(self, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
+
+    @property
+    def proposal_hook(self) -> ProposalHook | None:
+        """A callable that may replace the proposals (benchmarks, tests: engine/spec/controlled.py)."""
+        return self._hook
+
+    @proposal_hook.setter
+    def proposal_hook(self, hook: ProposalHook | None) -> None:
+        self._hook = hook
+        if self.graphs is not None:
+            self.graphs.clear()  # the graphs captured the previous hook's launches
 
     def _chunks(self, rows: int) -> list[slice]:
         width = (self.spec.num_speculative_tokens + 1) * self.draft.config.vocab_size
@@ -112,42 +153,94 @@ class SpeculativeDecoder:
     # ---- the step ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput | None:
-        r = self.runner
-        step = step.to(r.device, non_blocking=True)
-        sp, proposal = step.spec, None
-        if sp is not None:
-            proposal = self.propose(step)
-            ids = step.input_ids.clone()
-            ids[sp.draft_rows] = proposal.tokens.flatten()[sp.draft_index]
-            step = dataclasses.replace(step, input_ids=ids)
-        with TapRecorder(r.model, self.draft.tap_layers) as taps:
-            hidden = r.forward(step)
-        features = taps.take()
-        out, num_accepted = None, None
-        if sp is not None:
-            out, num_accepted = self._sample_and_verify(step, hidden, proposal)
-        elif step.sampling is not None:
-            out = r.sampler(r.model.compute_logits(hidden[step.logits_indices]), step.sampling)
-        self._insert(step, features, num_accepted)
-        return out
+        """One engine step (host tensors): a graphed replay when the step is one the graphs take, else eager."""
+        if self.graphs is not None and self.graphs.supports(step):
+            return self.graphs.execute(step)
+        return self.run(step.to(self.runner.device, non_blocking=True))
+
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> SamplerOutput | None:
+        """The phases of one step already on the device, in order (eagerly; spec_graph.py captures each)."""
+        state = StepState(step)
+        for phase in self.phases:
+            phase(state)
+        return state.out
+
+    @property
+    def phases(self) -> tuple[Callable[["StepState"], None], ...]:
+        return self.draft_phase, self.markov_phase, self.target_phase, self.rule_phase, self.insert_phase
+
+    def draft_phase(self, st: "StepState") -> None:
+        """The draft backbone over [anchor, mask x (gamma-1)] of every speculating sequence, chunked over sequences:
+        block hidden h [c, K, H] and base logits U fp32 [c, K, V] per chunk."""
+        step, sp = st.step, st.step.spec
+        if sp is None:
+            return
+        anchors, positions = step.input_ids[sp.anchor_rows], step.positions[sp.anchor_rows]
+        tables, k = step.block_tables[sp.seq_index], sp.num_speculative_tokens
+        st.blocks = []
+        for c in self._chunks(sp.num_seqs):
+            context = (self.cache.paged_fn if self.paged else self.cache.context_fn)(tables[c])
+            h = self.draft.block_hidden(anchors[c], positions[c], context)[:, :k]
+            st.blocks.append((h, self.draft.base_logits(h)))
+
+    def markov_phase(self, st: "StepState") -> None:
+        """The K sequential Markov steps (drafts drawn with the DRAFT stream), the proposal hook, and the drafts
+        written into the step's placeholder tokens."""
+        step, sp = st.step, st.step.spec
+        if sp is None:
+            return
+        k, method = sp.num_speculative_tokens, self.spec.draft_sample_method
+        ss = step.sampling.select(sp.sample_rows)
+        anchors = step.input_ids[sp.anchor_rows]
+        u = stream_uniforms(ss.seeds, ss.positions, DRAFT, k)
+        d = self.draft
+        parts = [sample_block(d.markov_head, d.confidence_head, h, base, anchors[c], method, ss.select(c), u[c])
+                 for c, (h, base) in zip(self._chunks(sp.num_seqs), st.blocks)]
+        probs = None if method == "greedy" else torch.cat([p.probs for p in parts])
+        prop = Proposal(torch.cat([p.tokens for p in parts]), probs, torch.cat([p.confidence for p in parts]), None)
+        if self.proposal_hook is not None:
+            prop = self.proposal_hook(prop, anchors, step.positions[sp.anchor_rows], ss.seeds)
+        st.blocks, st.proposal = None, prop
+        ids = step.input_ids.clone()
+        ids[sp.draft_rows] = prop.tokens.flatten()[sp.draft_index]
+        st.step = dataclasses.replace(step, input_ids=ids)
+
+    def target_phase(self, st: "StepState") -> None:
+        """ONE target forward over the whole step, its tapped layers recorded."""
+        with TapRecorder(self.runner.model, self.draft.tap_layers) as taps:
+            st.hidden = self.runner.forward(st.step)
+        st.features = taps.take()
+
+    def rule_phase(self, st: "StepState") -> None:
+        """Plain rows sampled, speculating rows verified. Every rank computes its share of the logits (gathered to
+        rank 0); only rank 0 samples and verifies."""
+        step = st.step
+        if step.spec is not None:
+            st.out = self._sample_and_verify(step, st.hidden, st.proposal)
+        elif step.logits_indices is not None and step.logits_indices.numel():
+            logits = self.runner.model.compute_logits(st.hidden[step.logits_indices])
+            if logits is not None and step.sampling is not None:
+                st.out = self.runner.sampler(logits, step.sampling)
+
+    def insert_phase(self, st: "StepState") -> None:
+        """The draft-cache rows of every row the target computed, at the target's slots: prefill rows, plain
+        decodes, anchors and all verified drafts. A rejected draft's row lies past its sequence's accepted length,
+        as its target KV row does: no draft reads it (context rows < the anchor) and the step that commits that
+        position writes it again. So the rows written depend on nothing verification decides, and every
+        tensor-parallel rank keeps the same draft cache without hearing rank 0's verdict."""
+        step = st.step
+        insert_context(self.draft, self.cache, st.features, step.positions, step.slot_mapping)
 
     def propose(self, step: StepInput) -> Proposal:
-        """K drafts for each speculating sequence (chunked over sequences), then the proposal hook if set."""
-        sp, k = step.spec, step.spec.num_speculative_tokens
-        st = step.sampling.select(sp.sample_rows)
-        anchors, positions = step.input_ids[sp.anchor_rows], step.positions[sp.anchor_rows]
-        tables = step.block_tables[sp.seq_index]
-        u = stream_uniforms(st.seeds, st.positions, DRAFT, k)
-        method = self.spec.draft_sample_method
-        parts = [propose(self.draft, self.cache, anchors[c], positions[c], tables[c], k, method, st.select(c), u[c])
-                 for c in self._chunks(sp.num_seqs)]
-        probs = None if method == "greedy" else torch.cat([p.probs for p in parts])
-        out = Proposal(torch.cat([p.tokens for p in parts]), probs, torch.cat([p.confidence for p in parts]), None)
-        if self.proposal_hook is not None:
-            out = self.proposal_hook(out, anchors, positions, st.seeds)
-        return out
+        """K drafts for each speculating sequence of a step on the device (the draft and Markov phases)."""
+        st = StepState(step)
+        self.draft_phase(st)
+        self.markov_phase(st)
+        return st.proposal
 
-    def _verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> _Verified:
+    def _verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> _Verified | None:
+        """Rank 0: the verified runs; the other ranks (their logits' share gathered to rank 0): None."""
         sp, k, model = step.spec, step.spec.num_speculative_tokens, self.runner.model
         st = step.sampling.select(sp.sample_rows)
         cols = torch.arange(k + 1, device=hidden.device)[None, :]
@@ -161,48 +254,58 @@ class SpeculativeDecoder:
         parts = []
         for c in self._chunks(sp.num_seqs):
             logits = model.compute_logits(hidden[rows[c]].flatten(0, 1))  # [c * (K+1), V]
+            if logits is None:
+                continue
             raw = torch.log_softmax(logits, -1).view(-1, k + 1, logits.shape[-1])
             target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
             v = verify(proposal.tokens[c], None if proposal.probs is None else proposal.probs[c], target, u[c],
                        lens[c], self.spec.rejection_sample_method)
             lp = raw.gather(2, v.tokens.clamp(min=0)[..., None])[..., 0]  # emitted token j comes from verify row j
             parts.append((v.tokens, v.num_accepted, lp, raw.topk(n_top, -1) if n_top > 0 else None))
+        if not parts:
+            return None
         top = None
         if n_top > 0:
             top = (torch.cat([p[3].values for p in parts]), torch.cat([p[3].indices for p in parts]))
         return _Verified(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), lens,
                          torch.cat([p[2] for p in parts]), top)
 
-    def _sample_and_verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal
-                           ) -> tuple[SamplerOutput, torch.Tensor]:
+    def _sample_and_verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> SamplerOutput | None:
         """Every sampling row's tokens ([N, K+1], -1 padded): plain rows sampled, speculating rows verified."""
         r, s, sp = self.runner, step.sampling, step.spec
         n, width, n_top, dev = s.num_rows, sp.num_speculative_tokens + 1, s.max_num_logprobs, hidden.device
+        plain, o = sp.plain_rows, None
+        if plain.numel():
+            logits = r.model.compute_logits(hidden[step.logits_indices[plain]])
+            o = None if logits is None else r.sampler(logits, s.select(plain))
+        v = self._verify(step, hidden, proposal)
+        if v is None:  # a tensor-parallel rank other than 0
+            return None
         out = SamplerOutput(torch.full((n, width), -1, dtype=torch.int64, device=dev),
                             torch.zeros(n, width, device=dev), num_tokens=torch.ones(n, dtype=torch.int64, device=dev),
                             num_draft_tokens=torch.zeros(n, dtype=torch.int64, device=dev))
         if n_top > 0:
             out.top_token_ids = torch.zeros(n, width, n_top, dtype=torch.int64, device=dev)
             out.top_logprobs = torch.zeros(n, width, n_top, device=dev)
-        plain = sp.plain_rows
-        if plain.numel():
-            o = r.sampler(r.model.compute_logits(hidden[step.logits_indices[plain]]), s.select(plain))
+        if o is not None:
             out.token_ids[plain, 0], out.logprobs[plain, 0] = o.token_ids, o.logprobs
             if n_top > 0:
                 out.top_token_ids[plain, 0], out.top_logprobs[plain, 0] = o.top_token_ids, o.top_logprobs
-        v, rows = self._verify(step, hidden, proposal), sp.sample_rows
+        rows = sp.sample_rows
         out.token_ids[rows], out.logprobs[rows] = v.tokens, v.logprobs
         out.num_tokens[rows], out.num_draft_tokens[rows] = v.num_accepted + 1, v.num_verified
         if v.top is not None:
             out.top_logprobs[rows], out.top_token_ids[rows] = v.top
-        return out, v.num_accepted
+        return out
 
-    def _insert(self, step: StepInput, features: torch.Tensor, num_accepted: torch.Tensor | None) -> None:
-        """Draft-cache rows of every target row kept: all but the rejected drafts (slot -1: the scratch page)."""
-        slots, sp = step.slot_mapping, step.spec
-        if sp is not None:
-            k = sp.num_speculative_tokens
-            keep = (sp.draft_index % k) < num_accepted[sp.draft_index // k]
-            slots = slots.clone()
-            slots[sp.draft_rows] = torch.where(keep, slots[sp.draft_rows], -1)
-        insert_context(self.draft, self.cache, features, step.positions, slots)
+
+@dataclasses.dataclass
+class StepState:
+    """What a step's phases hand each other (device tensors; a captured graph's own tensors when graphed)."""
+
+    step: StepInput  # the target's forward takes the drafts in its input ids (the Markov phase's copy)
+    blocks: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # draft phase: (h, U) per chunk of sequences
+    proposal: Proposal | None = None
+    hidden: torch.Tensor | None = None  # the target's final hidden states [T, H]
+    features: torch.Tensor | None = None  # its tapped layers [T, m*H]
+    out: SamplerOutput | None = None  # rank 0's tokens

@@ -65,10 +65,18 @@ class Worker:
     @property
     def use_cuda_graphs(self) -> bool:
         """Decode graphs on CUDA unless enforce_eager; not with tensor parallelism yet (capturing runs warm-up
-        forwards whose all-reduces every rank would have to join), nor with speculative decoding (its steps are
-        multi-token, eager)."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager and self.parallel.size == 1
-                and self.drafter is None)
+        forwards whose all-reduces every rank would have to join), nor with speculative decoding (every step also
+        feeds the draft: its own graphs, `use_spec_graphs`)."""
+        return self._graphs_allowed and self.drafter is None
+
+    @property
+    def use_spec_graphs(self) -> bool:
+        """With speculative decoding, its steps' graphs (executor/spec_graph.py) where decode graphs would be."""
+        return self._graphs_allowed and self.drafter is not None
+
+    @property
+    def _graphs_allowed(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.parallel.size == 1
 
     def determine_num_pages(self, max_model_len: int) -> int:
         c, m = self.config, self.model_config
@@ -76,6 +84,9 @@ class Worker:
         draft_page = 0
         if self.drafter is not None:
             reserve += self.drafter.reserve_bytes(c.max_num_seqs)
+            if self.use_spec_graphs:  # a graphed step's pool: the forward of max_num_seqs x (K + 1) tokens
+                k = self.drafter.spec.num_speculative_tokens
+                reserve += graph_reserve_bytes(c.max_num_seqs * (k + 1), m.hidden_size, m.vocab_size)
             draft_page = self.drafter.page_bytes(m.index_block_size)
         return determine_num_pages(
             m, self.kv_dtype, self.index_dtype, self.device,
@@ -92,6 +103,8 @@ class Worker:
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.drafter is not None:
             self.drafter.attach(self.runner, num_pages)
+            if self.use_spec_graphs:
+                self.drafter.enable_graphs(self.config.max_num_seqs, max_model_len)
         if self.use_cuda_graphs:
             self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)
         from m3serve.executor.warmup import warm_up  # every kernel a served step can reach, compiled now

@@ -9,12 +9,14 @@ One backbone pass drafts a block for S sequences at once:
 - block: slot k of [x0, mask x (gamma-1)] at position t+k predicts the token at t+k+1 ("sample from
   anchor"). Block queries attend to the context rows at positions < t and to all gamma block rows
   (bidirectional); the block's own K/V rows are transient and never cached.
-`block_hidden` takes the context through a callable `context(layer) -> (k, v)`, rows indexed by position
-(row j = position j, [S, L, H_kv, D]); the draft cache's `gather` is one such callable, a contiguous
-recompute from all committed features is another (the tests compare them).
+`block_hidden` takes the context through a callable `context(layer)`: either rows indexed by position (row j =
+position j, [S, L, H_kv, D] K and V; the draft cache's `gather`, or a contiguous recompute from all committed
+features: the tests compare them), or a `PagedContext`: the layer's pages, which a kernel reads in place up to each
+anchor's position (split-K partials) and merges with the block's own rows (the draft cache's `paged_fn`, on CUDA).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,12 +24,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m3serve.distributed.parallel import Parallel
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
 from m3serve.model.layers.moe import swiglu_oai
 from m3serve.model.m3 import RMSNorm, Rotary, apply_rope
 
-ContextFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """One draft layer's context as pages: the block queries attend to keys 0..lens[s]-1 of sequence s straight
+    from the cache (`m3serve.kernels.msa_attention.context_partials`), nothing gathered."""
+
+    cache: object  # the layer's pages with the kernels' LayerCache attributes (kernels/cache.py)
+    block_tables: torch.Tensor  # int32 [S, W]
+    lens: torch.Tensor | None = None  # int [S]: context rows per sequence (the anchors' positions; set per pass)
+
+
+# layer -> (k, v) rows by position [S, L, H_kv, D] (the torch path), or the layer's pages (the kernel path)
+ContextFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor] | PagedContext"]
 
 
 class DraftRMSNorm(RMSNorm):
@@ -70,18 +87,42 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim)), cos, sin)
         return k, self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
-    def forward(self, x: torch.Tensor, cos, sin, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """x [S, G, H] block rows; ctx_k/v [S, L, H_kv, D]; mask bool [S, G, L + G] -> [S, G, H]."""
+    def forward(self, x: torch.Tensor, cos, sin, ctx, mask: torch.Tensor) -> torch.Tensor:
+        """x [S, G, H] block rows; ctx: (k, v) [S, L, H_kv, D] with mask bool [S, G, L + G], or a PagedContext
+        with the block's own mask bool [G, G] -> [S, G, H]."""
         s, g, _ = x.shape
         flat = x.reshape(s * g, -1)
         q = apply_rope(self.q_norm(self.q_proj(flat).view(s * g, self.n_heads, self.head_dim)), cos, sin)
         k, v = self.kv(flat, cos, sin)
+        if isinstance(ctx, PagedContext):
+            return self.o_proj(self._paged(q.view(s, g, self.n_heads, -1), k.view(s, g, self.n_kv, -1),
+                                           v.view(s, g, self.n_kv, -1), ctx, mask).to(x.dtype))
+        ctx_k, ctx_v = ctx
         k = torch.cat([ctx_k.to(x.dtype), k.view(s, g, self.n_kv, -1)], 1)
         v = torch.cat([ctx_v.to(x.dtype), v.view(s, g, self.n_kv, -1)], 1)
         out = F.scaled_dot_product_attention(q.view(s, g, self.n_heads, -1).transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(s, g, -1))
+
+    def _paged(self, q, k, v, ctx: PagedContext, mask: torch.Tensor) -> torch.Tensor:
+        """Block queries q [S, G, H_q, D] over the paged context (each block row a query of the kernel, its
+        sequence's table and length repeated: the decode kernel's own head grouping) and over the block's own rows
+        k, v [S, G, H_kv, D] (torch: G x G), merged by their log-sum-exps -> [S, G, H_q * D] fp32."""
+        from m3serve.kernels.msa_attention import context_partials
+
+        s, g, _, d = q.shape
+        grp = self.n_heads // self.n_kv
+        scale = self.head_dim ** -0.5
+        op, lse = context_partials(q.reshape(s * g, self.n_heads, d).contiguous(), ctx.cache,
+                                   ctx.block_tables.repeat_interleave(g, 0), ctx.lens.repeat_interleave(g), scale)
+        qg = q.view(s, g, self.n_kv, grp, d).float()
+        sc = torch.einsum("sqhgd,skhd->sqhgk", qg, k.float()) * scale
+        sc = sc.masked_fill(~mask[None, :, None, None, :], float("-inf"))
+        own = torch.einsum("sqhgk,skhd->sqhgd", torch.softmax(sc, -1), v.float())
+        lse_all = torch.cat([lse, (torch.logsumexp(sc, -1) * LOG2E).reshape(s * g, -1, 1)], -1)  # [S*G, H_q, n+1]
+        parts = torch.cat([op, own.reshape(s * g, self.n_heads, 1, d)], 2)  # [S*G, H_q, n+1, D]
+        w = torch.exp2(lse_all - lse_all.amax(-1, keepdim=True))  # the block's own part is never empty
+        return ((parts * w[..., None]).sum(2) / w.sum(-1)[..., None]).reshape(s, g, -1)
 
 
 class DraftMLP(nn.Module):
@@ -106,8 +147,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = DraftRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
         self.post_attention_layernorm = DraftRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -117,7 +158,8 @@ class SharedTargetParts:
     they are neither copied, nor saved, nor counted twice)."""
 
     embed_tokens: nn.Module  # ids [...] -> [..., H]
-    lm_head: nn.Module  # [..., H] -> [..., V]
+    lm_head: nn.Module  # [..., H] -> [..., V] (this rank's vocabulary rows under tensor parallelism)
+    parallel: Parallel | None = None  # the target's (None: one rank)
 
 
 def block_mask(ctx_len: torch.Tensor, num_ctx_rows: int, gamma: int, window: int | None, causal: bool
@@ -179,19 +221,29 @@ class DSparkDraft(nn.Module):
         s = anchor_ids.shape[0]
         ids = torch.full((s, g), cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
         ids[:, 0] = anchor_ids
-        x = self.shared.embed_tokens(ids).to(self.dtype)
+        x = self.shared.embed_tokens(ids.flatten()).view(s, g, -1).to(self.dtype)
         positions = anchor_positions[:, None].long() + torch.arange(g, device=anchor_ids.device)[None]
         cos, sin = self.rotary(positions.flatten(), self.dtype)
         masks: dict[tuple, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v = context(i)
-            key = cfg.attention_window(i) + (ctx_k.shape[1],)
-            if key not in masks:
-                masks[key] = block_mask(anchor_positions, ctx_k.shape[1], g, *cfg.attention_window(i))
-            x = layer(x, cos, sin, ctx_k, ctx_v, masks[key])
+            ctx, window = context(i), cfg.attention_window(i)
+            if isinstance(ctx, PagedContext):
+                if window[0] is not None:
+                    raise ValueError(f"draft layer {i}: a sliding window needs the gathered context (context_fn)")
+                ctx = dataclasses.replace(ctx, lens=anchor_positions)
+                key = ("paged", window[1])
+                if key not in masks:
+                    masks[key] = block_mask(anchor_positions[:1], 0, g, None, window[1])[0]
+            else:
+                key = window + (ctx[0].shape[1],)
+                if key not in masks:
+                    masks[key] = block_mask(anchor_positions, ctx[0].shape[1], g, *window)
+            x = layer(x, cos, sin, ctx, masks[key])
         return self.norm(x)
 
     @torch.inference_mode()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """U = lm_head(h) with the target's lm_head, fp32 [..., V]."""
-        return self.shared.lm_head(h).float()
+        """U = lm_head(h) with the target's lm_head, fp32 [..., V]: under tensor parallelism each rank's vocabulary
+        rows gathered on every rank (every rank drafts)."""
+        u = self.shared.lm_head(h).float()
+        return u if self.shared.parallel is None else self.shared.parallel.all_gather(u, -1)

@@ -76,7 +76,7 @@ def load_dspark(draft_dir: str, target, device: str | torch.device = "cpu", dtyp
         raise CheckpointError(f"fc.weight: expected shape [{cfg.hidden_size}, m * {cfg.hidden_size}], found {fc_shape}")
     cfg.with_taps_from_fc(fc_shape[1])
 
-    shared = SharedTargetParts(target.model.embed_tokens, target.lm_head)
+    shared = SharedTargetParts(target.model.embed_tokens, target.lm_head, getattr(target, "parallel", None))
     with torch.device("meta"):
         draft = DSparkDraft(cfg, shared, dtype)
     draft.to_empty(device=device)
@@ -129,12 +129,14 @@ def load_dspark(draft_dir: str, target, device: str | torch.device = "cpu", dtyp
 
 
 def _compare_shared(canon: str, stored, shared: SharedTargetParts, report: DSparkLoadReport) -> None:
-    ours = _dense_weight(shared.embed_tokens if canon.startswith("embed") else shared.lm_head)
+    module = shared.embed_tokens if canon.startswith("embed") else shared.lm_head
+    ours = _dense_weight(module)
     if ours is None:
         return
-    v = ours.shape[0]
+    v, par = ours.shape[0], shared.parallel
+    first = par.rank * v if par is not None and par.size > 1 else 0  # a tensor-parallel rank holds rows of its part
     for rows in (slice(0, _ROWS_COMPARED), slice(v - _ROWS_COMPARED, v)):
-        theirs = stored[rows].float()
+        theirs = stored[first + rows.start:first + rows.stop].float()
         if not torch.allclose(theirs, ours[rows].detach().float().cpu(), rtol=1e-2, atol=1e-3):
             report.shared_mismatch.append(canon)
             log.warning("the DSpark draft's %s differs from the target's: the draft was trained for another "

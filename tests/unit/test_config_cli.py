@@ -88,9 +88,8 @@ def test_engine_config_names_unsupported_options():
         EngineConfig(model="x", tensor_parallel_size=4,
                      speculative_config={"method": "dspark", "num_speculative_tokens": 0}).validate()
     assert "speculative_config.num_speculative_tokens" in str(e.value)
-    with pytest.raises(ConfigError, match="speculative decoding with tensor_parallel_size > 1"):  # each alone is fine
-        EngineConfig(model="x", tensor_parallel_size=4,
-                     speculative_config={"method": "dspark", "num_speculative_tokens": 7}).validate()
+    EngineConfig(model="x", tensor_parallel_size=4,  # DSpark under tensor parallelism (tests/parallel/test_tp_spec.py)
+                 speculative_config={"method": "dspark", "num_speculative_tokens": 7}).validate()
     EngineConfig(model="x", tensor_parallel_size=4).validate()
     EngineConfig(model="x", speculative_config={"method": "dspark", "num_speculative_tokens": 7}).validate()
     with pytest.raises(ConfigError, match="unknown engine option"):

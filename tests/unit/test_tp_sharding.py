@@ -17,7 +17,7 @@ from m3serve.config import ConfigError, EngineConfig, preset
 from m3serve.distributed import shm_channel as ch
 from m3serve.distributed import step_codec
 from m3serve.distributed.parallel import Parallel
-from m3serve.engine.step import SamplerOutput, SamplingInput, StepInput
+from m3serve.engine.step import SamplerOutput, SamplingInput, SpecInput, StepInput
 from m3serve.model import loader
 from m3serve.model.loader import CheckpointError, load_model
 from m3serve.model.layers.sharding import check_divisible
@@ -219,8 +219,19 @@ def _step(with_sampling: bool = True) -> StepInput:
     return step
 
 
+def _spec_step() -> StepInput:
+    """A speculative step (it reaches every rank with its sampling fields and its SpecInput)."""
+    step = _step()
+    i64 = dict(dtype=torch.int64)
+    step.spec = SpecInput(torch.tensor([0], **i64), torch.tensor([0], **i64), torch.tensor([0], **i64),
+                          torch.tensor([2], **i64), torch.tensor([1, 2], **i64), torch.tensor([0, 1], **i64),
+                          torch.tensor([1], **i64), 3)
+    return step
+
+
 def test_step_encodes_to_one_buffer_and_back():
-    for obj in (_step(), _step(False), SamplerOutput(torch.tensor([1, 2]), torch.tensor([-0.5, -1.25]))):
+    for obj in (_step(), _step(False), _spec_step(),
+                SamplerOutput(torch.tensor([1, 2]), torch.tensor([-0.5, -1.25]))):
         enc = step_codec.encode(obj)
         buf = torch.zeros(enc.nbytes, dtype=torch.uint8)
         enc.write_into(buf)

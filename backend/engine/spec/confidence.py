@@ -12,7 +12,5 @@ import torch
 
 def confident_prefix_length(confidence: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """confidence fp32 [S, K] in (0, 1), threshold (scalar or [S]) -> verify lengths L int64 [S], 0..K."""
-    thr = torch.as_tensor(threshold, dtype=confidence.dtype, device=confidence.device)
-    if thr.dim() == 1:
-        thr = thr[:, None]
-    return (confidence >= thr).long().cumprod(-1).sum(-1)
+    thr = threshold[:, None] if isinstance(threshold, torch.Tensor) and threshold.dim() == 1 else threshold
+    return (confidence >= thr).long().cumprod(-1).sum(-1)  # a float threshold stays a scalar: no copy to the device

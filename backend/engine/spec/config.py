@@ -12,7 +12,7 @@ Keys:
   rejection_sample_method  "standard" (token-level rejection sampling, default) | "block" (block verification)
   kv_cache_dtype           the draft's context cache: "auto" (the model dtype) | "fp8" | "fp8_e4m3" | "bfloat16" |
                            "float16" | "float32"
-  attention_backend        accepted and recorded (the draft attends with torch SDPA over its paged cache here)
+  attention_backend        accepted and recorded (the draft's context attention: the paged decode kernel on CUDA)
   model                    the draft checkpoint directory (default: <model>/dspark)
   confidence_threshold     0 (off) .. 1: verify only the drafts before the first one whose confidence-head score
                            falls below it (DeepSpec's static threshold; lossless). Needs a confidence head.

@@ -1,16 +1,19 @@
 """The DSpark draft's paged KV cache: per draft layer, K (k_norm + RoPE applied) and V of the projected
-context features C, for committed positions only (design/dspark.md section 2).
+context features C of the target's computed positions (design/dspark.md section 2).
 
 It is indexed exactly like the target's page pool (executor/kv_cache.py): the same page size B, the same page
 ids, so the engine passes the target's block tables and slot mapping unchanged. A row of position p of a
 sequence lives at slot `page_table[p // B] * B + p % B`. Layout per layer (what a paged kernel reads):
   k[l], v[l]   fp8 e4m3 (per-layer fp32 scale) | bf16 | fp16 | fp32   [P + 1, H_kv, B, D]
-Page P (one past the pool) is a scratch page: rows written with slot -1 (padding, rejected verify rows)
-land there, so a write never needs the host to filter its rows; no block table points at it.
+Page P (one past the pool) is a scratch page: rows written with slot -1 (padding) land there, so a write never
+needs the host to filter its rows; no block table points at it.
 
-Block rows (the drafted block) are transient and never written; rejected verify rows are never written
-either (slot -1), so the cache needs no rollback: after a partial rejection it holds exactly the rows of
-the accepted tokens.
+Block rows (the drafted block) are transient and never written. The speculative step writes the rows of every
+verified draft, accepted or not (executor/spec_decode.py, so the cache does not wait for verification): a rejected
+draft's row lies past its sequence's accepted length, like its target KV row; no draft reads it (a block reads the
+rows before its anchor) and the step that commits that position writes it again, so the cache needs no rollback.
+`commit_slots` keeps only the accepted rows instead (slot -1 for the others), for callers that want exactly them.
+On CUDA the draft reads a layer's pages in place (`paged_fn`); `gather` is the torch path.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from collections.abc import Callable
 import torch
 
 from m3serve.config import ConfigError, normalize_kv_dtype
+from m3serve.kernels import fp8
+from m3serve.model.dspark import PagedContext
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.kv_codec import KVCodec
 
@@ -35,6 +40,20 @@ def draft_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     return normalize_kv_dtype(kv_cache_dtype, model_dtype)
 
 
+class _Codec(KVCodec):
+    """The KV codec with its FP8 scale held on the cache's device."""
+
+    def __init__(self, dtype: str, scale: float, device: torch.device):
+        super().__init__(dtype, scale)
+        self.scale_t = torch.tensor(self.scale, dtype=torch.float32, device=device)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (fp8.quantize_fp8(x, self.scale_t)[0],) if self.dtype == "fp8" else super().encode(x)
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return fp8.dequantize_fp8(parts[0], self.scale_t, dtype) if self.dtype == "fp8" else super().decode(parts, dtype)
+
+
 class DraftKVCache:
     def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str = "fp8", dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -49,8 +68,10 @@ class DraftKVCache:
         self.v = [torch.zeros(shape, dtype=_STORAGE[kv_dtype], device=self.device) for _ in range(num_layers)]
         self.k_scale = [float(scales.get(i, (1.0, 1.0))[0]) for i in range(num_layers)]
         self.v_scale = [float(scales.get(i, (1.0, 1.0))[1]) for i in range(num_layers)]
-        self._k_codec = [KVCodec(kv_dtype, s) for s in self.k_scale]
-        self._v_codec = [KVCodec(kv_dtype, s) for s in self.v_scale]
+        # FP8 scales as device tensors made once: a Python-float scale would be copied to the device (a host
+        # synchronisation, and not allowed inside a CUDA graph) by every write and every read
+        self._k_codec = [_Codec(kv_dtype, s, self.device) for s in self.k_scale]
+        self._v_codec = [_Codec(kv_dtype, s, self.device) for s in self.v_scale]
 
     @classmethod
     def for_draft(cls, cfg: DSparkConfig, num_pages: int, block_size: int, kv_cache_dtype: str = "fp8",
@@ -105,8 +126,25 @@ class DraftKVCache:
         return rows(self.k, self._k_codec), rows(self.v, self._v_codec)
 
     def context_fn(self, block_tables: torch.Tensor) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-        """`layer -> (k, v)` for `DSparkDraft.block_hidden`."""
+        """`layer -> (k, v)` for `DSparkDraft.block_hidden` (every page of the tables gathered: the torch path)."""
         return lambda layer: self.gather(layer, block_tables)
+
+    def paged_fn(self, block_tables: torch.Tensor) -> Callable[[int], PagedContext]:
+        """`layer -> PagedContext` for `DSparkDraft.block_hidden`: the pages read in place by the kernel."""
+        tables = block_tables.to(torch.int32)
+        return lambda layer: PagedContext(_LayerPages(self, layer), tables)
+
+
+class _LayerPages:
+    """One draft layer's pages with the attributes the attention kernels read (kernels/cache.py `LayerCache`)."""
+
+    k_scale_blocks = v_scale_blocks = index = index_scale_blocks = None
+    index_scale = 1.0
+
+    def __init__(self, cache: DraftKVCache, layer: int):
+        self.k, self.v = cache.k[layer], cache.v[layer]
+        fp8 = cache.kv_dtype == "fp8"
+        self.k_scale, self.v_scale = (cache.k_scale[layer], cache.v_scale[layer]) if fp8 else (1.0, 1.0)
 
 
 def commit_slots(slots: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""The static-buffer path of graphed speculative steps (executor/spec_graph.py), run eagerly on the CPU: the steps
+the CUDA graphs take (every sequence speculating with K drafts) go through the persistent buffers, padded to their
+batch bucket, and give the same tokens as the eager path; mixed steps keep running eagerly. (The capture itself
+runs on CUDA only: tests/gpu/test_spec_gpu.py.)"""
+import torch
+
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.engine.spec.controlled import ControlledProposals
+from m3serve.executor.spec_graph import SpecBuffers
+
+K = 4
+
+
+def _engine(make_engine, graphs: bool, **spec):
+    # a roomy pool: the reference attention writes the padding rows' slot -1 to the pool's last page, never used here
+    eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=64, max_model_len=256,
+                      speculative_config={"method": "dspark", "num_speculative_tokens": K, **spec})
+    if graphs:
+        eng.executor.worker.drafter.enable_graphs(8, 256)
+    return eng
+
+
+def _run(eng, prompts, sps, known, p):
+    drafter = eng.executor.worker.drafter
+    drafter.proposal_hook = ControlledProposals(known, p, drafter.draft.config.vocab_size)
+    for i, (prompt, sp) in enumerate(zip(prompts, sps)):
+        eng.add_request(f"r{i}", prompt_token_ids=prompt, sampling_params=sp)
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_greedy_static_path_equals_plain_decoding_with_padding(make_engine, reference_greedy, eu):
+    """3 sequences (bucket 4: one padded row), then fewer as they finish; drafts right 60% of the time."""
+    prompts = eu.random_prompts([9, 30, 17], seed=21)
+    gens = [25, 18, 30]
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=1000 + i) for i, n in enumerate(gens)]
+    known = {1000 + i: p + reference_greedy(p, n) for i, (p, n) in enumerate(zip(prompts, gens))}
+    eng = _engine(make_engine, True)
+    got = _run(eng, prompts, sps, known, 0.6)
+    assert got == [reference_greedy(p, n) for p, n in zip(prompts, gens)]
+    graphs = eng.executor.worker.drafter.graphs
+    assert graphs.num_steps >= 5 and {key[0] for key in graphs.views} >= {4, 2}  # padded buckets ran
+    st = eng.stats()
+    assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+
+
+def test_sampled_static_path_equals_eager_path(make_engine, reference_greedy, eu):
+    """Seeded sampling (temperature 0.8, top-p 0.9), probabilistic drafts, block verification: the same tokens with
+    and without the static path, which took some steps but not the mixed ones."""
+    prompts = eu.random_prompts([40, 12, 25, 33, 8], seed=22)
+    gens = [20, 14, 26, 9, 17]
+    sps = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=n, ignore_eos=True, seed=1000 + i)
+           for i, n in enumerate(gens)]
+    known = {1000 + i: p + reference_greedy(p, n) for i, (p, n) in enumerate(zip(prompts, gens))}
+    opts = dict(draft_sample_method="probabilistic", rejection_sample_method="block", kv_cache_dtype="fp8")
+    eager = _run(_engine(make_engine, False, **opts), prompts, sps, known, 0.7)
+    eng = _engine(make_engine, True, **opts)
+    static = _run(eng, prompts, sps, known, 0.7)
+    assert static == eager and [len(t) for t in static] == gens
+    graphs = eng.executor.worker.drafter.graphs
+    assert 0 < graphs.num_steps < eng.num_steps and any(not key[2] for key in graphs.views)
+
+
+def test_buffers_pad_past_the_step():
+    """Rows past the step's sequences: no slot (nothing written), position 0, greedy; a smaller step after a larger
+    one leaves nothing of the larger one in the padding."""
+    from m3serve.engine.step import SamplingInput, SpecInput, StepInput
+
+    buf = SpecBuffers(4, 3, 16, 2, torch.device("cpu"))
+
+    def step(n, base):
+        t = n * 3
+        qsl = list(range(0, t + 1, 3))
+        return StepInput(torch.arange(t) + base, torch.arange(t) + base, torch.tensor(qsl, dtype=torch.int32),
+                         torch.full((n,), base, dtype=torch.int32), qsl, [base] * n, False, 3, 48,
+                         torch.full((n, 2), 1, dtype=torch.int32), torch.arange(t) + base,
+                         torch.arange(n) * 3, SamplingInput.full(n, 0.7, top_p=0.9, seed=5),
+                         spec=SpecInput(torch.arange(n), torch.arange(n), torch.arange(n) * 3, torch.full((n,), 2),
+                                        torch.arange(t), torch.arange(n * 2), torch.zeros(0, dtype=torch.int64), 2))
+
+    big = buf.spec_step(4, 3, False)
+    buf.fill_spec(step(4, 100), big)
+    view = buf.spec_step(4, 3, False)
+    buf.fill_spec(step(1, 50), view)
+    assert view.input_ids.tolist() == [50, 51, 52] + [0] * 9
+    assert view.slot_mapping.tolist() == [50, 51, 52] + [-1] * 9
+    assert view.sampling.temperature.tolist()[1:] == [0.0] * 3 and view.sampling.top_p.tolist()[1:] == [1.0] * 3
+    assert view.seq_lens_cpu == [50, 3, 3, 3] and view.block_tables[1:, 0].tolist() == [0, 0, 0]
+    assert view.spec.draft_rows.tolist() == [1, 2, 4, 5, 7, 8, 10, 11] and view.logits_indices.tolist() == [0, 3, 6, 9]
