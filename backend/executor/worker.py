@@ -63,11 +63,10 @@ class Worker:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        """Decode graphs on CUDA unless enforce_eager; not with tensor parallelism yet (capturing runs warm-up
-        forwards whose all-reduces every rank would have to join), nor with speculative decoding (its steps are
-        multi-token, eager)."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager and self.parallel.size == 1
-                and self.drafter is None)
+        """Decode graphs on CUDA unless enforce_eager, with tensor parallelism too (every rank captures the same
+        graphs in the same order at `init_cache`, their all-reduces inside: NCCL calls are capturable); not with
+        speculative decoding (its steps are multi-token, eager). gloo (CPU) steps run eagerly."""
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.drafter is None
 
     def determine_num_pages(self, max_model_len: int) -> int:
         c, m = self.config, self.model_config
