@@ -69,11 +69,12 @@ def _fill_quant(w: QuantWeight, g: torch.Generator) -> None:
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device: str | torch.device = "cuda", seed: int = 0,
-                 expert_fmt: str = "nvfp4", shared_fmt: str = "mxfp8") -> M3ForCausalLM:
+                 expert_fmt: str = "nvfp4", shared_fmt: str = "mxfp8", parallel=None) -> M3ForCausalLM:
+    """`parallel`: build only that rank's shard (`benchmarks/bench_rank.py`: rank 0 of a TP4 deployment)."""
     formats = {i: {"experts": expert_fmt, "shared_experts": shared_fmt} for i in range(cfg.num_hidden_layers)
                if cfg.is_moe(i)}
     with torch.device("meta"):
-        model = M3ForCausalLM(cfg, torch.bfloat16, formats)
+        model = M3ForCausalLM(cfg, torch.bfloat16, formats, parallel)
     model.to_empty(device=device)
     model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
     g = torch.Generator(device=device).manual_seed(seed)

@@ -134,6 +134,7 @@ class CudaGraphRunner:
         self.sampler_graphs: dict[int, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self.logits: torch.Tensor | None = None  # [max batch, V] fp32, written by every forward graph
         self.pool_bytes = 0
+        self.capture_s = 0.0
         self.num_replays = 0
         cfg = runner.model.config
         self.reserve_bytes = graph_reserve_bytes(max_num_seqs, cfg.hidden_size, cfg.vocab_size)
@@ -176,9 +177,10 @@ class CudaGraphRunner:
             self.sampler_graphs[batch] = self._graph(lambda b=batch, s=s: r.sampler(self.logits[:b], s))
         torch.cuda.synchronize(r.device)
         self.pool_bytes = torch.cuda.memory_allocated(r.device) - before
+        self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch %s, table width %s pages) in %.1f s, %.2f GiB (%.2f GiB reserved)",
-                 len(self.forward_graphs) + len(self.sampler_graphs), self.batches, self.widths,
-                 time.perf_counter() - t0, self.pool_bytes / 2**30, self.reserve_bytes / 2**30)
+                 len(self.forward_graphs) + len(self.sampler_graphs), self.batches, self.widths, self.capture_s,
+                 self.pool_bytes / 2**30, self.reserve_bytes / 2**30)
 
     def supports(self, step: StepInput) -> bool:
         samples = self.logits is not None  # rank 0 (its decode steps carry sampling; the other ranks' do not)

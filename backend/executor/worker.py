@@ -34,7 +34,7 @@ class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, *, model=None, load_report=None,
                  parallel: Parallel | None = None, device: torch.device | None = None):
         self.config, self.model_config = config, model_config
-        self.parallel = parallel or Parallel()
+        self.parallel = parallel or getattr(model, "parallel", None) or Parallel()  # a given model: its shard
         if model is None:
             from m3serve.model.loader import load_model
             self.device = device if device is not None else resolve_device(config.device)
