@@ -19,7 +19,8 @@ and lay them out for the kernels (not a checkpoint load: no 60 GB file is read);
 the per-rank decode step at batch 1, 4, 16, 64 x context 4K, 32K, 128K (points whose pages do not fit the pool are
 reported as such); the collectives each step calls (kind and bytes, recorded in one eager step per batch).
 Estimated (labelled so): the TP4 step = rank step - stand-in time + every recorded collective at NCCL's own cost model
-for 4 GPUs over NVLink, and the tokens/s per user against the goal of 300 at 4 users.
+for 4 GPUs over NVLink, and the tokens/s per user against the goal of 300 at 4 users; with --allreduce (bench_tp.py's
+JSON from a 4-GPU host) the all-reduces at their measured cost as well.
 Writes OUT_DIR/bench_rank.json (after every measurement) and OUT_DIR/bench_rank.md.
 """
 from __future__ import annotations
@@ -130,14 +131,31 @@ def memory_plan(cfg, engine, weights: int, device, max_context: int, chunk: int,
     return res
 
 
-def projection(step_s: float, calls: list, stand_s: float, batch: int) -> dict:
+def measured_allreduce(path: str) -> dict[int, float]:
+    """bytes -> us per all-reduce over 4 GPUs from `bench_tp.py`'s JSON (replayed from a CUDA graph where it got
+    that figure, else launched one by one)."""
+    with open(path) as f:
+        rows = json.load(f).get("allreduce", [])
+    return {r["bytes"]: r.get("us_per_allreduce_graph") or r["us_per_allreduce"] for r in rows if r["gpus"] == TP}
+
+
+def projection(step_s: float, calls: list, stand_s: float, batch: int, measured: dict[int, float] | None = None
+               ) -> dict:
+    """The TP4 step: this rank's step less its stand-ins plus each collective at NCCL's model (an estimate), at a
+    pessimistic floor, and (with `measured`: bench_tp's 4-GPU all-reduces by bytes) with the all-reduces measured."""
     est = sum(nccl_us(k, b) for k, b in calls) * 1e-6
     pess = sum(max(PESSIMISTIC_US, nccl_us(k, b)) for k, b in calls) * 1e-6
     tp4 = step_s - stand_s + est
-    return {"estimate": True, "collectives": len(calls), "collective_bytes": sum(b for _, b in calls),
-            "nccl_model_s": est, "pessimistic_s": pess, "tp4_step_s": tp4, "tp4_tokens_per_s_per_user": 1 / tp4,
-            "tp4_pessimistic_tokens_per_s_per_user": 1 / (step_s - stand_s + pess),
-            "meets_goal": (1 / tp4 >= GOAL_TOK_S_PER_USER) if batch == GOAL_USERS else None}
+    out = {"estimate": True, "collectives": len(calls), "collective_bytes": sum(b for _, b in calls),
+           "nccl_model_s": est, "pessimistic_s": pess, "tp4_step_s": tp4, "tp4_tokens_per_s_per_user": 1 / tp4,
+           "tp4_pessimistic_tokens_per_s_per_user": 1 / (step_s - stand_s + pess),
+           "meets_goal": (1 / tp4 >= GOAL_TOK_S_PER_USER) if batch == GOAL_USERS else None}
+    if measured:
+        known = [(k, b) for k, b in calls if k == "all_reduce" and b in measured]
+        coll = (sum(measured[b] for _, b in known) + sum(nccl_us(k, b) for k, b in calls if (k, b) not in known)) * 1e-6
+        out.update(measured_allreduces=len(known), tp4_measured_step_s=step_s - stand_s + coll,
+                   tp4_measured_tokens_per_s_per_user=1 / (step_s - stand_s + coll))
+    return out
 
 
 def save(res: dict, out: str) -> None:
@@ -157,7 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     p.add_argument("--budget-s", type=float, default=360.0, help="skip the decode points left after this long")
     p.add_argument("--smoke", action="store_true", help="CPU, toy widths with M3's head ratios (SMOKE_TP4)")
+    p.add_argument("--allreduce", help="bench_tp.py's JSON from a 4-GPU host: its all-reduces replace the model's")
     a = p.parse_args(argv)
+    measured = measured_allreduce(a.allreduce) if a.allreduce else None
     t_start = time.perf_counter()
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
@@ -233,7 +253,7 @@ def main(argv=None) -> int:
             else:
                 t, wait = time_decode(engine, device, b, ctx, a.steps)
                 row.update(fits=True, step_s=t, tokens_per_s_per_user=1 / t, host_wait_share=wait,
-                           projection=projection(t, calls[b], res["collectives"][b]["standin_s"], b))
+                           projection=projection(t, calls[b], res["collectives"][b]["standin_s"], b, measured))
                 pr = row["projection"]
                 print(f"b={b:3d} ctx={ctx:7d}: rank step {t * 1e3:8.3f} ms; TP4 estimate {pr['tp4_step_s'] * 1e3:8.3f} "
                       f"ms = {pr['tp4_tokens_per_s_per_user']:6.1f} tok/s/user", flush=True)
@@ -275,6 +295,8 @@ def table(res) -> str:
             continue
         pr = r["projection"]
         goal = "" if pr["meets_goal"] is None else ("meets" if pr["meets_goal"] else "misses")
+        if "tp4_measured_tokens_per_s_per_user" in pr:
+            goal += f" (measured all-reduces: {pr['tp4_measured_tokens_per_s_per_user']:.1f} tok/s/user)"
         lines.append(f"| {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.3f} | {r['tokens_per_s_per_user']:.1f} | "
                      f"{pr['collectives']} | {pr['tp4_step_s'] * 1e3:.3f} | {pr['tp4_tokens_per_s_per_user']:.1f} | "
                      f"{pr['tp4_pessimistic_tokens_per_s_per_user']:.1f} | {goal} |")

@@ -60,3 +60,21 @@ def test_standin_and_nccl_model(bench):
     assert bench.nccl_us("all_reduce", 370e3) == pytest.approx(10.2 + 1.5)  # 1.5 x the bytes on the bus
     proj = bench.projection(0.010, [("all_reduce", 0)] * 10, 0.001, 4)
     assert proj["tp4_step_s"] == pytest.approx(0.009 + 102e-6) and proj["meets_goal"] is False
+
+
+def test_projection_with_measured_allreduces(bench, tmp_path):
+    """bench_tp's 4-GPU rows (the graph-replayed figure where there is one) replace the model for the all-reduces
+    of matching size; other sizes and the gather keep the model."""
+    rows = [{"gpus": 4, "bytes": 512, "us_per_allreduce": 30.0, "us_per_allreduce_graph": 12.0},
+            {"gpus": 4, "bytes": 1024, "us_per_allreduce": 40.0, "us_per_allreduce_graph": None},
+            {"gpus": 2, "bytes": 2048, "us_per_allreduce": 9.0}]
+    path = tmp_path / "tp.json"
+    path.write_text(json.dumps({"allreduce": rows}))
+    measured = bench.measured_allreduce(str(path))
+    assert measured == {512: 12.0, 1024: 40.0}
+    calls = [("all_reduce", 512)] * 3 + [("all_reduce", 1024), ("all_reduce", 4096), ("all_gather", 2048)]
+    pr = bench.projection(0.010, calls, 0.0, 1, measured)
+    assert pr["measured_allreduces"] == 4
+    want = 0.010 + 1e-6 * (3 * 12.0 + 40.0 + bench.nccl_us("all_reduce", 4096) + bench.nccl_us("all_gather", 2048))
+    assert pr["tp4_measured_step_s"] == pytest.approx(want)
+    assert "tp4_measured_step_s" not in bench.projection(0.010, calls, 0.0, 1)
