@@ -5,9 +5,7 @@ each); two concurrent streams give TP 1's greedy text; the unload leaves no proc
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
 import threading
 
 import pytest
@@ -15,12 +13,12 @@ import tritonclient.grpc as grpcclient
 
 from support.procs import alive, cmdline, engine_pids, wait_until, worker_pids
 from triton_helpers import run_stream, text_inputs, texts
-from tritonserver_proc import ROOT, start_server
+from tritonserver_proc import ROOT, serve_m3
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(240)]
 PROMPTS = ("The quick brown fox jumps over the lazy dog, then naps under the old oak tree by the river bank.",
            "Tensor parallel ranks")
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 
 def _geometry():
@@ -41,15 +39,9 @@ def geometry_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp4_server(geometry_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tp4_server")
-    repo = d / "repo"
-    shutil.copytree(os.path.join(ROOT, "model_repository", "m3"), repo / "m3")
     args = dict(model="flash3", device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4,
                 max_num_batched_tokens=512, num_gpu_blocks_override=64, tensor_parallel_size=4)
-    with open(repo / "m3" / "1" / "model.json", "w") as f:
-        json.dump(args, f)
-    srv = start_server(str(repo), str(d / "tritonserver.log"), {"M3SERVE_MODEL_DIR": geometry_dir},
-                       ["--model-control-mode=explicit", "--load-model=m3"], wait_models=["m3"])
+    srv = serve_m3(tmp_path_factory.mktemp("tp4_server"), args, geometry_dir)
     yield srv
     srv.stop()
 
