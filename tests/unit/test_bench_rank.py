@@ -37,8 +37,8 @@ def test_bench_rank_smoke(bench, tmp_path):
     for r in res["decode"]:
         pr = r["projection"]
         assert r["fits"] and r["step_s"] > 0 and pr["estimate"] and pr["meets_goal"] is None  # no batch of 4
-        stand = res["collectives"][str(r["batch"])]["standin_s"]
-        assert pr["tp4_step_s"] == pytest.approx(r["step_s"] - stand + pr["nccl_model_s"])
+        assert 0 < res["collectives"][str(r["batch"])]["standin_s"] < r["step_s"]
+        assert pr["tp4_step_s"] == pytest.approx(r["step_s"] + pr["nccl_model_s"])
         assert pr["nccl_model_s"] == pytest.approx(1e-6 * (2 * layers + 1) * bench.nccl_us("all_reduce", 512 * r["batch"])
                                                    + 1e-6 * bench.nccl_us("all_gather", 16384 * r["batch"]))
         assert pr["pessimistic_s"] >= pr["nccl_model_s"]
@@ -58,8 +58,9 @@ def test_standin_and_nccl_model(bench):
     assert bench.nccl_us("all_reduce", 0) == pytest.approx(10.2)
     assert bench.nccl_us("all_gather", 0) == pytest.approx(8.4)
     assert bench.nccl_us("all_reduce", 370e3) == pytest.approx(10.2 + 1.5)  # 1.5 x the bytes on the bus
-    proj = bench.projection(0.010, [("all_reduce", 0)] * 10, 0.001, 4)
-    assert proj["tp4_step_s"] == pytest.approx(0.009 + 102e-6) and proj["meets_goal"] is False
+    proj = bench.projection(0.010, [("all_reduce", 0)] * 10, 4)
+    assert proj["tp4_step_s"] == pytest.approx(0.010 + 102e-6) and proj["meets_goal"] is False
+    assert bench.projection(0.003, [("all_reduce", 0)] * 10, 4)["meets_goal"] is True
 
 
 def test_projection_with_measured_allreduces(bench, tmp_path):
@@ -73,8 +74,8 @@ def test_projection_with_measured_allreduces(bench, tmp_path):
     measured = bench.measured_allreduce(str(path))
     assert measured == {512: 12.0, 1024: 40.0}
     calls = [("all_reduce", 512)] * 3 + [("all_reduce", 1024), ("all_reduce", 4096), ("all_gather", 2048)]
-    pr = bench.projection(0.010, calls, 0.0, 1, measured)
+    pr = bench.projection(0.010, calls, 1, measured)
     assert pr["measured_allreduces"] == 4
     want = 0.010 + 1e-6 * (3 * 12.0 + 40.0 + bench.nccl_us("all_reduce", 4096) + bench.nccl_us("all_gather", 2048))
     assert pr["tp4_measured_step_s"] == pytest.approx(want)
-    assert "tp4_measured_step_s" not in bench.projection(0.010, calls, 0.0, 1)
+    assert "tp4_measured_step_s" not in bench.projection(0.010, calls, 1)
