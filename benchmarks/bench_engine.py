@@ -116,16 +116,24 @@ def experts_touched(engine, batch, context) -> list[float]:
         if hasattr(layer.mlp, "gate"):
             hooks.append(layer.mlp.register_forward_pre_hook(
                 lambda mod, inp, i=i: seen.setdefault(i, set()).update(mod.gate(inp[0])[1].flatten().tolist())))
+    try:
+        one_eager_step(engine, batch, context)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [float(len(seen[i])) for i in sorted(seen)]
+
+
+def one_eager_step(engine, batch, context) -> None:
+    """Exactly one decode step of `batch` sequences at `context` tokens, eager (the model's Python runs: hooks and
+    recorders see it), no step queued ahead."""
     runner, cfg = engine.executor.worker.runner, engine.config
     graphs, runner.graphs = runner.graphs, None
-    queue, cfg.async_scheduling = cfg.async_scheduling, False  # exactly one step runs
+    queue, cfg.async_scheduling = cfg.async_scheduling, False
     try:
         time_decode(engine, engine.executor.worker.device, batch, context, steps=1, warmup=0, runs=1)
     finally:
         runner.graphs, cfg.async_scheduling = graphs, queue
-        for h in hooks:
-            h.remove()
-    return [float(len(seen[i])) for i in sorted(seen)]
 
 
 def time_ttft(engine, device, prompt_len, g) -> float:

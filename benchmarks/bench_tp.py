@@ -4,8 +4,9 @@
    heads, fp32 weights, `make_tiny`): the first position where each prompt's tokens part, and the largest logprob
    difference before it (the kernels' dots take bf16 operands, so two runs may part at a near-tie late);
 2. the all-reduce cost: NCCL all-reduce of [T, hidden] bf16 (M3: hidden 6144) for T tokens per step, timed with CUDA
-   events over N GPUs; an M3 layer does two (o_proj, MoE), so a decode step of 60 layers does 120, plus one for
-   the embedding and a gather of the logits.
+   events over N GPUs, launched one by one and replayed from a CUDA graph that holds them (as the decode graphs
+   do); an M3 layer does two (o_proj, MoE), so a decode step of 60 layers does 120, plus one for the embedding and
+   a gather of the logits. `bench_rank.py --allreduce OUT.json` adds these to its one-GPU rank step.
 
     python benchmarks/bench_tp.py --out /tmp/tp.json        (prints a table; NCCL_NVLS_ENABLE=0 is the default)
     python benchmarks/bench_tp.py --smoke --out /tmp/tp.json (CPU, gloo, TP 2 only: checks the script runs)
@@ -82,11 +83,38 @@ def _allreduce_rank(rank: int, world: int, port: int, hidden: int, iters: int, o
             dist.all_reduce(x)
         end.record()
         torch.cuda.synchronize()
-        res[t] = start.elapsed_time(end) * 1e3 / iters  # us per all-reduce
+        res[t] = {"eager": start.elapsed_time(end) * 1e3 / iters}  # us per all-reduce
+        try:
+            res[t]["graph"] = _graph_allreduce_us(x, iters)
+        except Exception as e:  # noqa: BLE001 - recorded: the eager figure and the parity runs still count
+            res[t]["graph_error"] = f"{type(e).__name__}: {e}"
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
     dist.destroy_process_group()
+
+
+def _graph_allreduce_us(x: torch.Tensor, iters: int) -> float:
+    """us per all-reduce of `iters` all-reduces captured in one CUDA graph, replayed (every rank alike)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            dist.all_reduce(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dist.barrier()
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (3 * iters)
 
 
 def allreduce_cost(world: int, hidden: int, iters: int) -> list[dict]:
@@ -100,9 +128,11 @@ def allreduce_cost(world: int, hidden: int, iters: int) -> list[dict]:
         with open(out) as f:
             res = {int(k): v for k, v in json.load(f).items()}
     rows = []
-    for t, us in sorted(res.items()):
-        nbytes = t * hidden * 2
+    for t, r in sorted(res.items()):
+        nbytes, us = t * hidden * 2, r["eager"]
         rows.append({"gpus": world, "tokens": t, "bytes": nbytes, "us_per_allreduce": round(us, 2),
+                     "us_per_allreduce_graph": round(r["graph"], 2) if "graph" in r else None,
+                     "graph_error": r.get("graph_error"),
                      "us_per_layer": round(2 * us, 2), "ms_per_60_layer_step": round((120 + 1) * us / 1e3, 3),
                      "bus_GBps": round(2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9, 1)})
     return rows
@@ -145,10 +175,11 @@ def main() -> int:
               f"{r.get('first_difference', '-')} | {r.get('max_logprob_diff', '-')} |")
     if not a.smoke and not a.skip_allreduce:
         result["allreduce"] = [row for w in (2, 4) if w <= gpus for row in allreduce_cost(w, a.hidden, a.iters)]
-        print("\n| GPUs | tokens | us / all-reduce | us / layer (2) | ms / 60-layer step | bus GB/s |")
-        print("|---|---|---|---|---|---|")
+        print("\n| GPUs | tokens | us / all-reduce | in a graph | us / layer (2) | ms / 60-layer step | bus GB/s |")
+        print("|---|---|---|---|---|---|---|")
         for r in result["allreduce"]:
-            print(f"| {r['gpus']} | {r['tokens']} | {r['us_per_allreduce']} | {r['us_per_layer']} | "
+            print(f"| {r['gpus']} | {r['tokens']} | {r['us_per_allreduce']} | "
+                  f"{r['us_per_allreduce_graph'] or r['graph_error']} | {r['us_per_layer']} | "
                   f"{r['ms_per_60_layer_step']} | {r['bus_GBps']} |")
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)

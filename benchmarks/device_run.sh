@@ -4,7 +4,8 @@
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
 # benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
 # $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), and on a multi-GPU kind "tp":
-# benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), and "server":
+# benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), "rank": benchmarks/bench_rank.py
+# $RANK_ARGS (rank 0 of TP 4 at 60 layers on one GPU; after "tp": RANK_ARGS="--allreduce $OUT/bench_tp.json"), and "server":
 # benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS (the M3.1-Flash geometry through the real
 # tritonserver vs engine-direct), and "suite": the whole test suite as `./build.sh test` runs it (tests/run_suite.py:
 # tests/kernels in the interpreter beside the rest with compiled kernels; logs in $OUT/suite). Logs and JSON go to
@@ -80,6 +81,8 @@ for step in ${STEPS:-tests msa qkv}; do
         | tee "$OUT/soak_server.log" | grep -v "^I1\|^W1" | tail -20 ;;
     tp) timeout "${TP_TIMEOUT:-500}" python3 benchmarks/bench_tp.py --out "$OUT/bench_tp.json" ${TP_ARGS:-} 2>&1 \
           | tee "$OUT/bench_tp.log" | grep "^|" ;;
+    rank) CUDA_VISIBLE_DEVICES="${RANK_GPU:-0}" timeout "${RANK_TIMEOUT:-450}" python3 benchmarks/bench_rank.py \
+            --out "$OUT/rank" ${RANK_ARGS:-} 2>&1 | tee "$OUT/bench_rank.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

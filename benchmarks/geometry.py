@@ -19,6 +19,26 @@ from m3serve.model.weights import QuantWeight
 SMOKE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=8,
              intermediate_size=128, shared_intermediate_size=128, dense_intermediate_size=256, vocab_size=4096,
              index_n_heads=2, index_head_dim=64, index_block_size=16, index_topk_blocks=2)
+# the toy with M3's head ratios (16 query heads per KV head, one index head per KV head): at TP 4 a rank holds
+# 4 query heads, 1 KV head and 1 index head, as a rank of M3.1-Flash at TP 4 holds 16, 1 and 1
+SMOKE_TP4 = dict(SMOKE, num_attention_heads=16, num_key_value_heads=4, index_n_heads=4)
+
+
+def geometry_checkpoint(out_dir: str, num_layers: int, dense_layers: int = 1, **over) -> ModelConfig:
+    """A small checkpoint on disk with the geometry's layer kinds (`flash_geometry`, widths from `over`, e.g.
+    SMOKE_TP4) and the tiny tokenizer: routed experts NVFP4, the rest bf16. Tensor-parallel workers load their
+    shards from it (an in-process random model cannot be shared with other processes). Written via `make_tiny`'s
+    writer and the quantizer into `out_dir` (a sibling `out_dir.bf16` holds the unquantized source)."""
+    from m3serve.model.quantize import quantize_checkpoint
+    from m3serve.model.tiny import make_tiny
+
+    geo = flash_geometry(num_layers, dense_layers, **over)
+    keep = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "dtype",
+            "quantization_config")  # the tiny tokenizer's ids, a short context, the checkpoint's own dtype
+    fields = {k: getattr(geo, k) for k in geo.__dataclass_fields__ if k not in keep}
+    make_tiny(out_dir + ".bf16", dspark=False, **fields)
+    quantize_checkpoint(out_dir + ".bf16", out_dir, "nvfp4", modules=("experts",), progress=False)
+    return ModelConfig.from_pretrained(out_dir)
 
 
 def flash_geometry(num_layers: int, dense_layers: int = 1, **over) -> ModelConfig:
@@ -49,11 +69,12 @@ def _fill_quant(w: QuantWeight, g: torch.Generator) -> None:
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device: str | torch.device = "cuda", seed: int = 0,
-                 expert_fmt: str = "nvfp4", shared_fmt: str = "mxfp8") -> M3ForCausalLM:
+                 expert_fmt: str = "nvfp4", shared_fmt: str = "mxfp8", parallel=None) -> M3ForCausalLM:
+    """`parallel`: build only that rank's shard (`benchmarks/bench_rank.py`: rank 0 of a TP4 deployment)."""
     formats = {i: {"experts": expert_fmt, "shared_experts": shared_fmt} for i in range(cfg.num_hidden_layers)
                if cfg.is_moe(i)}
     with torch.device("meta"):
-        model = M3ForCausalLM(cfg, torch.bfloat16, formats)
+        model = M3ForCausalLM(cfg, torch.bfloat16, formats, parallel)
     model.to_empty(device=device)
     model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
     g = torch.Generator(device=device).manual_seed(seed)

@@ -10,6 +10,11 @@ routed weights renormalised to sum to 1. Launches (no host synchronisation, fixe
 4. down projection, one fp32 row per assignment,
 5. combine: the top_k rows of each token plus its shared row -> ``[T, H]`` in x's dtype.
 
+Expert parallelism (``first_expert``): the weights hold experts [first_expert, first_expert + n) of the router's E.
+The router still picks among all E; the expert GEMMs take only the local experts' buckets (`Routing.local`: ids
+remapped by the offset), and the combine skips the other assignments (their rows are never written), so the output
+is this rank's partial sum, which the ranks' all-reduce completes. Still no host synchronisation.
+
 The shared expert (gate_up, down; one fp32 row per token) rides in the launches 3-4 (no extra pass over the
 activations, no extra launch). It needs no routing, so `MoEStep` can also run it on a side stream overlapped with
 1-4 (fork / join, capturable in a CUDA graph; ``tuned(moe_overlap=True)``, not yet measured on the H200).
@@ -120,26 +125,34 @@ def moe_prepare_module(moe, dtype: torch.dtype | None = None) -> MoEWeights:
 
 
 # ----------------------------------------------------------------------------------------------------- combine
-@triton.jit(do_not_specialize=["T", "A"])
-def _combine_kernel(y_ptr, out_ptr, so, T, H, A, TOPK: tl.constexpr, SHARED: tl.constexpr, BH: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "A", "e_lo", "e_hi"])
+def _combine_kernel(y_ptr, out_ptr, so, T, H, A, ids_ptr, e_lo, e_hi, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    LOCAL: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     m = h < H
     acc = tl.zeros((BH,), tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * H + h, mask=m, other=0.0)
+        mj = m
+        if LOCAL:  # expert parallel: only assignments to this rank's experts [e_lo, e_hi) have rows
+            e = tl.load(ids_ptr + t * TOPK + j)
+            mj = m & (e >= e_lo) & (e < e_hi)
+        acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * H + h, mask=mj, other=0.0)
     if SHARED:
         acc += tl.load(y_ptr + (A + t).to(tl.int64) * H + h, mask=m, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * so + h, cast_to(acc, out_ptr.dtype.element_ty), mask=m)
 
 
-def combine(y: torch.Tensor, T: int, top_k: int, shared: bool, out: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j y[t * top_k + j] + (y[T * top_k + t] if shared), in out's dtype."""
+def combine(y: torch.Tensor, T: int, top_k: int, shared: bool, out: torch.Tensor,
+            local: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
+    """out[t] = sum_j y[t * top_k + j] + (y[T * top_k + t] if shared), in out's dtype. ``local`` = (ids [T, top_k],
+    first, stop): only the assignments to experts [first, stop) count (expert parallelism)."""
     if T:
         H = y.shape[1]
         bh = min(1024, triton.next_power_of_2(H))
-        _combine_kernel[(T, triton.cdiv(H, bh))](y, out, out.stride(0), T, H, T * top_k, TOPK=top_k, SHARED=shared,
-                                                BH=bh, num_warps=4)
+        ids, lo, hi = local if local is not None else (y, 0, 0)
+        _combine_kernel[(T, triton.cdiv(H, bh))](y, out, out.stride(0), T, H, T * top_k, ids, lo, hi, TOPK=top_k,
+                                                SHARED=shared, LOCAL=local is not None, BH=bh, num_warps=4)
     return out
 
 
@@ -159,12 +172,19 @@ class MoEStep:
     time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`); with
     ``Tuning.moe_overlap`` (CUDA) the shared expert (`shared_expert`: its gate_up and down, which need no routing)
     runs on a side stream instead, overlapped with the router and the routed experts, and `combine` joins them (not
-    yet measured on the H200: off by default). Path and tile shapes: `dispatch.moe_config`."""
+    yet measured on the H200: off by default). Path and tile shapes: `dispatch.moe_config`. ``first_expert``: the
+    weights are experts [first_expert, first_expert + n) of the router's (expert parallelism, see the module doc)."""
 
     def __init__(self, x, router_weight, correction_bias, weights: MoEWeights, *, top_k: int, routed_scaling: float,
-                 alpha: float, limit: float, out: torch.Tensor | None = None):
+                 alpha: float, limit: float, out: torch.Tensor | None = None, first_expert: int = 0):
         if x.dim() != 2 or x.shape[1] != weights.hidden:
             raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+        n_router = router_weight.shape[0]
+        if not 0 <= first_expert <= n_router - weights.n_experts:
+            raise ValueError(f"experts [{first_expert}, {first_expert + weights.n_experts}) outside the router's "
+                             f"{n_router}")
+        self.first = first_expert
+        self.ep = weights.n_experts != n_router  # this rank holds some of the router's experts
         self.x, self.rw, self.bias, self.w = x, router_weight, correction_bias, weights
         self.top_k, self.scaling, self.alpha, self.limit = top_k, routed_scaling, alpha, limit
         T = self.T = x.shape[0]
@@ -184,18 +204,20 @@ class MoEStep:
         self.inter = torch.empty(rows, weights.inter_pad, dtype=idt, device=dev)
         self.y = torch.empty(rows, weights.hidden, dtype=torch.float32, device=dev)
         self.routing: Routing | None = None
+        self.local: Routing | None = None  # the routing of the experts this rank holds (all of them without EP)
 
     def route(self):
         self.routing = route(self.x, self.rw, self.bias, self.top_k, x16=self.x16, h_pad=self.w.gate_up.k_pad)
+        self.local = self.routing.local(self.first, self.w.n_experts) if self.ep else self.routing
 
     def _gemm(self, mode: int, x16=None, **kw):
         if self.path == "mma":
             src = (x16 if x16 is not None else self.x16) if mode == MODE_GATE_UP else self.inter
             mma_kernels().grouped_gemm_mma(src, self.inter if mode == MODE_GATE_UP else self.y, mode,
-                                           routing=self.routing, T=self.T, **kw)
+                                           routing=self.local, T=self.T, **kw)
         else:
             grouped_gemm(self.x if mode == MODE_GATE_UP else self.inter,
-                         self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.routing, T=self.T, **kw)
+                         self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.local, T=self.T, **kw)
 
     def _gate_up(self, routed: bool, plain: bool, x16=None):
         w = self.w
@@ -220,7 +242,8 @@ class MoEStep:
         self._down(False, True)
 
     def combine(self) -> torch.Tensor:
-        return combine(self.y, self.T, self.top_k, self.shared, self.out)
+        local = (self.routing.ids, self.first, self.first + self.w.n_experts) if self.ep else None
+        return combine(self.y, self.T, self.top_k, self.shared, self.out, local)
 
     def run(self) -> torch.Tensor:
         if self.T == 0:
@@ -240,13 +263,14 @@ class MoEStep:
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
               top_k: int, routed_scaling: float, alpha: float, limit: float, out: torch.Tensor | None = None,
-              routing_out: list | None = None) -> torch.Tensor:
+              routing_out: list | None = None, first_expert: int = 0) -> torch.Tensor:
     """The whole MoE layer: x [T, H] -> [T, H] (x's dtype, or written into ``out``). ``router_weight`` [E, H]
     fp32 and ``correction_bias`` [E] as the model holds them; ``routing_out``, when given, receives the `Routing`
-    (tests). Launch choices (path, tiles, the shared expert's stream): `dispatch.tuning`; benchmarks vary them
-    with `dispatch.tuned`."""
+    (tests). ``weights`` may hold experts [first_expert, first_expert + n) of the E alone (expert parallelism: the
+    output is then this rank's partial sum). Launch choices (path, tiles, the shared expert's stream):
+    `dispatch.tuning`; benchmarks vary them with `dispatch.tuned`."""
     step = MoEStep(x, router_weight, correction_bias, weights, top_k=top_k, routed_scaling=routed_scaling,
-                   alpha=alpha, limit=limit, out=out)
+                   alpha=alpha, limit=limit, out=out, first_expert=first_expert)
     y = step.run()
     if routing_out is not None and step.routing is not None:
         routing_out.append(step.routing)
@@ -259,9 +283,10 @@ def _torch_dtype(t):
 
 def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
                   top_k: int, routed_scaling: float, alpha: float, limit: float,
-                  routing: Routing | None = None) -> torch.Tensor:
+                  routing: Routing | None = None, first_expert: int = 0) -> torch.Tensor:
     """Torch reference in fp32 on the packed weights (same math as `SparseMoE.forward`). With ``routing`` the
-    kernel's expert choice is used (so near-tie flips of the top-k do not count as errors)."""
+    kernel's expert choice is used (so near-tie flips of the top-k do not count as errors). ``first_expert``: as
+    `fused_moe` (only the assignments to the experts the weights hold count)."""
     if routing is not None:
         w, idx = routing.weights.float(), routing.ids.long()
     else:
@@ -276,8 +301,11 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
         return ((u + 1.0) * (g * torch.sigmoid(alpha * g))) @ d.T
 
     for e in torch.unique(idx).tolist():
+        if not first_expert <= e < first_expert + weights.n_experts:
+            continue
         tok, slot = torch.where(idx == e)
-        y = ffn(xf[tok], unpack(weights.gate_up, e), unpack(weights.down, e))
+        j = e - first_expert
+        y = ffn(xf[tok], unpack(weights.gate_up, j), unpack(weights.down, j))
         out.index_add_(0, tok, y[:, :h] * w[tok, slot, None])
     out = out * routed_scaling
     if weights.shared_gate_up is not None:

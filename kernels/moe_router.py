@@ -42,6 +42,12 @@ class Routing:
     def assignments(self) -> int:
         return self.ids.numel()
 
+    def local(self, first: int, n: int) -> "Routing":
+        """The grouping of experts [first, first + n) alone, numbered from 0 (expert parallelism: the experts this
+        rank holds); ``ids`` and ``weights`` stay global. Views: no launch, no copy."""
+        return Routing(self.ids, self.weights, self.counts[first:first + n], self.bucket[first:first + n],
+                       self.top_k)
+
 
 @triton.jit
 def x16_position(k):

@@ -2,8 +2,12 @@
 
 A model is built with a `Parallel`: its rank, the group size, whether the routed experts are expert-parallel, and
 (once `join_group` has run) the torch.distributed group the collectives go over: NCCL on CUDA, gloo on CPU (the
-same calls). With size 1 every collective is the identity, so one model code serves one process and N. A
-`Parallel` of size > 1 without a group only says which shard to load (tests load rank r of N in one process).
+same calls). Without a group at size 1 every collective is the identity, so one model code serves one process and
+N; a group of size 1 (a GPU test of the collective path on one device) runs them all the same. A `Parallel` of
+size > 1 without a group only says which shard to load (tests load rank r of N in one process).
+
+The collectives are the ones NCCL lets a CUDA graph capture (all-reduce, all-gather): the decode graphs of every
+rank hold them (`executor/cuda_graph.py`).
 
 Every collective of a group times out (`timeout_s`, $M3SERVE_TP_TIMEOUT_S): a rank that dies or hangs turns
 into an exception on the others, never a wait without end. One tensor-parallel engine per process (the default
@@ -63,10 +67,14 @@ class Parallel:
         head = self.rank // (self.size // n)
         return head, head + 1
 
-    # ---- collectives (identity at size 1) ---------------------------------------------------------
+    # ---- collectives (identity at size 1 without a group) ---------------------------------------
+    @property
+    def collective(self) -> bool:
+        return self.size > 1 or self.group is not None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns x."""
-        if self.size > 1:
+        if self.collective:
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -80,12 +88,13 @@ class Parallel:
         return torch.cat(parts, dim)
 
     def gather_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Every rank's `x` concatenated along `dim` in rank order, on rank 0; None on the others."""
-        if self.size == 1:
+        """Every rank's `x` concatenated along `dim` in rank order, on rank 0; None on the others. An all-gather
+        (a point-to-point gather is not among what a CUDA graph captures for certain)."""
+        if not self.collective:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
-        dist.gather(x, parts, dst=0, group=self.group)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim) if self.is_first else None
 
 

@@ -8,6 +8,10 @@ one token of page 0 is read; their outputs are dropped) and replays:
 Steps whose sampling needs more (penalties, min_tokens, top-k/top-p/min-p, top-n logprobs) replay the forward
 graph and sample eagerly from the logits buffer. Prefill and mixed steps run eagerly (`ModelRunner`).
 
+Tensor parallelism (NCCL): every rank captures the same forward graphs in the same order (at `Worker.init_cache`,
+together), the all-reduces and the logits all-gather inside them; the ranks other than 0 get no logits and
+capture no sampler graphs, and replay their forward graph on each decode step rank 0 sends them.
+
 The block-table width is bucketed too because the indexer scores every block-table column (past the sequence end
 it only writes -inf) and the full-attention kernels split their work by the table's width: a 4K-token context
 should not pay for a 256K-token table.
@@ -102,17 +106,19 @@ class DecodeBuffers:
         self.seq_lens[:n].copy_(step.seq_lens, **nb)
         self.block_tables[:n, :w].copy_(step.block_tables, **nb)
         self.slot_mapping[:n].copy_(step.slot_mapping, **nb)
-        s = step.sampling
-        self.temperature[:n].copy_(s.temperature, **nb)
-        self.seeds[:n].copy_(s.seeds, **nb)
-        self.sample_positions[:n].copy_(s.positions, **nb)
         if n < batch:
             self.input_ids[n:batch].zero_()
             self.positions[n:batch].zero_()
             self.seq_lens[n:batch].fill_(1)
             self.block_tables[n:batch, 0].zero_()
             self.slot_mapping[n:batch].fill_(-1)
-            self.temperature[n:batch].zero_()
+        s = step.sampling
+        if s is None:  # a tensor-parallel rank other than 0: it does not sample
+            return
+        self.temperature[:n].copy_(s.temperature, **nb)
+        self.seeds[:n].copy_(s.seeds, **nb)
+        self.sample_positions[:n].copy_(s.positions, **nb)
+        self.temperature[n:batch].zero_()
 
 
 class CudaGraphRunner:
@@ -128,6 +134,7 @@ class CudaGraphRunner:
         self.sampler_graphs: dict[int, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self.logits: torch.Tensor | None = None  # [max batch, V] fp32, written by every forward graph
         self.pool_bytes = 0
+        self.capture_s = 0.0
         self.num_replays = 0
         cfg = runner.model.config
         self.reserve_bytes = graph_reserve_bytes(max_num_seqs, cfg.hidden_size, cfg.vocab_size)
@@ -151,8 +158,8 @@ class CudaGraphRunner:
                 step = self.buffers.step(batch, width)
 
                 def fwd(step=step, batch=batch):
-                    logits = r.model.compute_logits(r.forward(step))
-                    if self.logits is None:
+                    logits = r.model.compute_logits(r.forward(step))  # None on tensor-parallel ranks but 0
+                    if self.logits is None or logits is None:
                         return logits
                     self.logits[:batch].copy_(logits)
                     return self.logits
@@ -160,25 +167,27 @@ class CudaGraphRunner:
                 fwd()  # warm up: compiles the kernels, sizes the allocator's blocks
                 torch.cuda.synchronize(r.device)
                 g, out = self._graph(fwd)
-                if self.logits is None:  # the first (largest) graph's output becomes the shared logits buffer
+                if self.logits is None and out is not None:  # the first (largest) graph's logits: the buffer
                     assert batch == big
                     self.logits = out
                 self.forward_graphs[(batch, width)] = g
-        for batch in reversed(self.batches):
+        for batch in reversed(self.batches if self.logits is not None else []):
             s = self.buffers.sampling(batch)
             r.sampler(self.logits[:batch].clone(), s)  # warm up
             self.sampler_graphs[batch] = self._graph(lambda b=batch, s=s: r.sampler(self.logits[:b], s))
         torch.cuda.synchronize(r.device)
         self.pool_bytes = torch.cuda.memory_allocated(r.device) - before
+        self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch %s, table width %s pages) in %.1f s, %.2f GiB (%.2f GiB reserved)",
-                 len(self.forward_graphs) + len(self.sampler_graphs), self.batches, self.widths,
-                 time.perf_counter() - t0, self.pool_bytes / 2**30, self.reserve_bytes / 2**30)
+                 len(self.forward_graphs) + len(self.sampler_graphs), self.batches, self.widths, self.capture_s,
+                 self.pool_bytes / 2**30, self.reserve_bytes / 2**30)
 
     def supports(self, step: StepInput) -> bool:
-        return (step.is_decode and step.sampling is not None and step.num_seqs <= self.batches[-1]
+        samples = self.logits is not None  # rank 0 (its decode steps carry sampling; the other ranks' do not)
+        return (step.is_decode and (step.sampling is not None or not samples) and step.num_seqs <= self.batches[-1]
                 and step.block_tables.shape[1] <= self.widths[-1])
 
-    def execute(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput:
+    def execute(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:
         """Replay the graphs for a decode step (host tensors, or already on the device)."""
         n = step.num_seqs
         batch = _bucket(self.batches, n)
@@ -186,6 +195,8 @@ class CudaGraphRunner:
         self.buffers.fill(step, batch, prev_token_ids)
         self.forward_graphs[(batch, width)].replay()
         self.num_replays += 1
+        if self.logits is None:  # a tensor-parallel rank other than 0
+            return None
         if step.sampling.is_simple:
             g, out = self.sampler_graphs[batch]
             g.replay()

@@ -34,7 +34,7 @@ class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, *, model=None, load_report=None,
                  parallel: Parallel | None = None, device: torch.device | None = None):
         self.config, self.model_config = config, model_config
-        self.parallel = parallel or Parallel()
+        self.parallel = parallel or getattr(model, "parallel", None) or Parallel()  # a given model: its shard
         if model is None:
             from m3serve.model.loader import load_model
             self.device = device if device is not None else resolve_device(config.device)
@@ -64,19 +64,21 @@ class Worker:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        """Decode graphs on CUDA unless enforce_eager; not with tensor parallelism yet (capturing runs warm-up
-        forwards whose all-reduces every rank would have to join), nor with speculative decoding (every step also
-        feeds the draft: its own graphs, `use_spec_graphs`)."""
+        """Decode graphs on CUDA unless enforce_eager, with tensor parallelism too (every rank captures the same
+        graphs in the same order at `init_cache`, their all-reduces inside: NCCL calls are capturable); not with
+        speculative decoding (every step also feeds the draft: its own graphs, `use_spec_graphs`). gloo (CPU) steps
+        run eagerly."""
         return self._graphs_allowed and self.drafter is None
 
     @property
     def use_spec_graphs(self) -> bool:
-        """With speculative decoding, its steps' graphs (executor/spec_graph.py) where decode graphs would be."""
-        return self._graphs_allowed and self.drafter is not None
+        """With speculative decoding, its steps' graphs (executor/spec_graph.py) where decode graphs would be; on one
+        GPU only (under tensor parallelism speculative steps run eagerly)."""
+        return self._graphs_allowed and self.drafter is not None and self.parallel.size == 1
 
     @property
     def _graphs_allowed(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.parallel.size == 1
+        return self.device.type == "cuda" and not self.config.enforce_eager
 
     def determine_num_pages(self, max_model_len: int) -> int:
         c, m = self.config, self.model_config

@@ -92,3 +92,33 @@ def test_async_scheduling_matches_sync_with_graphs(tiny_model_dir, kv):
 def test_sampling_kernel_compiled(n, v):
     from support.sampling import check_sampling_kernel
     check_sampling_kernel(n, v, device="cuda")
+
+
+def test_graphs_capture_the_collectives_in_a_world_of_one(tiny_model_dir, monkeypatch):
+    """The tensor-parallel graph path on one GPU: a NCCL group of size 1 that every layer's all-reduce and the
+    logits all-gather go through (identities in value, real NCCL calls). They are called inside the capture, the
+    decode steps replay the graphs, and the tokens equal the graphed run without a group."""
+    import torch.distributed as dist
+
+    from m3serve.distributed import parallel as par
+    from m3serve.executor import worker as worker_module
+
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)] * 3
+    params = params + params[:len(_prompts()) - len(params)]
+    plain, _, _ = _generate(tiny_model_dir, False, "bfloat16", params)
+    group = par.Parallel(0, 1)
+    par.join_group(group, par.create_store(1, 60.0), torch.device("cuda"), 60.0)
+    calls = []
+    for name in ("all_reduce", "all_gather"):
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda *a, _real=real, _name=name, **k: (
+            calls.append((_name, torch.cuda.is_current_stream_capturing())), _real(*a, **k))[1])
+    monkeypatch.setattr(worker_module, "Parallel", lambda: group)
+    try:
+        outs, graphs, _ = _generate(tiny_model_dir, False, "bfloat16", params)
+    finally:
+        par.destroy_group()
+    assert graphs is not None and graphs.num_replays > 20
+    assert {("all_reduce", True), ("all_gather", True), ("all_reduce", False)} <= set(calls)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

@@ -194,3 +194,46 @@ def test_quant_linear(fmt, M):
     ql = quant_linear_prepare(qw)
     x = torch.randn(M, 3072, device=DEV, dtype=torch.bfloat16)
     assert rel_err(quant_linear(x, ql), quant_linear_ref(x, ql)) < 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 300])
+def test_expert_parallel_rank_runs_the_fused_kernel(T):
+    """Rank 1 of EP 4 at M3 shapes (experts 32-63 whole, the shared expert's quarter): `select_moe_method` picks
+    the fused kernel, whose partial sum matches the torch reference of the same rank; captured in a CUDA graph it
+    replays a new step to what eager gives (no host synchronisation under EP)."""
+    from m3serve.distributed.parallel import Parallel
+    from m3serve.model.layers.moe import KernelMoE, SparseMoE, TorchMoE
+
+    _LAYERS.clear()
+    torch.cuda.empty_cache()
+    cfg = m3_moe_config()
+    g = torch.Generator(device=DEV).manual_seed(11)
+    with torch.device(DEV):
+        layer = SparseMoE(cfg, torch.bfloat16, "nvfp4", "mxfp8", Parallel(1, 4, expert_parallel=True))
+    with torch.no_grad():
+        layer.gate.weight.copy_(torch.randn(layer.gate.weight.shape, generator=g, device=DEV) * 2.4
+                                / cfg.hidden_size ** 0.5)
+        layer.gate.e_score_correction_bias.normal_(0, 0.05, generator=g)
+    for qw in (layer.experts.gate_up_proj, layer.experts.down_proj, layer.shared_experts.gate_up_proj.w,
+               layer.shared_experts.down_proj.w):
+        fill_random(qw, g)
+    assert (layer.experts.first_expert, layer.experts.num_experts) == (32, 32)
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    ref = TorchMoE().apply(layer, x)  # before prepare: the kernel method releases the checkpoint layout
+    layer.prepare(torch.device(DEV))
+    assert isinstance(layer.method, KernelMoE)
+    y = layer.method.apply(layer, x)
+    assert not torch.isnan(y).any()
+    assert rel_err(y, ref) < 2e-2
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer.method.apply(layer, x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.method.apply(layer, x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, layer.method.apply(layer, x)) < 1e-5

@@ -250,3 +250,68 @@ def test_cuda_method_takes_the_kernel_for_every_quantized_format_and_shape(monke
     monkeypatch.setattr(linear_layers, "KernelQuantLinear", type("KernelQuantLinear", (), {"__init__": lambda s, w: None}))
     qw = QuantWeight(40, 96, "nvfp4")
     assert type(linear_layers.select_linear_method(qw, torch.device("cuda"))).__name__ == "KernelQuantLinear"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_ranks_sum_to_the_layer(ranks, gen):
+    """Expert parallelism: each rank's kernel runs only its experts (router over all 8, ids remapped, the other
+    ranks' assignments masked in the combine); the shared expert on rank 0 only here. Every rank's output equals
+    the reference restricted to its experts and the ranks' sum is the whole layer. The intermediate rows are
+    poisoned: the rows of other ranks' assignments are never written, and summing them unmasked gives NaN."""
+    from m3serve.kernels.moe import MoEStep, combine, moe_prepare
+    from support.moe import expert_slice
+
+    cfg = tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2, shared_inter=96)
+    moe = random_moe(cfg, "nvfp4", "mxfp8", gen)
+    ex, sh = moe.experts, moe.shared_experts
+    x = torch.randn(9, cfg.hidden_size, generator=gen)
+    kw = dict(top_k=2, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    full, _ = _layer(moe, cfg, moe_prepare_module(moe), x)
+    n = 8 // ranks
+    total = torch.zeros_like(x)
+    for r in range(ranks):
+        shared = (sh.gate_up_proj.w, sh.down_proj.w) if r == 0 else (None, None)
+        w = moe_prepare(expert_slice(ex.gate_up_proj, r * n, n), expert_slice(ex.down_proj, r * n, n), *shared,
+                        dtype=torch.float32)
+        step = MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, first_expert=r * n,
+                       out=torch.full_like(x, float("nan")), **kw)
+        step.inter.fill_(float("nan"))
+        step.y.fill_(float("nan"))
+        y = step.run()
+        assert torch.isfinite(y).all()
+        assert rel_err(y, fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, routing=step.routing,
+                                        first_expert=r * n, **kw)) < 1e-5
+        assert torch.isnan(combine(step.y, step.T, 2, r == 0, torch.empty_like(x))).any()  # the mask matters
+        total += y
+    assert rel_err(total, full) < 1e-5
+    with pytest.raises(ValueError, match="outside the router"):
+        MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, first_expert=8 - n + 1, **kw)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_rank_of_a_loaded_model(tmp_path, ranks):
+    """Rank r of N of a checkpoint loaded expert-parallel (its whole experts, its slice of the shared expert): the
+    fused kernel (`KernelMoE`, the CUDA method) gives the torch method's partial sum of that rank, and the ranks'
+    partial sums add up to the layer of the unsharded model (what the all-reduce computes)."""
+    from m3serve.distributed.parallel import Parallel
+    from m3serve.model.layers.moe import KernelMoE, TorchMoE
+    from m3serve.model.loader import load_model
+    from m3serve.model.tiny import make_tiny
+
+    d = str(tmp_path / "m")
+    make_tiny(d, seed=3, num_attention_heads=8, num_key_value_heads=4, index_n_heads=4)
+    layer = 1  # the first MoE layer
+    full, _ = load_model(d, "cpu", torch.float32, progress=False)
+    moe = full.model.layers[layer].mlp
+    x = torch.randn(6, full.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = TorchMoE().apply(moe, x)
+    total = torch.zeros_like(want)
+    for r in range(ranks):
+        shard, _ = load_model(d, "cpu", torch.float32, progress=False, parallel=Parallel(r, ranks, True))
+        part = shard.model.layers[layer].mlp
+        assert part.experts.num_experts == 8 // ranks and part.experts.first_expert == r * 8 // ranks
+        ref = TorchMoE().apply(part, x)
+        got = KernelMoE(part).apply(part, x)
+        assert rel_err(got, ref) < 1e-5
+        total += got
+    assert rel_err(total, want) < 1e-5

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import signal
 import time
 
@@ -15,7 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from support.procs import alive, cmdline, engine_pids, wait_until, worker_pids
 from triton_helpers import is_final, text_inputs, texts
-from tritonserver_proc import ROOT, start_server
+from tritonserver_proc import ROOT, serve_m3
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 PROMPT = "The quick brown fox"
@@ -23,16 +22,10 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def tp_server(tiny_model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tp_server")
-    repo = d / "repo"
-    shutil.copytree(os.path.join(ROOT, "model_repository", "m3"), repo / "m3")
-    with open(repo / "m3" / "1" / "model.json") as f:
+    with open(os.path.join(ROOT, "model_repository", "m3", "1", "model.json")) as f:
         args = json.load(f)
     args["tensor_parallel_size"] = 2
-    with open(repo / "m3" / "1" / "model.json", "w") as f:
-        json.dump(args, f)
-    srv = start_server(str(repo), str(d / "tritonserver.log"), {"M3SERVE_MODEL_DIR": tiny_model_dir},
-                       ["--model-control-mode=explicit", "--load-model=m3"], wait_models=["m3"])
+    srv = serve_m3(tmp_path_factory.mktemp("tp_server"), args, tiny_model_dir)
     yield srv
     srv.stop()
 

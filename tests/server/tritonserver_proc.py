@@ -4,8 +4,10 @@ crash) is killed at the end. Each server gets a fresh repository key ($M3SERVE_R
 passes to Triton's API restriction): `Server.repository_headers()` / `repository_metadata()` carry it."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,3 +142,14 @@ def start_server(repo: str, log_path: str, env_extra: dict | None = None, args: 
         raise
     finally:
         client.close()
+
+
+def serve_m3(d, args: dict, model_dir: str) -> Server:
+    """tritonserver with the shipped `m3` model alone under `d`, its model.json replaced by `args`, loaded with
+    explicit model control (the tensor-parallel server tests); $M3SERVE_MODEL_DIR = `model_dir`."""
+    repo = d / "repo"
+    shutil.copytree(os.path.join(ROOT, "model_repository", "m3"), repo / "m3")
+    with open(repo / "m3" / "1" / "model.json", "w") as f:
+        json.dump(args, f)
+    return start_server(str(repo), str(d / "tritonserver.log"), {"M3SERVE_MODEL_DIR": model_dir},
+                        ["--model-control-mode=explicit", "--load-model=m3"], wait_models=["m3"])

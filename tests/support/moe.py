@@ -63,6 +63,16 @@ def random_moe(cfg: ModelConfig, expert_fmt: str, shared_fmt: str, gen: torch.Ge
     return moe
 
 
+def expert_slice(qw, first: int, n: int):
+    """A `QuantWeight` of experts [first, first + n) of the stacked ``qw`` (an expert-parallel rank's share)."""
+    from m3serve.model.weights import QuantWeight
+
+    out = QuantWeight(qw.n, qw.k, qw.fmt, qw.dtype, lead=(n,), device=next(qw.buffers()).device)
+    for name, buf in qw.named_buffers():
+        getattr(out, name).copy_(buf[first:first + n])
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

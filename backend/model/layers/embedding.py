@@ -20,7 +20,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.stop - self.start, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.parallel.size == 1:
+        if not self.parallel.collective:
             return F.embedding(ids, self.weight)
         mine = (ids >= self.start) & (ids < self.stop)
         y = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)

@@ -5,9 +5,9 @@ Its method is picked once at load (`SparseMoE.prepare`), by the experts' weight 
   experts that got tokens, so it synchronises: CPU and tests).
 - `KernelMoE`: the Triton MoE layer (kernels/moe.py: router with on-device grouping, grouped expert GEMMs that
   decode NVFP4 / MXFP8 / FP8 weights in registers, SwiGLU-OAI fused, the shared expert in the same launches,
-  combine): CUDA, quantized experts or bf16/fp16 ones, every expert on this rank (not with expert parallelism yet:
-  the torch reference serves that). The weights are laid out for it once and the checkpoint layout released. No
-  host synchronisation (CUDA-graph safe).
+  combine): CUDA, quantized experts or bf16/fp16 ones. With expert parallelism the router picks among every expert
+  and the kernels run this rank's (the others' assignments masked), so the output is the rank's partial sum. The
+  weights are laid out for it once and the checkpoint layout released. No host synchronisation (CUDA-graph safe).
 - `DenseMoE`: every expert over every token, the routing weights (zero for experts not chosen) combining them: no
   host synchronisation either, exact, E times the work. On CUDA for fp32 dense experts only (the small test models,
   whose fp32 tests expect fp32 products, not the kernels' tf32 dots). Every quantized or bf16 expert / shared-expert
@@ -154,7 +154,8 @@ class KernelMoE:
         from m3serve.kernels.moe import fused_moe
         e = layer.experts
         return fused_moe(x, layer.gate.weight, layer.gate.e_score_correction_bias, self.weights,
-                         top_k=layer.gate.top_k, routed_scaling=layer.scaling, alpha=e.alpha, limit=e.limit)
+                         top_k=layer.gate.top_k, routed_scaling=layer.scaling, alpha=e.alpha, limit=e.limit,
+                         first_expert=e.first_expert)
 
 
 def select_moe_method(layer: "SparseMoE", device: torch.device):
@@ -163,8 +164,6 @@ def select_moe_method(layer: "SparseMoE", device: torch.device):
     if isinstance(layer.method, KernelMoE):
         return layer.method
     e = layer.experts
-    if e.num_experts != e.total_experts:  # expert parallel: the fused kernel routes over every expert it holds
-        return TorchMoE()
     if e.gate_up_proj.fmt == "dense" and e.gate_up_proj.dtype == torch.float32:
         return DenseMoE()
     return KernelMoE(layer)
