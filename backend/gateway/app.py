@@ -66,11 +66,12 @@ async def _unless_disconnected(request: Request, awaitable):
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         raise ClientGone()
     finally:
         watch.cancel()
+        if not task.done():  # the client left, or this handler was cancelled: stop the request too
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -164,25 +165,27 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         done = _Once(finish)
         deltas = state["triton"].generate(inputs, new_id("gw"))
         first_token = _Once(lambda: metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrival))
+        streaming = False
         try:
             if not body.stream:
                 reply = await _unless_disconnected(request, handler.complete(_timed(deltas, first_token)))
                 metrics.requests.labels(endpoint, "200").inc()
                 return JSONResponse(reply)
             events = handler.stream(_timed(deltas, first_token))
-            first = await _unless_disconnected(request, events.__anext__())
-        except (APIError, ClientGone, StopAsyncIteration, asyncio.CancelledError) as e:
+            try:
+                first = await _unless_disconnected(request, events.__anext__())
+            except StopAsyncIteration:
+                raise APIError(502, "the Triton stream ended without a response", "BadGatewayError") from None
+            streaming = True
+        except (APIError, ClientGone) as e:
             status = str(e.status) if isinstance(e, APIError) else "499"
             metrics.requests.labels(endpoint, status).inc()
             metrics.errors.labels(endpoint, status).inc()
-            done()
             if isinstance(e, APIError):
                 raise
-            if isinstance(e, StopAsyncIteration):
-                raise APIError(502, "the Triton stream ended without a response", "BadGatewayError") from None
-            return Response(status_code=499)
+            return Response(status_code=499)  # nobody reads it
         finally:
-            if not body.stream:
+            if not streaming:  # else the streamed reply owns `done`
                 done()
         metrics.requests.labels(endpoint, "200").inc()
 

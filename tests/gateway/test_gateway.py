@@ -48,6 +48,15 @@ def test_models_health_metrics(gateway, client):
         assert f.status == 200
     with urllib.request.urlopen(gateway.url + "/metrics") as f:
         assert "m3serve_gateway_requests_in_flight" in f.read().decode()
+    # CORS is off by default: no allow-origin header, a preflight is not answered
+    req = urllib.request.Request(gateway.url + "/v1/models", headers={"Origin": "http://evil.example"})
+    with urllib.request.urlopen(req) as f:
+        assert "access-control-allow-origin" not in {k.lower() for k in f.headers}
+    pre = urllib.request.Request(gateway.url + "/v1/chat/completions", method="OPTIONS", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(pre)
+    assert e.value.code == 405 and "access-control-allow-origin" not in {k.lower() for k in e.value.headers}
 
 
 def test_chat_and_completions_usage_and_streaming(client, tok):
