@@ -184,15 +184,19 @@ def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| C | direct tok/s | gateway tok/s | gateway/direct | TTFT p50 direct ms | TTFT p50 gateway ms | "
-           "TTFT p50 overhead ms | errors (direct/gateway) |", "|---|---|---|---|---|---|---|---|"]
+    cols = ["C", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms", "TTFT p50 gateway ms",
+            "TTFT p50 overhead ms", "errors (direct/gateway)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def num(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
     for r in rows:
         d, g = r["direct"], r["gateway"]
-        out.append(f"| {r['concurrency']} | {d['tokens_per_s_total']:.1f} | {g['tokens_per_s_total']:.1f} | "
-                   f"{r['tokens_per_s_ratio'] or float('nan'):.3f} | {d['ttft_ms'][50] or float('nan'):.1f} | "
-                   f"{g['ttft_ms'][50] or float('nan'):.1f} | {r['ttft_p50_overhead_ms'] or float('nan'):+.1f} | "
-                   f"{d['errors']}/{g['errors']} |")
-    return "\n".join(out)
+        cells = [str(r["concurrency"]), num(d["tokens_per_s_total"], ".1f"), num(g["tokens_per_s_total"], ".1f"),
+                 num(r["tokens_per_s_ratio"], ".3f"), num(d["ttft_ms"][50], ".1f"), num(g["ttft_ms"][50], ".1f"),
+                 num(r["ttft_p50_overhead_ms"], "+.1f"), f"{d['errors']}/{g['errors']}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -235,10 +239,9 @@ def main(argv=None) -> int:
             gw.wait(10)
         stop_server(proc)
     res["table"] = table(res["levels"])
-    with open(os.path.join(a.out, "bench_gateway.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(a.out, "bench_gateway.md"), "w") as f:
-        f.write(res["table"] + "\n")
+    for name, text in (("bench_gateway.json", json.dumps(res, indent=2)), ("bench_gateway.md", res["table"] + "\n")):
+        with open(os.path.join(a.out, name), "w") as f:
+            f.write(text)
     print(res["table"])
     return 0
 
