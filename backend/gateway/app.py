@@ -241,4 +241,5 @@ async def _timed(deltas, first_token: _Once):
 def run(cfg: GatewayConfig, host: str, port: int, log_level: str = "info") -> None:
     import uvicorn
 
-    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level)
+    # the standard asyncio loop (grpc.aio's poller is built for it); httptools parses HTTP when installed
+    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level, loop="asyncio")
