@@ -135,6 +135,17 @@ def test_reasoning_content(client):
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == \
         "The user wants the weather."
     assert "".join(d.content or "" for d in deltas) == "It is sunny in Paris."
+    # chat_template_kwargs reach the server: with thinking enabled the template opens the think block and the
+    # model's (greedy, unscripted) text is reasoning; without, the same model's text is content
+    def greedy(**extra):
+        r = client.chat.completions.create(model="m3", messages=USER, max_completion_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True, **extra})
+        assert r.usage.completion_tokens == 6
+        return r.choices[0].message
+    thinking = greedy(chat_template_kwargs={"thinking_mode": "enabled"})
+    plain = greedy()
+    assert thinking.model_extra["reasoning_content"] and not thinking.content
+    assert plain.content and not plain.model_extra["reasoning_content"]
 
 
 def test_logprobs(client):
