@@ -1,4 +1,4 @@
-"""The `m3serve` command: generate | quantize | capacity | make-tiny | train-learned | eval-tasks."""
+"""The `m3serve` command: generate | quantize | capacity | make-tiny | train-learned | eval-tasks | openai."""
 from __future__ import annotations
 
 import argparse
@@ -123,6 +123,18 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                            help=f"default {f.default}")
 
 
+def cmd_openai(a) -> int:
+    import os
+
+    from m3serve.gateway.app import GatewayConfig, run
+
+    cfg = GatewayConfig(triton_url=a.triton_url, model=a.model, served_model_name=a.served_model_name,
+                        api_key=a.api_key or os.environ.get("M3SERVE_OPENAI_API_KEY") or None,
+                        max_concurrent=a.max_concurrent, cors_origins=a.cors_origin or [])
+    run(cfg, a.host, a.port, a.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m3serve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -175,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     from m3serve.learn.evaluate import add_parser as add_eval_tasks
     add_eval_tasks(sub)  # eval-tasks
+
+    o = sub.add_parser("openai", help="an OpenAI-compatible API (chat, completions) in front of tritonserver")
+    o.add_argument("--triton-url", default="localhost:8001", help="tritonserver's gRPC address")
+    o.add_argument("--model", default="m3", help="the Triton model (the m3 text contract)")
+    o.add_argument("--served-model-name", help="the name clients send (default: --model)")
+    o.add_argument("--host", default="127.0.0.1")
+    o.add_argument("--port", type=int, default=9000)
+    o.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $M3SERVE_OPENAI_API_KEY)")
+    o.add_argument("--max-concurrent", type=int, default=0, help="429 beyond this many open requests (0: no limit)")
+    o.add_argument("--cors-origin", action="append", help="allow this origin (CORS is off without one)")
+    o.add_argument("--log-level", default="info")
+    o.set_defaults(fn=cmd_openai)
     return p
 
 

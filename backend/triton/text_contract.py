@@ -156,14 +156,15 @@ class TextStream:
             self.finish_reason = out.finish_reason
 
     def _logprob_entry(self, tid: int, entry: dict) -> dict:
+        """{token id: {logprob, rank, decoded_token}}: the sampled token first (as in vLLM's dicts, so a client
+        tells it from the top-n), then the others by rank."""
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-        res = {}
-        for rank, (t, lp) in enumerate(ranked, 1):
-            res[str(int(t))] = {"logprob": float(lp), "rank": rank,
-                                "decoded_token": self.decode([int(t)]) if self.decode else None}
-        if str(int(tid)) not in res:
-            res[str(int(tid))] = {"logprob": None, "rank": None, "decoded_token": None}
-        return res
+        tops = {str(int(t)): {"logprob": float(lp), "rank": rank,
+                              "decoded_token": self.decode([int(t)]) if self.decode else None}
+                for rank, (t, lp) in enumerate(ranked, 1)}
+        sampled = str(int(tid))
+        first = tops.pop(sampled, {"logprob": None, "rank": None, "decoded_token": None})
+        return {sampled: first, **tops}
 
     @property
     def has_content(self) -> bool:

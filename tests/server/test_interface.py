@@ -148,6 +148,21 @@ def test_text_stream_deltas_and_final():
     assert t["num_output_tokens"].tolist() == [1]
 
 
+def test_logprob_entries_put_the_sampled_token_first():
+    """A sampled token outside the top-n (or below the top) comes first, with its own logprob and rank, so a
+    client (the OpenAI gateway) can tell it from the top-n; the others follow by rank."""
+    req = text({"text_input": s("hi"), "stream": b(True), "return_logprobs": b(True),
+                "sampling_parameters": s('{"logprobs": 2}')})
+    ts = TextStream(req, lambda ids_: "".join(f"<{i}>" for i in ids_))
+    o = out([9, 4], "xy")
+    o.logprobs = [{9: -3.0, 1: -0.5, 2: -1.0}, {4: -0.2, 3: -0.9}]
+    ts.add(o)
+    entries = json.loads(ts.take(False)["logprobs"].reshape(-1)[0])
+    assert [list(e) for e in entries] == [["9", "1", "2"], ["4", "3"]]
+    assert entries[0]["9"] == {"logprob": -3.0, "rank": 3, "decoded_token": "<9>"}
+    assert entries[0]["1"]["rank"] == 1 and entries[1]["4"]["rank"] == 1
+
+
 def test_non_stream_prepends_prompt():
     req = text({"text_input": s("hi ")})
     ts = TextStream(req)

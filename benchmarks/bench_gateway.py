@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""The OpenAI gateway's cost: the same tritonserver (`m3`, the text contract) measured by gRPC streaming direct
+(clients/bench.py's client) and through `m3serve openai` (streamed POST /v1/completions, SSE), at each concurrency.
+
+  python benchmarks/bench_gateway.py --out OUT_DIR                                    # CPU: the tiny model
+  python benchmarks/bench_gateway.py --device cuda --geometry 4 --out OUT_DIR         # H200: M3.1-Flash geometry
+
+C users each send --requests-per-user requests in a row (greedy, ignore_eos, --max-tokens tokens, the same
+prompt both ways); per level, both paths in turn after one warm-up level each: output tokens/s (all tokens /
+wall), TTFT p50/p90 (request sent -> first text), and the gateway/direct ratios. --geometry N: the M3.1-Flash
+geometry cut to N layers with random weights (benchmarks/geometry.py), its vocabulary cut to the tiny
+tokenizer's 512 ids so that every token decodes to text for the m3 contract. Writes OUT_DIR/bench_gateway.json
+and OUT_DIR/bench_gateway.md; the server (build.sh serve) and the gateway run as child processes, stopped at
+the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PROMPT = "Please write a short poem about the sea, the sky, and the stars at night."
+
+
+def geometry_text_engine(config):
+    """engine_factory (--geometry): the M3.1-Flash geometry, random weights, with the tiny model's tokenizer."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    import geometry as g
+    from m3serve.engine.async_engine import AsyncLLMEngine
+    from m3serve.text.tokenizer import Tokenizer
+
+    smoke = not torch.cuda.is_available()
+    over = dict(g.SMOKE if smoke else {})
+    over["vocab_size"] = Tokenizer.from_pretrained(config.model).vocab_size
+    model = g.random_model(g.flash_geometry(int(os.environ.get("M3SERVE_GEOMETRY_LAYERS", "4")), **over),
+                           "cpu" if smoke else "cuda")
+    engine = g.make_engine(model, device="cpu" if smoke else "cuda", dtype="bfloat16", tokenizer=config.model,
+                           max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                           num_gpu_blocks_override=config.num_gpu_blocks_override,
+                           max_num_batched_tokens=config.max_num_batched_tokens)
+    return AsyncLLMEngine(engine.config, engine=engine)
+
+
+def write_repo(a, model_dir: str, repo: str) -> None:
+    os.makedirs(os.path.join(repo, "m3", "1"))
+    cfg = open(os.path.join(ROOT, "model_repository", "m3", "config.pbtxt")).read()
+    if a.geometry:
+        cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
+                                            f'"{os.path.abspath(__file__)}:geometry_text_engine" }} }},\n')
+    with open(os.path.join(repo, "m3", "config.pbtxt"), "w") as f:
+        f.write(cfg)
+    opts = {"model": model_dir, "device": a.device, "dtype": "float32" if a.device == "cpu" else "bfloat16",
+            "max_model_len": a.max_model_len, "max_num_seqs": max(64, max(a.levels)),
+            "num_gpu_blocks_override": a.num_pages, "max_num_batched_tokens": a.max_num_batched_tokens}
+    with open(os.path.join(repo, "m3", "1", "model.json"), "w") as f:
+        json.dump(opts, f, indent=2)
+
+
+def start_gateway(triton_url: str, port: int, log_path: str) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "m3serve.cli", "openai", "--triton-url", triton_url, "--port",
+                             str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited ({proc.returncode}); see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as f:
+                if f.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"the gateway was not ready after 120 s; see {log_path}")
+
+
+async def _gateway_request(client, url: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    ttft, tokens, error = None, 0, None
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            return {"ttft": None, "tokens": 0, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]["message"]
+            elif chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                ttft = time.perf_counter() - t0
+    return {"ttft": ttft, "tokens": tokens, "error": error}
+
+
+async def level(c: int, n: int, one) -> dict:
+    """C users, n requests in all, each user's one after another; `one()` sends one and returns its record."""
+    results, counter = [], iter(range(n))
+
+    async def user():
+        for _ in counter:
+            results.append(await one())
+    t0 = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(c)))
+    return summary(c, results, time.perf_counter() - t0)
+
+
+def summary(c: int, results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"concurrency": c, "requests": len(results), "errors": len(results) - len(ok),
+            "first_error": next((r["error"] for r in results if r["error"]), None), "wall_s": wall,
+            "output_tokens": tokens, "tokens_per_s_total": tokens / wall if wall else None,
+            "ttft_ms": {q: float(np.percentile(ttft, q)) * 1000 if ttft else None for q in (50, 90)}}
+
+
+def load_bench_client():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("m3bench_client", os.path.join(ROOT, "clients", "bench.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
+    """Both paths hold one connection pool for the whole run (the gateway holds one gRPC channel): a gRPC client
+    (clients/bench.py's request, one stream each) and an HTTP client; each level is warmed up first."""
+    import httpx2
+    import tritonclient.grpc.aio as grpcaio
+
+    bench = load_bench_client()
+    inputs = bench.build_inputs("text", PROMPT, a.max_tokens, True, 0.0)
+    body = {"model": "m3", "prompt": PROMPT, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    rids = iter(range(1 << 30))
+
+    async def go():
+        grpc_client = grpcaio.InferenceServerClient(triton_url)
+        limits = httpx2.Limits(max_connections=max(a.levels), max_keepalive_connections=max(a.levels))
+        http = httpx2.AsyncClient(timeout=600, limits=limits)
+
+        async def direct():
+            r = await bench.one_request(grpc_client, "m3", inputs, f"b{next(rids)}", 600)
+            return {"ttft": r["ttft"], "tokens": r["tokens"], "error": r["error"]}
+
+        def gateway():
+            return _gateway_request(http, gateway_url + "/v1/completions", body)
+        out = []
+        try:
+            for c in a.levels:
+                n = c * a.requests_per_user
+                await level(c, c, direct)  # warm-up of this batch size, both paths
+                await level(c, c, gateway)
+                d = await level(c, n, direct)
+                g = await level(c, n, gateway)
+                row = {"concurrency": c, "direct": d, "gateway": g,
+                       "tokens_per_s_ratio": g["tokens_per_s_total"] / d["tokens_per_s_total"]
+                       if d["tokens_per_s_total"] else None,
+                       "ttft_p50_overhead_ms": (g["ttft_ms"][50] - d["ttft_ms"][50])
+                       if g["ttft_ms"][50] is not None and d["ttft_ms"][50] else None}
+                out.append(row)
+                print(f"c={c}: direct {d['tokens_per_s_total']:.1f} tok/s, gateway {g['tokens_per_s_total']:.1f} "
+                      f"tok/s, errors {d['errors']}/{g['errors']}", file=sys.stderr, flush=True)
+        finally:
+            await http.aclose()
+            await grpc_client.close()
+        return out
+    return asyncio.run(go())
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["C", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms", "TTFT p50 gateway ms",
+            "TTFT p50 overhead ms", "errors (direct/gateway)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def num(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+    for r in rows:
+        d, g = r["direct"], r["gateway"]
+        cells = [str(r["concurrency"]), num(d["tokens_per_s_total"], ".1f"), num(g["tokens_per_s_total"], ".1f"),
+                 num(r["tokens_per_s_ratio"], ".3f"), num(d["ttft_ms"][50], ".1f"), num(g["ttft_ms"][50], ".1f"),
+                 num(r["ttft_p50_overhead_ms"], "+.1f"), f"{d['errors']}/{g['errors']}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    for flag, kind, default in (("--device", str, "cpu"), ("--concurrency", str, "1,16,64"),
+                                ("--requests-per-user", int, 2), ("--max-tokens", int, 128),
+                                ("--max-model-len", int, 1024), ("--max-num-batched-tokens", int, 4096),
+                                ("--num-pages", int, 4096)):
+        p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--geometry", type=int, default=0, metavar="LAYERS",
+                   help="the M3.1-Flash geometry cut to LAYERS layers (random weights) instead of the tiny model")
+    a = p.parse_args(argv)
+    a.levels = [int(c) for c in a.concurrency.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    work = os.path.join(a.out, "work")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    from m3serve.model.tiny import make_tiny
+    model_dir = os.path.join(work, "tiny-m3")
+    make_tiny(model_dir)
+    repo = os.path.join(work, "repo")
+    write_repo(a, model_dir, repo)
+    sys.path.insert(0, HERE)
+    from bench_server import free_port, start_server, stop_server
+
+    if a.geometry:
+        os.environ["M3SERVE_GEOMETRY_LAYERS"] = str(a.geometry)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
+           "args": {k: v for k, v in vars(a).items()}}
+    proc, url, _ = start_server(repo, os.path.join(a.out, "tritonserver.log"), ready_model="m3")
+    gw = None
+    try:
+        port = free_port()
+        gw = start_gateway(url, port, os.path.join(a.out, "gateway.log"))
+        res["levels"] = run_levels(a, url, f"http://127.0.0.1:{port}")
+    finally:
+        if gw is not None:
+            gw.terminate()
+            gw.wait(10)
+        stop_server(proc)
+    res["table"] = table(res["levels"])
+    for name, text in (("bench_gateway.json", json.dumps(res, indent=2)), ("bench_gateway.md", res["table"] + "\n")):
+        with open(os.path.join(a.out, name), "w") as f:
+            f.write(text)
+    print(res["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
