@@ -34,7 +34,7 @@ PROMPT = "Please write a short poem about the sea, the sky, and the stars at nig
 
 
 def geometry_text_engine(config):
-    """engine_factory (--geometry): the M3.1-Flash geometry, random weights, with the tiny model's tokenizer."""
+    """The engine factory of --geometry ($M3SERVE_TEST_ENGINE_FACTORY): the M3.1-Flash geometry, random weights, with the tiny model's tokenizer."""
     import torch
 
     sys.path.insert(0, HERE)
@@ -57,9 +57,8 @@ def geometry_text_engine(config):
 def write_repo(a, model_dir: str, repo: str) -> None:
     os.makedirs(os.path.join(repo, "m3", "1"))
     cfg = open(os.path.join(ROOT, "model_repository", "m3", "config.pbtxt")).read()
-    if a.geometry:
-        cfg = cfg.replace("parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: '
-                                            f'"{os.path.abspath(__file__)}:geometry_text_engine" }} }},\n')
+    if a.geometry:  # a test hook: from the server's environment only (backend/triton/parameters.py)
+        os.environ["M3SERVE_TEST_ENGINE_FACTORY"] = f"m3={os.path.abspath(__file__)}:geometry_text_engine"
     with open(os.path.join(repo, "m3", "config.pbtxt"), "w") as f:
         f.write(cfg)
     opts = {"model": model_dir, "device": a.device, "dtype": "float32" if a.device == "cpu" else "bfloat16",

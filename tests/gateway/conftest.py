@@ -19,12 +19,10 @@ def m3_server(tiny_model_dir, tmp_path_factory):
     repo = d / "models"
     shutil.copytree(os.path.join(ROOT, "model_repository", "m3"), repo / "m3")
     factory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_engine.py") + ":make"
-    cfg = repo / "m3" / "config.pbtxt"
-    cfg.write_text(cfg.read_text().replace(
-        "parameters [\n", f'parameters [\n  {{ key: "engine_factory" value: {{ string_value: "{factory}" }} }},\n'))
     scripts = d / "scripts.json"
     scripts.write_text(json.dumps(SCRIPTS))
-    env = {"M3SERVE_MODEL_DIR": os.path.dirname(tiny_model_dir), "M3SERVE_SCRIPTS": str(scripts)}
+    env = {"M3SERVE_MODEL_DIR": os.path.dirname(tiny_model_dir), "M3SERVE_SCRIPTS": str(scripts),
+           "M3SERVE_TEST_ENGINE_FACTORY": f"m3={factory}"}  # test hooks come from the server's environment only
     srv = start_server(str(repo), str(d / "tritonserver.log"), env, wait_models=["m3"])
     yield srv
     srv.stop()

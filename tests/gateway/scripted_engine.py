@@ -1,4 +1,4 @@
-"""Engine factory for the gateway tests (config parameter engine_factory=<this file>:make): the real engine on
+"""Engine factory for the gateway tests ($M3SERVE_TEST_ENGINE_FACTORY="m3=<this file>:make"): the real engine on
 the tiny model, whose sampler, for requests seeded with a seed listed in $M3SERVE_SCRIPTS (a JSON file
 {seed: text}), replaces the drawn token by the next token of that text (then EOS). The tiny model is random and
 never writes a tool call or a think block by itself; scripted, its "output" goes the whole real way: the
