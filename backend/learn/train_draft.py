@@ -94,7 +94,7 @@ def block_hidden(draft: DSparkDraft, feats: torch.Tensor, ids: torch.Tensor, anc
     mask = torch.cat([ctx, own], -1)
     for layer in draft.layers:
         k, v = layer.self_attn.kv(c, cos_c, sin_c)
-        x = layer(x, cos_b, sin_b, k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:]), mask)
+        x = layer(x, cos_b, sin_b, (k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:])), mask)
     return draft.norm(x).view(b, a, g, -1)
 
 
