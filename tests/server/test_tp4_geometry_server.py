@@ -75,7 +75,7 @@ def test_tp4_geometry_serves_like_tp1(tp4_server, geometry_dir):
         assert "".join(texts(responses)) == text
     control = grpcclient.InferenceServerClient(srv.grpc_url)
     try:
-        control.unload_model("m3")
+        control.unload_model("m3", headers=srv.repository_metadata())
         assert wait_until(lambda: not any(alive(p) for p in [stubs[0], *engines, *workers]), 60), srv.log()[-3000:]
     finally:
         control.close()
