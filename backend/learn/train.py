@@ -18,7 +18,9 @@ One process does it all, within a wall-clock budget (`--budget-s`), so that it f
    sqrt(d_idx)) over the same keys. It runs in two phases, as DeepSeek-V3.2 trained its indexer: a dense warm-up
    (`--dense-frac` of the steps; the main attention unmasked: every block selected, the KL over all causal keys),
    then the sparse phase (the real top-k mask on; the main attention and the KL both over the selected blocks
-   only, as MSA's sparse KL does).
+   only, as MSA's sparse KL does). The switch is a ramp (`SparseRamp`: the share of sparse steps rises from 0 to 1
+   over `--sparse-ramp-frac` of the steps), and the dense phase's final weights are kept if they answer better with
+   the mask on than the final ones (`keep_better`).
 4. the DSpark draft (train_draft.py), on the frozen target's tapped hidden states;
 5. checks on the eval split: teacher-forced exact match per task (every answer token argmax-correct given the
    prompt, which is exactly what greedy decoding produces), for the target with its sparse mask (and, as a check
@@ -77,10 +79,11 @@ class TrainConfig:
     tokens_per_batch: int = 32768  # padded tokens per step
     max_steps: int = 6000
     warmup_steps: int = 50
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.1
-    dense_frac: float = 0.3
+    dense_frac: float = 0.45  # of the planned steps: the dense warm-up
+    sparse_ramp_frac: float = 0.15  # then the share of steps run sparse rises from 0 to 1 over this many steps
     bias_rate: float = 1e-2  # router bias step per training step
     # draft (train_draft.py)
     draft_frac: float = 0.22  # of the training time
@@ -361,6 +364,52 @@ def pick_experts_implementation(model, ids: torch.Tensor, mask: torch.Tensor, de
     return impl
 
 
+class SparseRamp:
+    """When the MSA layers run their top-k mask. A hard switch from the dense warm-up to the sparse mask cut off
+    blocks the model had learned to read, and on the H200 (2026-12-04) it did not recover (docs/quality.md). So the
+    switch is a ramp: from `begin`'s step the chance that a step runs sparse rises linearly from 0 to 1 over
+    `sparse_ramp_frac` of the planned steps (a seeded draw per step), then every step is sparse."""
+
+    def __init__(self, tc: TrainConfig, rng: random.Random):
+        self.tc, self.rng = tc, rng
+        self.start: int | None = None
+        self.full: int | None = None
+        self.snapshot: dict[str, torch.Tensor] | None = None
+
+    def begin(self, step: int, total: int) -> None:
+        self.start = step
+        self.full = step + max(1, round(self.tc.sparse_ramp_frac * total))
+
+    def dense(self, step: int) -> bool:
+        if self.start is None:
+            return True
+        if step >= self.full:
+            return False
+        return self.rng.random() >= (step - self.start + 1) / (self.full - self.start)
+
+
+def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_batch: int, log) -> dict:
+    """The final weights or the dense phase's (set aside when the ramp began), whichever has the higher mean
+    teacher-forced exact match with the sparse mask on (the mask the engine runs), so that a sparse phase that went
+    wrong cannot lose what the dense phase learned. Returns both scores and the choice."""
+    snapshot = getattr(model, "dense_snapshot", None)
+    final = exact_match(model, eval_rows, device, pad_id, tokens_per_batch)
+    out = {"final": final, "kept": "final"}
+    if snapshot is not None:
+        current = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        model.load_state_dict(snapshot)
+        dense_end = exact_match(model, eval_rows, device, pad_id, tokens_per_batch)
+        out["dense_phase_end"] = dense_end
+        if sum(dense_end.values()) > sum(final.values()):
+            out["kept"] = "dense_phase_end"
+        else:
+            model.load_state_dict(current)
+        log(f"target: sparse-mask exact match at the end {final}, at the end of the dense phase {dense_end}; "
+            f"keeping {out['kept']}")
+    model.dense_snapshot = None
+    return out
+
+
 def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
                  log) -> dict:
     data = batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id)
@@ -373,13 +422,18 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     distill, balance = IndexerDistill(model), RouterBalance(model, tc.bias_rate)
     distill.enabled = balance.enabled = True
     curve, t0 = [], time.time()
-    sparse_from = None
+    ramp = SparseRamp(tc, random.Random(tc.seed + 7))
     model.train()
     step, tokens, real_tokens = 0, 0, 0
     error = None
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
-        dense = sparse_from is None and step < tc.dense_frac * sched.total
+        if ramp.start is None and step >= tc.dense_frac * sched.total:
+            ramp.begin(step, sched.total)
+            ramp.snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            log(f"target: sparse ramp from step {step} to {ramp.full} (top-{model.config.index_topk_blocks} "
+                "blocks); the dense phase's weights are kept aside")
+        dense = ramp.dense(step)
         try:
             rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device)
         except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
@@ -388,9 +442,6 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                 + traceback.format_exc())
             opt.zero_grad(set_to_none=True)
             break
-        if sparse_from is None and not dense:
-            sparse_from = step
-            log(f"target: sparse phase from step {step} (top-{model.config.index_topk_blocks} blocks)")
         tokens += rec.pop("padded_tokens")
         real_tokens += rec.pop("real_tokens")
         step += 1
@@ -402,7 +453,9 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         h.remove()
     model.eval()
     wall = time.time() - t0
-    return {"steps": step, "planned_steps": sched.total, "sparse_from_step": sparse_from, "wall_s": round(wall, 1),
+    model.dense_snapshot = ramp.snapshot  # read (and dropped) by keep_better
+    return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start,
+            "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts,
             "padded_tokens": tokens, "real_tokens": real_tokens,
             "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve,
@@ -535,6 +588,11 @@ def run(tc: TrainConfig) -> dict:
     result["target"] = train_target(model, rows, tc, device, target_deadline, pad_id, log)
     log(f"target: {result['target']['steps']} steps in {result['target']['wall_s']} s "
         f"({result['target']['padded_tokens_per_s']} padded tokens/s), stopped by {result['target']['stopped_by']}")
+    try:
+        result["target"]["selection"] = keep_better(model, eval_rows, device, pad_id, tc.tokens_per_batch, log)
+    except Exception as e:  # noqa: BLE001 - a failed check must not lose the trained weights
+        result["target"]["selection"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"target: choosing the weights failed: {e}\n" + traceback.format_exc())
     save_target(model, cfg, tc.out)
     try:
         result["eval_target"] = exact_match(model, eval_rows, device, pad_id, tc.tokens_per_batch)

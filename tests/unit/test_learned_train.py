@@ -23,9 +23,9 @@ from m3serve.learn.config import learned_config  # noqa: E402
 from m3serve.learn.render import prompt_ids  # noqa: E402
 from m3serve.learn.tasks import make_examples  # noqa: E402
 from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
-from m3serve.learn.train import (DenseAttention, IndexerDistill, TrainConfig, answer_loss, batches,  # noqa: E402
-                                 build_target, collate, exact_match, make_rows, pack, pick_experts_implementation,
-                                 save_target, train_target)
+from m3serve.learn.train import (DenseAttention, IndexerDistill, SparseRamp, TrainConfig, answer_loss,  # noqa: E402
+                                 batches, build_target, collate, exact_match, keep_better, make_rows, pack,
+                                 pick_experts_implementation, save_target, train_target)
 from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
 from m3serve.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -59,8 +59,11 @@ def trained(tmp_path_factory):
 
 def test_training_lowers_the_losses(trained):
     curve = trained["target"]["curve"]
+    # the ramp runs from step index 18 (0.3 x 60) over 0.15 x 60 = 9 steps: logged at steps 1, 10, 20 .. 60
     assert trained["target"]["steps"] == 60 and trained["target"]["sparse_from_step"] == 18
-    assert [r["phase"] for r in curve] == ["dense"] * 2 + ["sparse"] * 5  # logged at steps 1, 10, 20 .. 60
+    assert trained["target"]["sparse_full_from_step"] == 27
+    phases = [r["phase"] for r in curve]
+    assert phases[:2] == ["dense"] * 2 and phases[3:] == ["sparse"] * 4, phases
     first, last = curve[0], curve[-1]
     assert last["loss"] < 0.2 * first["loss"], (first, last)
     assert all(r["indexer_kl"] >= 0 for r in curve)
@@ -220,3 +223,32 @@ def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypat
     assert out["steps"] == 2 and out["stopped_by"].startswith("OutOfMemoryError")
     assert any("step 2 failed" in m for m in said)
     assert all(p.grad is None for p in model.parameters())  # no half-accumulated gradients left behind
+
+
+def test_the_sparse_ramp_rises_from_dense_to_sparse():
+    ramp = SparseRamp(TrainConfig(out="-", sparse_ramp_frac=0.25), random.Random(0))
+    assert all(ramp.dense(i) for i in range(50))  # before begin: dense
+    ramp.begin(100, 400)  # 100 ramp steps
+    assert ramp.full == 200
+    share = [sum(not ramp.dense(s) for s in range(a, a + 25)) / 25 for a in (100, 175)]
+    assert share[0] < 0.35 and share[1] > 0.65, share  # the sparse share rises along the ramp
+    assert not any(ramp.dense(s) for s in range(200, 260))
+
+
+def test_keep_better_keeps_the_weights_that_answer_better(trained):
+    model, rows, pad = trained["model"], trained["rows"], trained["pad"]  # rows it was trained on: it answers some
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    score = exact_match(model, rows, torch.device("cpu"), pad, 4096)
+    assert sum(score.values()) > 0, score
+    torch.manual_seed(5)
+    noise = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in good.items()}
+    try:
+        for final, snap, kept in ((noise, good, "dense_phase_end"), (good, noise, "final")):
+            model.load_state_dict(final)
+            model.dense_snapshot = {k: v.clone() for k, v in snap.items()}
+            out = keep_better(model, rows, torch.device("cpu"), pad, 4096, lambda _m: None)
+            assert out["kept"] == kept, out
+            assert all(torch.equal(model.state_dict()[k], good[k]) for k in good)
+            assert model.dense_snapshot is None
+    finally:
+        model.load_state_dict(good)
