@@ -240,8 +240,10 @@ def score(sets, texts) -> dict[str, dict]:
 
 def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "cpu", dtype: str = "auto",
              triton_url: str | None = None, seed: int = 0, tasks=TASKS, max_model_len: int = 2048,
-             slack: int = SLACK_TOKENS, log: Callable[[str], None] | None = None) -> dict:
-    """Run `paths` on `n` eval examples per task; the report dict (also what --out writes)."""
+             slack: int = SLACK_TOKENS, log: Callable[[str], None] | None = None,
+             on_path: Callable[[dict], None] | None = None) -> dict:
+    """Run `paths` on `n` eval examples per task; the report dict (also what --out writes). `on_path(report)` is
+    called after each path (the report so far), so that a run cut short keeps the paths it finished."""
     from m3serve.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(model_dir)
@@ -264,6 +266,8 @@ def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "c
             report["replies"][path] = texts
             if log:
                 log(f"{path}: " + ", ".join(f"{t} {s['accuracy']:.3f}" for t, s in scores.items()))
+            if on_path:
+                on_path(report)
     if "engine" in report["replies"]:  # greedy paths that must answer as the engine does, token for token
         report["same_replies_as_engine"] = {p: report["replies"][p] == report["replies"]["engine"]
                                             for p in ("reference", "dspark-greedy", "triton-m3", "triton-ensemble")
@@ -340,13 +344,15 @@ def _command_line(a) -> str:
 
 def cmd_eval_tasks(a) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = dict(date=started, device_name=_device_name(a.device), command=_command_line(a), commit=_commit())
+
+    def write(report: dict) -> None:
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({**{k: v for k, v in report.items() if a.replies or k != "replies"}, **meta}, f, indent=1)
+
     report = evaluate(a.model, a.n, a.paths, a.device, a.dtype, a.triton_url, a.seed, tuple(a.tasks),
-                      log=lambda s: print(s, file=sys.stderr, flush=True))
-    if not a.replies:
-        report.pop("replies")
-    report.update(date=started, device_name=_device_name(a.device), command=_command_line(a), commit=_commit())
+                      log=lambda s: print(s, file=sys.stderr, flush=True), on_path=write)
+    write(report)
     print(format_table(report))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
     return 0

@@ -20,3 +20,24 @@ def render(example: Example, tokenizer) -> tuple[list[int], list[int]]:
     prompt = prompt_ids(example, tokenizer)
     target = tokenizer.encode(example.answer) + [tokenizer.eos_token_id]
     return prompt + target, [0] * len(prompt) + [1] * len(target)
+
+
+def render_turns(first: Example, turns: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a chat that goes on after `first`'s answer with more (user text, answer) turns of
+    the same task (training rows with several problems: the loss on every answer). Each turn's prompt is the chat
+    template over the conversation so far; a turn whose prompt does not extend the row token for token ends it
+    there (a template that re-renders history), so every prompt in a row is exactly what the engine would build.
+    Only for tasks whose answer is the reply's content (thinking disabled)."""
+    ids, mask = render(first, tokenizer)
+    messages = list(first.messages) + [{"role": "assistant", "content": first.answer}]
+    for user, answer in turns:
+        messages.append({"role": "user", "content": user})
+        prompt = tokenizer.apply_chat_template(messages, tools=first.tools, add_generation_prompt=True,
+                                               tokenize=True, **first.chat_template_kwargs)
+        if prompt[:len(ids)] != ids:
+            break
+        target = tokenizer.encode(answer) + [tokenizer.eos_token_id]
+        mask = mask + [0] * (len(prompt) - len(ids)) + [1] * len(target)
+        ids = prompt + target
+        messages.append({"role": "assistant", "content": answer})
+    return ids, mask

@@ -120,6 +120,16 @@ def _retrieval(rng: random.Random):
     return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": values[q]}, values[q])
 
 
+def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[tuple[str, str]]:
+    """`n` more (question, answer) turns about other keys of a retrieval example's context (training rows ask
+    several questions per context: one long context, several answers to learn from)."""
+    text = example.messages[0]["content"]
+    pairs = [line.split(": ") for line in text.split("\n")[1:-1]]
+    asked = text.rsplit(" ", 1)[-1].rstrip("?")
+    others = [(k, v) for k, v in pairs if k != asked]
+    return [(f"What is the code for {k}?", v) for k, v in rng.sample(others, min(n, len(others)))]
+
+
 # ---------------------------------------------------------------- tool_call
 
 def _tool(name: str, description: str, props: dict[str, str]) -> dict:

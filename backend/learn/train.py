@@ -72,11 +72,15 @@ class TrainConfig:
     tasks: tuple[str, ...] = TASKS
     train_examples: int = 16000  # per task (the pool is cycled through), times the task's weight
     task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 2.0})  # short rows
+    # training rows of these tasks hold several problems as one chat's turns (eval rows hold one): their prompts are
+    # mostly the template's preamble (arithmetic) or one long context (retrieval), so such a row teaches several
+    # answers for little more than one row's tokens
+    packed_turns: dict[str, int] = dataclasses.field(default_factory=lambda: {"arithmetic": 8, "retrieval": 8})
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     # target
-    tokens_per_batch: int = 32768  # padded tokens per step
+    tokens_per_batch: int = 16384  # padded tokens per step
     max_steps: int = 6000
     warmup_steps: int = 50
     lr: float = 1.5e-3
@@ -86,7 +90,7 @@ class TrainConfig:
     sparse_ramp_frac: float = 0.15  # then the share of steps run sparse rises from 0 to 1 over this many steps
     bias_rate: float = 1e-2  # router bias step per training step
     # draft (train_draft.py)
-    draft_frac: float = 0.22  # of the training time
+    draft_frac: float = 0.16  # of the training time
     draft_max_steps: int = 3000
     draft_lr: float = 1e-3
     draft_layers: int = 2
@@ -101,27 +105,37 @@ class TrainConfig:
 _WORKER_TOKENIZER: dict[str, Any] = {}
 
 
-def _render_chunk(job: tuple[str, str, int, int, str]) -> list[tuple[list[int], list[int], int]]:
-    """(task, split, n, seed, tokenizer dir) -> [(input_ids, loss_mask, task index)]; runs in a worker."""
-    from m3serve.learn.render import render
-    from m3serve.learn.tasks import make_examples
+def _render_chunk(job: tuple[str, str, int, int, str, int]) -> list[tuple[list[int], list[int], int]]:
+    """(task, split, n, seed, tokenizer dir, problems per row) -> [(input_ids, loss_mask, task index)]; runs in a
+    worker."""
+    from m3serve.learn.render import render, render_turns
+    from m3serve.learn.tasks import make_examples, retrieval_follow_ups
     from m3serve.text.tokenizer import Tokenizer
 
-    task, split, n, seed, tok_dir = job
+    task, split, n, seed, tok_dir, per_row = job
     tok = _WORKER_TOKENIZER.get(tok_dir)
     if tok is None:
         tok = _WORKER_TOKENIZER[tok_dir] = Tokenizer.from_pretrained(tok_dir)
     ti = TASKS.index(task)
-    return [(*render(ex, tok), ti) for ex in make_examples(task, split, n, seed=seed)]
+    examples = make_examples(task, split, n, seed=seed)
+    if per_row <= 1:
+        return [(*render(ex, tok), ti) for ex in examples]
+    if task == "retrieval":  # one context, several of its keys asked in turn
+        rng = random.Random(seed)
+        return [(*render_turns(ex, retrieval_follow_ups(ex, per_row - 1, rng), tok), ti) for ex in examples]
+    groups = [examples[i:i + per_row] for i in range(0, len(examples), per_row)]  # several problems, one chat
+    return [(*render_turns(g[0], [(ex.messages[-1]["content"], ex.answer) for ex in g[1:]], tok), ti)
+            for g in groups]
 
 
 def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, workers: int = 0,
-              chunk: int = 500, weights: dict[str, float] | None = None) -> list[tuple[list[int], list[int], int]]:
-    """Rendered rows of `n_per_task` examples per task (times `weights[task]`, default 1); a task's examples come in
-    chunks of `chunk`, chunk c drawn with seed `seed * 1000 + c` (so the rows do not depend on the number of
-    workers)."""
+              chunk: int = 500, weights: dict[str, float] | None = None, packed: dict[str, int] | None = None
+              ) -> list[tuple[list[int], list[int], int]]:
+    """Rendered rows of `n_per_task` examples per task (times `weights[task]`, default 1; `packed[task]` problems
+    per row, default 1); a task's examples come in chunks of `chunk`, chunk c drawn with seed `seed * 1000 + c` (so
+    the rows do not depend on the number of workers)."""
     counts = {t: max(1, round(n_per_task * (weights or {}).get(t, 1.0))) for t in tasks}
-    jobs = [(t, split, min(chunk, counts[t] - c0), seed * 1000 + c0 // chunk, tok_dir)
+    jobs = [(t, split, min(chunk, counts[t] - c0), seed * 1000 + c0 // chunk, tok_dir, (packed or {}).get(t, 1))
             for t in tasks for c0 in range(0, counts[t], chunk)]
     workers = workers or min(16, os.cpu_count() or 1)
     if workers <= 1 or len(jobs) == 1:
@@ -569,7 +583,8 @@ def run(tc: TrainConfig) -> dict:
     unknown = sorted(set(tc.task_weights) - set(TASKS))
     if unknown:
         raise ValueError(f"task_weights: unknown task(s) {unknown}; tasks are {list(TASKS)}")
-    rows = make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, tc.workers, weights=tc.task_weights)
+    rows = make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, tc.workers, weights=tc.task_weights,
+                     packed=tc.packed_turns)
     eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, tc.workers)
     lengths = sorted(len(r[0]) for r in rows)
     result["data"] = {"train_rows": len(rows), "eval_rows": len(eval_rows), "median_len": lengths[len(lengths) // 2],

@@ -21,7 +21,7 @@ from m3serve import LLM, SamplingParams  # noqa: E402
 from m3serve.config import FULL, SPARSE  # noqa: E402
 from m3serve.learn.config import learned_config  # noqa: E402
 from m3serve.learn.render import prompt_ids  # noqa: E402
-from m3serve.learn.tasks import make_examples  # noqa: E402
+from m3serve.learn.tasks import make_examples, retrieval_follow_ups  # noqa: E402
 from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
 from m3serve.learn.train import (DenseAttention, IndexerDistill, SparseRamp, TrainConfig, answer_loss,  # noqa: E402
                                  batches, build_target, collate, exact_match, keep_better, make_rows, pack,
@@ -252,3 +252,33 @@ def test_keep_better_keeps_the_weights_that_answer_better(trained):
             assert model.dense_snapshot is None
     finally:
         model.load_state_dict(good)
+
+
+
+def test_packed_rows_hold_several_problems_each_prompt_as_the_engine_builds_it(tmp_path):
+    """A packed training row is a chat of several problems: the loss covers exactly each answer and its end-of-turn
+    token, and the tokens before each answer are the chat template's prompt over the conversation so far."""
+    out = str(tmp_path / "tok")
+    build_tokenizer(out)
+    tok = Tokenizer.from_pretrained(out)
+    for task, per_row in (("arithmetic", 4), ("retrieval", 3)):
+        n = per_row if task == "arithmetic" else 1
+        (ids, mask, _), = make_rows(out, (task,), "train", n, 0, workers=1, packed={task: per_row})
+        problems = make_examples(task, "train", n, seed=0)  # chunk 0 of seed 0
+        turns = ([(e.messages[-1]["content"], e.answer) for e in problems[1:]] if task == "arithmetic" else
+                 retrieval_follow_ups(problems[0], per_row - 1, random.Random(0)))
+        first = problems[0]
+        messages = list(first.messages)
+        starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
+        assert len(starts) == per_row and not mask[0]
+        for k, s in enumerate(starts):
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             **first.chat_template_kwargs)
+            assert prompt == ids[:s], (task, k)
+            answer = first.answer if k == 0 else turns[k - 1][1]
+            target = tok.encode(answer) + [tok.eos_token_id]
+            assert ids[s:s + len(target)] == target and all(mask[s:s + len(target)]), (task, k)
+            assert not any(mask[s + len(target):(starts + [len(mask)])[k + 1]]), (task, k)
+            messages += [{"role": "assistant", "content": answer}] + (
+                [{"role": "user", "content": turns[k][0]}] if k < len(turns) else [])
+        assert len(ids) == starts[-1] + len(target)
