@@ -71,11 +71,12 @@ class TrainConfig:
     reserve_s: float = 40.0  # kept for the checks, saving and packing
     tasks: tuple[str, ...] = TASKS
     train_examples: int = 16000  # per task (the pool is cycled through), times the task's weight
-    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 2.0})  # short rows
+    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 3.0})  # short rows
     # training rows of these tasks hold several problems as one chat's turns (eval rows hold one): their prompts are
     # mostly the template's preamble (arithmetic) or one long context (retrieval), so such a row teaches several
     # answers for little more than one row's tokens
-    packed_turns: dict[str, int] = dataclasses.field(default_factory=lambda: {"arithmetic": 8, "retrieval": 8})
+    packed_turns: dict[str, int] = dataclasses.field(default_factory=lambda: {"arithmetic": 32, "retrieval": 32})
+    init_from: str | None = None  # start from this checkpoint's weights (a run that goes on in another device call)
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -147,9 +148,9 @@ def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, worke
 
 
 def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group: int = 256
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Endless length-bucketed batches (ids [B, S], loss mask [B, S], real-token mask [B, S]), right-padded,
-    B * S <= tokens_per_batch (one over-long row makes a batch of its own)."""
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless length-bucketed batches (ids [B, S], loss mask [B, S], real-token mask [B, S], task index [B]),
+    right-padded, B * S <= tokens_per_batch (one over-long row makes a batch of its own)."""
     order = list(range(len(rows)))
     while True:
         rng.shuffle(order)
@@ -166,7 +167,7 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group:
                 cut.append(cur)
         rng.shuffle(cut)
         for idx in cut:
-            yield collate([rows[i] for i in idx], pad_id)
+            yield (*collate([rows[i] for i in idx], pad_id), torch.tensor([rows[i][2] for i in idx]))
 
 
 def collate(rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,6 +195,17 @@ def build_target(cfg, device: torch.device, seed: int):
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     return MiniMaxM3VLForCausalLM(hf_cfg).to(device)
+
+
+def load_weights(model, init_from: str, tokenizer_dir: str) -> None:
+    """An earlier run's weights into `model` (same shapes, and the same tokenizer: the ids must mean the same)."""
+    from transformers import MiniMaxM3VLForCausalLM
+
+    with open(os.path.join(init_from, "tokenizer.json")) as a, open(os.path.join(tokenizer_dir, "tokenizer.json")) as b:
+        if json.load(a) != json.load(b):
+            raise ValueError(f"--init-from {init_from}: its tokenizer differs from the one this run built")
+    done = MiniMaxM3VLForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+    model.load_state_dict(done.state_dict())
 
 
 def sparse_attentions(model) -> list:
@@ -304,13 +316,20 @@ class RouterBalance:
         return worst
 
 
-def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits."""
+def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits; with `task`
+    (each row's task index) also the mean loss per task, detached."""
     hidden = model.model(input_ids=ids).last_hidden_state
     sel = mask[:, 1:]
     logits = model.lm_head(hidden[:, :-1][sel]).float()
     gold = ids[:, 1:][sel]
-    return F.cross_entropy(logits, gold), logits.argmax(-1) == gold
+    losses = F.cross_entropy(logits, gold, reduction="none")
+    if task is None:
+        return losses.mean(), logits.argmax(-1) == gold
+    token_task = task.to(ids.device)[:, None].expand_as(sel)[sel]
+    per_task = {int(t): losses.detach()[token_task == t].mean() for t in token_task.unique()}
+    return losses.mean(), logits.argmax(-1) == gold, per_task
 
 
 class Schedule:
@@ -427,7 +446,7 @@ def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_
 def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
                  log) -> dict:
     data = batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id)
-    ids, mask, _ = next(data)
+    ids, mask, _, _ = next(data)
     experts = pick_experts_implementation(model, ids.to(device), mask.to(device), device, log)
     groups = _param_groups(model, tc.weight_decay)
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -478,11 +497,11 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
 
 def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: bool, device) -> dict:
     """One optimizer step on `batch` (the main attention unmasked if `dense`); returns its log record."""
-    ids, mask, real = (t.to(device, non_blocking=True) for t in batch)
+    ids, mask, real, task = (t.to(device, non_blocking=True) for t in batch)
     for g in opt.param_groups:
         g["lr"] = lr
     with DenseAttention(model, dense), autocast(device):
-        lm, hits = answer_loss(model, ids, mask)
+        lm, hits, per_task = answer_loss(model, ids, mask, task)
     kl = distill.take(real)
     (lm + kl).backward()
     gnorm = torch.nn.utils.clip_grad_norm_(groups[0]["params"] + groups[1]["params"], 1.0)
@@ -491,6 +510,7 @@ def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: 
     opt.zero_grad(set_to_none=True)
     worst_load = balance.update()
     return {"phase": "dense" if dense else "sparse", "loss": round(float(lm.detach()), 4),
+            "task_loss": {TASKS[t]: round(float(v), 4) for t, v in per_task.items()},
             "answer_token_acc": round(float(hits.float().mean()), 4), "indexer_kl": round(float(kl.detach()), 4),
             "lr": round(lr, 6), "grad_norm": round(float(gnorm), 3), "max_expert_load_ratio": round(worst_load, 2),
             "padded_tokens": ids.numel(), "real_tokens": int(real.sum())}
@@ -595,6 +615,9 @@ def run(tc: TrainConfig) -> dict:
     # CUDA is first touched here, after the data workers (forked processes) are done
     result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     model = build_target(cfg, device, tc.seed)
+    if tc.init_from:
+        load_weights(model, tc.init_from, tc.out)
+        log(f"target: weights from {tc.init_from}")
     n_params = sum(p.numel() for p in model.parameters())
     result["target_params"] = n_params
     log(f"target: {n_params / 1e6:.2f}M parameters, layers {cfg.layer_types}, MLPs {cfg.mlp_layer_types}")

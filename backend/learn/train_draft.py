@@ -171,7 +171,7 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
         f"block {draft.block_size}, mask token {mask_id}")
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
-        ids, mask, _ = (t.to(device) for t in next(data))
+        ids, mask, _, _ = (t.to(device) for t in next(data))
         anchors, valid = sample_anchors(mask, tc.draft_anchors, rng)
         for grp in opt.param_groups:
             grp["lr"] = sched.lr(step)

@@ -24,7 +24,8 @@ from m3serve.learn.render import prompt_ids  # noqa: E402
 from m3serve.learn.tasks import make_examples, retrieval_follow_ups  # noqa: E402
 from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
 from m3serve.learn.train import (DenseAttention, IndexerDistill, SparseRamp, TrainConfig, answer_loss,  # noqa: E402
-                                 batches, build_target, collate, exact_match, keep_better, make_rows, pack,
+                                 batches, build_target, collate, exact_match, keep_better, load_weights, make_rows,
+                                 pack,
                                  pick_experts_implementation, save_target, train_target)
 from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
 from m3serve.text.tokenizer import Tokenizer  # noqa: E402
@@ -64,6 +65,7 @@ def test_training_lowers_the_losses(trained):
     assert trained["target"]["sparse_full_from_step"] == 27
     phases = [r["phase"] for r in curve]
     assert phases[:2] == ["dense"] * 2 and phases[3:] == ["sparse"] * 4, phases
+    assert all(set(r["task_loss"]) <= set(TASKS) and r["task_loss"] for r in curve)
     first, last = curve[0], curve[-1]
     assert last["loss"] < 0.2 * first["loss"], (first, last)
     assert all(r["indexer_kl"] >= 0 for r in curve)
@@ -148,7 +150,8 @@ def test_batches_fit_the_token_budget():
     it = batches(rows, 128, random.Random(0), pad_id=7, group=4)
     seen = []
     while len(seen) < len(rows):  # the first pass
-        ids, mask, real = next(it)
+        ids, mask, real, task = next(it)
+        assert task.tolist() == [0] * ids.shape[0]
         assert ids.numel() <= 128 or ids.shape[0] == 1
         assert ids.shape[1] == int(real.sum(-1).max())  # padded to the batch's longest row only
         assert bool((ids[~real] == 7).all()) and not bool((mask & ~real).any())
@@ -282,3 +285,14 @@ def test_packed_rows_hold_several_problems_each_prompt_as_the_engine_builds_it(t
             messages += [{"role": "assistant", "content": answer}] + (
                 [{"role": "user", "content": turns[k][0]}] if k < len(turns) else [])
         assert len(ids) == starts[-1] + len(target)
+
+
+def test_a_run_can_start_from_an_earlier_checkpoint(trained, tmp_path):
+    fresh = build_target(trained["cfg"], torch.device("cpu"), seed=99)
+    load_weights(fresh, trained["out"], trained["out"])
+    saved = MiniMaxM3VLForCausalLM.from_pretrained(trained["out"], dtype=torch.float32).state_dict()
+    assert all(torch.equal(fresh.state_dict()[k], saved[k]) for k in saved)
+    other = tmp_path / "other"
+    build_tokenizer(str(other), seed=5)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        load_weights(fresh, trained["out"], str(other))
