@@ -6,8 +6,9 @@
   python benchmarks/bench_gateway.py --device cuda --geometry 4 --out OUT_DIR         # H200: M3.1-Flash geometry
 
 C users each send --requests-per-user requests in a row (greedy, ignore_eos, --max-tokens tokens, the same
-prompt both ways); per level, both paths in turn after one warm-up level each: output tokens/s (all tokens /
-wall), TTFT p50/p90 (request sent -> first text), and the gateway/direct ratios. --geometry N: the M3.1-Flash
+prompt both ways); per level, both paths in turn after one warm-up level each, --repeats times: output tokens/s
+(all tokens / wall), TTFT p50/p90 (request sent -> first text), ITL p50/p90 (per request: first text -> last
+text over tokens - 1, the same definition both ways), and the gateway/direct ratios and overheads. --geometry N: the M3.1-Flash
 geometry cut to N layers with random weights (benchmarks/geometry.py), its vocabulary cut to the tiny
 tokenizer's 512 ids so that every token decodes to text for the m3 contract. Writes OUT_DIR/bench_gateway.json
 and OUT_DIR/bench_gateway.md; the server (build.sh serve) and the gateway run as child processes, stopped at
@@ -89,7 +90,7 @@ def start_gateway(triton_url: str, port: int, log_path: str) -> subprocess.Popen
 
 async def _gateway_request(client, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    ttft, tokens, error = None, 0, None
+    ttft, last, tokens, error = None, None, 0, None
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             return {"ttft": None, "tokens": 0, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
@@ -101,9 +102,15 @@ async def _gateway_request(client, url: str, body: dict) -> dict:
                 error = chunk["error"]["message"]
             elif chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                ttft = time.perf_counter() - t0
-    return {"ttft": ttft, "tokens": tokens, "error": error}
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter() - t0
+                ttft = last if ttft is None else ttft
+    return {"ttft": ttft, "tokens": tokens, "error": error, "itl": itl(ttft, last, tokens)}
+
+
+def itl(first: float | None, last: float | None, tokens: int) -> float | None:
+    """Mean inter-token latency of one request: first text -> last text over the tokens after the first."""
+    return (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
 
 
 async def level(c: int, n: int, one) -> dict:
@@ -121,11 +128,13 @@ async def level(c: int, n: int, one) -> dict:
 def summary(c: int, results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["error"] is None]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    itls = [r["itl"] for r in ok if r["itl"] is not None]
     tokens = sum(r["tokens"] for r in ok)
     return {"concurrency": c, "requests": len(results), "errors": len(results) - len(ok),
             "first_error": next((r["error"] for r in results if r["error"]), None), "wall_s": wall,
             "output_tokens": tokens, "tokens_per_s_total": tokens / wall if wall else None,
-            "ttft_ms": {q: float(np.percentile(ttft, q)) * 1000 if ttft else None for q in (50, 90)}}
+            "ttft_ms": {q: float(np.percentile(ttft, q)) * 1000 if ttft else None for q in (50, 90)},
+            "itl_ms": {q: float(np.percentile(itls, q)) * 1000 if itls else None for q in (50, 90)}}
 
 
 def load_bench_client():
@@ -155,7 +164,9 @@ def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
 
         async def direct():
             r = await bench.one_request(grpc_client, "m3", inputs, f"b{next(rids)}", 600)
-            return {"ttft": r["ttft"], "tokens": r["tokens"], "error": r["error"]}
+            last = r["ttft"] + sum(r["itl"]) if r["ttft"] is not None else None  # its ITLs span first -> last
+            return {"ttft": r["ttft"], "tokens": r["tokens"], "error": r["error"], "itl": itl(r["ttft"], last,
+                                                                                           r["tokens"])}
 
         def gateway():
             return _gateway_request(http, gateway_url + "/v1/completions", body)
@@ -165,16 +176,17 @@ def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
                 n = c * a.requests_per_user
                 await level(c, c, direct)  # warm-up of this batch size, both paths
                 await level(c, c, gateway)
-                d = await level(c, n, direct)
-                g = await level(c, n, gateway)
-                row = {"concurrency": c, "direct": d, "gateway": g,
-                       "tokens_per_s_ratio": g["tokens_per_s_total"] / d["tokens_per_s_total"]
-                       if d["tokens_per_s_total"] else None,
-                       "ttft_p50_overhead_ms": (g["ttft_ms"][50] - d["ttft_ms"][50])
-                       if g["ttft_ms"][50] is not None and d["ttft_ms"][50] else None}
-                out.append(row)
-                print(f"c={c}: direct {d['tokens_per_s_total']:.1f} tok/s, gateway {g['tokens_per_s_total']:.1f} "
-                      f"tok/s, errors {d['errors']}/{g['errors']}", file=sys.stderr, flush=True)
+                for run in range(a.repeats):
+                    d = await level(c, n, direct)
+                    g = await level(c, n, gateway)
+                    out.append({"concurrency": c, "run": run + 1, "direct": d, "gateway": g,
+                                "tokens_per_s_ratio": g["tokens_per_s_total"] / d["tokens_per_s_total"]
+                                if d["tokens_per_s_total"] else None,
+                                "ttft_p50_overhead_ms": _minus(g["ttft_ms"][50], d["ttft_ms"][50]),
+                                "itl_p50_overhead_ms": _minus(g["itl_ms"][50], d["itl_ms"][50])})
+                    print(f"c={c} run {run + 1}: direct {d['tokens_per_s_total']:.1f} tok/s, gateway "
+                          f"{g['tokens_per_s_total']:.1f} tok/s, errors {d['errors']}/{g['errors']}",
+                          file=sys.stderr, flush=True)
         finally:
             await http.aclose()
             await grpc_client.close()
@@ -182,18 +194,24 @@ def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
     return asyncio.run(go())
 
 
+def _minus(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
 def table(rows: list[dict]) -> str:
-    cols = ["C", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms", "TTFT p50 gateway ms",
-            "TTFT p50 overhead ms", "errors (direct/gateway)"]
+    cols = ["C", "run", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms",
+            "TTFT p50 gateway ms", "TTFT p50 overhead ms", "ITL p50 direct ms", "ITL p50 gateway ms",
+            "ITL p50 overhead ms", "errors (direct/gateway)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
     def num(x, fmt):
         return "n/a" if x is None else format(x, fmt)
     for r in rows:
         d, g = r["direct"], r["gateway"]
-        cells = [str(r["concurrency"]), num(d["tokens_per_s_total"], ".1f"), num(g["tokens_per_s_total"], ".1f"),
-                 num(r["tokens_per_s_ratio"], ".3f"), num(d["ttft_ms"][50], ".1f"), num(g["ttft_ms"][50], ".1f"),
-                 num(r["ttft_p50_overhead_ms"], "+.1f"), f"{d['errors']}/{g['errors']}"]
+        cells = [str(r["concurrency"]), str(r["run"]), num(d["tokens_per_s_total"], ".1f"),
+                 num(g["tokens_per_s_total"], ".1f"), num(r["tokens_per_s_ratio"], ".3f"), num(d["ttft_ms"][50], ".1f"),
+                 num(g["ttft_ms"][50], ".1f"), num(r["ttft_p50_overhead_ms"], "+.1f"), num(d["itl_ms"][50], ".2f"),
+                 num(g["itl_ms"][50], ".2f"), num(r["itl_p50_overhead_ms"], "+.2f"), f"{d['errors']}/{g['errors']}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -202,7 +220,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     for flag, kind, default in (("--device", str, "cpu"), ("--concurrency", str, "1,16,64"),
-                                ("--requests-per-user", int, 2), ("--max-tokens", int, 128),
+                                ("--requests-per-user", int, 2), ("--max-tokens", int, 128), ("--repeats", int, 1),
                                 ("--max-model-len", int, 1024), ("--max-num-batched-tokens", int, 4096),
                                 ("--num-pages", int, 4096)):
         p.add_argument(flag, type=kind, default=default)

@@ -16,7 +16,8 @@
 # "suite" also takes .carry-reference/reference312.tar.xz (transformers 5.25 for Python 3.12, onto PYTHONPATH; made by
 # benchmarks/make_carry_reference.sh).
 # tritonserver vs engine-direct), "soak": benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS (streams
-# with random cancellation through the real tritonserver). Logs and JSON go to $OUT (or ./device_out).
+# with random cancellation through the real tritonserver), "gateway": benchmarks/bench_gateway.py --geometry
+# $SERVER_LAYERS $GATEWAY_ARGS (the OpenAI gateway vs gRPC direct). Logs and JSON go to $OUT (or ./device_out).
 # "server" and "soak" need tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
@@ -74,6 +75,13 @@ for step in ${STEPS:-tests msa qkv}; do
         M3SERVE_SUITE_SHARDS="${SUITE_SHARDS:-8}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
         USE_HUB_KERNELS=0 timeout "${SUITE_TIMEOUT:-560}" python3 tests/run_suite.py -q -rs -p no:cacheprovider \
         ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log" | grep -v "^\[run_suite\] ----\|^I1\|^W1" | tail -60 ;;
+    gateway)  # the OpenAI gateway vs gRPC direct through one tritonserver; .carry-server/gateway312.tar.xz holds
+              # FastAPI, uvicorn, sse-starlette, pydantic, httpx2 ... for Python 3.12 (benchmarks/make_carry_gateway.sh)
+      install_server
+      tar -xJf .carry-server/gateway312.tar.xz -C "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton timeout "${GATEWAY_TIMEOUT:-400}" \
+        python3 benchmarks/bench_gateway.py --device cuda --geometry "${SERVER_LAYERS:-4}" --out "$OUT/gateway" \
+        ${GATEWAY_ARGS:-} 2>&1 | tee "$OUT/bench_gateway.log" | grep -v "^I1\|^W1" | tail -20 ;;
     soak)
       install_server
       M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton timeout "${SOAK_TIMEOUT:-560}" \

@@ -48,6 +48,7 @@ class PreparedRequest:
     max_tokens: int
     reasoning_parser: str | None
     thinking_mode: str | None
+    assistant_prefix: str = ""  # rendered after the generation prompt: the reply's start, read by the parser
 
 
 @dataclass
@@ -128,14 +129,20 @@ class LLMEngine:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         sp.validate()
         kwargs = dict(chat_template_kwargs or {})
+        prefix = kwargs.pop("assistant_prefix", None) or ""
+        if not isinstance(prefix, str):
+            raise InvalidRequest("assistant_prefix", "must be a string")
+        if prefix and not (isinstance(prompt, list) and prompt_token_ids is None):
+            raise InvalidRequest("assistant_prefix", "is only allowed with chat messages")
         if prompt_token_ids is None and prompt is not None:
             if self.tokenizer is None:
                 raise InvalidRequest("prompt", "text prompts need a tokenizer (tokenizer.json) in the model directory")
             if isinstance(prompt, str):
                 prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
             elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-                try:
-                    prompt_token_ids = self.tokenizer.apply_chat_template(prompt, tokenize=True, **kwargs)
+                try:  # the assistant prefix is tokenized with the rendered prompt, as a reply in history is
+                    prompt_token_ids = self.tokenizer.encode(
+                        self.tokenizer.apply_chat_template(prompt, tokenize=False, **kwargs) + prefix)
                 except TypeError as e:  # a keyword the renderer cannot take ("tokenize", "messages", ...)
                     raise InvalidRequest("chat_template_kwargs", f"not accepted by the chat template: {e}") from None
                 except ValueError as e:
@@ -165,7 +172,7 @@ class LLMEngine:
         parser = reasoning_parser if reasoning_parser is not None else self.config.reasoning_parser
         if parser is not None and parser not in REASONING_PARSERS:
             raise InvalidRequest("reasoning_parser", f"{parser!r} is not one of {list(REASONING_PARSERS)}")
-        return PreparedRequest(ids, sp, max_tokens, parser, kwargs.get("thinking_mode"))
+        return PreparedRequest(ids, sp, max_tokens, parser, kwargs.get("thinking_mode"), prefix)
 
     def add_prepared(self, request_id: str, req: PreparedRequest) -> Sequence:
         if request_id in self.scheduler.requests:
@@ -177,7 +184,7 @@ class LLMEngine:
             parser = None
             if req.reasoning_parser is not None:
                 from m3serve.text.reasoning import MiniMaxM3ReasoningParser
-                parser = MiniMaxM3ReasoningParser(req.thinking_mode)
+                parser = MiniMaxM3ReasoningParser(req.thinking_mode, req.assistant_prefix)
             text = SequenceText(self.tokenizer, req.prompt_token_ids, sp, parser)
         seq = Sequence(request_id, next(self._arrivals), req.prompt_token_ids, sp, req.max_tokens, seed, text)
         self.scheduler.add(seq)

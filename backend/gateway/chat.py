@@ -4,9 +4,12 @@ The server renders the messages with the model's chat template (`messages`, `too
 inputs of `m3`) and splits reasoning (`return_reasoning`: minimax_m3 parser) into `reasoning_content`. The
 m3 contract returns tool calls as text, so the gateway splits them with the project's minimax_m3 tool
 parser (m3serve.text.tool_parser), whole calls at a time in streams. tool_choice: "auto" parses, "none"
-returns the text as it is; "required" and a named function need guided decoding, which the server does not
-have: they are refused. Assistant `tool_calls` sent back carry their arguments as a JSON string (OpenAI);
-the template wants an object, so they are decoded here.
+returns the text as it is; "required" and a named function start the reply with the M3 tool-call opening
+(`assistant_prefix` input of `m3`: `</mm:think>`, the call block's start tag, for a named function its
+`<invoke name=...>` too), so the model must write a call (without reasoning); the parser reads the prefix
+before the output, so the calls returned hold it (a named choice returns that one call). Assistant
+`tool_calls` sent back carry their arguments as a JSON string (OpenAI); the template wants an object, so
+they are decoded here.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from m3serve.gateway.protocol import (Reply, Role, SamplingRequest, StrictModel, bad_request, ranked_tops,
                                       sampled, usage)
 from m3serve.gateway.triton import Delta, m3_inputs
-from m3serve.text.tool_parser import ToolCallStreamParser, parse_tool_calls
+from m3serve.text.tool_parser import ToolCallStreamParser, forced_call_prefix, parse_tool_calls
 
 MAX_TOP_LOGPROBS = 20
 
@@ -107,17 +110,32 @@ class ChatCompletion(Reply):
             raise bad_request("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {r.top_logprobs}")
         if r.max_tokens is not None and r.max_completion_tokens is not None and r.max_tokens != r.max_completion_tokens:
             raise bad_request("max_completion_tokens", "give max_tokens or max_completion_tokens, not two values")
-        choice = r.tool_choice
-        if isinstance(choice, dict) or choice == "required":
-            raise bad_request("tool_choice", "\"required\" and a named function need guided decoding, which this "
-                                             "server does not have; use \"auto\" (or \"none\")")
-        if choice not in (None, "auto", "none"):
-            raise bad_request("tool_choice", f"must be \"auto\" or \"none\", got {str(choice)[:40]!r}")
-        if choice is not None and not r.tools:
-            raise bad_request("tool_choice", "is only allowed together with tools")
         self.tools = [t.model_dump(exclude_none=True) for t in r.tools] if r.tools else None
-        self.parse_tools = bool(self.tools) and choice != "none"
+        self.forced = self._forced_name = None  # (assistant prefix, the part the parser reads) of a forced call
+        self._choose_tool(r.tool_choice)
+        self.parse_tools = bool(self.tools) and r.tool_choice != "none"
         self.top_n = (r.top_logprobs or 0) if r.logprobs else None
+
+    def _choose_tool(self, choice) -> None:
+        if choice is not None and not self.tools:
+            raise bad_request("tool_choice", "is only allowed together with tools")
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise bad_request("tool_choice", "a named tool choice is {\"type\": \"function\", \"function\": "
+                                                 "{\"name\": ...}}")
+            if name not in {t["function"]["name"] for t in self.tools}:
+                raise bad_request("tool_choice.function.name", f"{name[:64]!r} is not one of the request's tools")
+            if any(c in name for c in '"<>'):
+                raise bad_request("tool_choice.function.name", "a forced function's name cannot hold \", < or >")
+            self._forced_name = name
+        elif choice not in (None, "auto", "none", "required"):
+            raise bad_request("tool_choice", "must be \"auto\", \"none\", \"required\" or "
+                                             f"{{\"type\": \"function\", ...}}, got {str(choice)[:40]!r}")
+        if isinstance(choice, dict) or choice == "required":
+            mode = (self.req.chat_template_kwargs or {}).get("thinking_mode")
+            self.forced = forced_call_prefix(mode, self._forced_name)
 
     def inputs(self):
         r = self.req
@@ -130,7 +148,8 @@ class ChatCompletion(Reply):
         if self.parse_tools:  # the tool-call markup is made of special tokens (as vLLM's tool parsers ask)
             sampling.setdefault("skip_special_tokens", False)
         return m3_inputs(messages=messages, tools=self.tools, chat_template_kwargs=ctk or None,
-                         sampling=sampling, logprobs=self.top_n is not None, reasoning=True)
+                         sampling=sampling, logprobs=self.top_n is not None, reasoning=True,
+                         assistant_prefix=self.forced[0] if self.forced else None)
 
     # ---- the reply -----------------------------------------------------------------------------------
     def _logprobs(self, entries: list) -> dict | None:
@@ -148,7 +167,7 @@ class ChatCompletion(Reply):
         return "tool_calls" if calls and reason == "stop" else reason
 
     def _calls(self, calls: list[dict], already: int) -> list[dict]:
-        if not self.req.parallel_tool_calls:
+        if not self.req.parallel_tool_calls or self._forced_name is not None:
             calls = calls[:max(0, 1 - already)]
         return calls
 
@@ -160,7 +179,7 @@ class ChatCompletion(Reply):
             reasoning.append(d.reasoning)
             entries.extend(d.logprobs)
             finish = d.finish_reason or finish
-        content, calls = "".join(text), []
+        content, calls = "".join([self.forced[1]] + text if self.forced else text), []
         if self.parse_tools:
             content, parsed = parse_tool_calls(content, self.tools)
             calls = [_tool_call(c) for c in self._calls(parsed, 0)]
@@ -177,6 +196,8 @@ class ChatCompletion(Reply):
 
     async def stream(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[dict]:
         parser = ToolCallStreamParser(self.tools) if self.parse_tools else None
+        if self.forced:  # the reply's start, in the prompt: the block is open before the first delta
+            parser.feed(self.forced[1])
         calls = 0
         first = True
         async for d in deltas:

@@ -45,8 +45,8 @@ def tensor(name: str, value) -> grpcclient.InferInput:
 
 
 def m3_inputs(*, prompt: str | None = None, messages: list | None = None, tools: list | None = None,
-              chat_template_kwargs: dict | None = None, sampling: dict, logprobs: bool, reasoning: bool
-              ) -> list[grpcclient.InferInput]:
+              chat_template_kwargs: dict | None = None, sampling: dict, logprobs: bool, reasoning: bool,
+              assistant_prefix: str | None = None) -> list[grpcclient.InferInput]:
     """The `m3` request: always streamed (deltas), with the counts and finish reason the API reports."""
     ins = [tensor("stream", True), tensor("sampling_parameters", json.dumps(sampling))]
     if messages is not None:
@@ -55,6 +55,8 @@ def m3_inputs(*, prompt: str | None = None, messages: list | None = None, tools:
             ins.append(tensor("tools", json.dumps(tools, ensure_ascii=False)))
         if chat_template_kwargs:
             ins.append(tensor("chat_template_kwargs", json.dumps(chat_template_kwargs, ensure_ascii=False)))
+        if assistant_prefix:
+            ins.append(tensor("assistant_prefix", assistant_prefix))
     else:
         ins.append(tensor("text_input", prompt))
     for name in RETURNS:

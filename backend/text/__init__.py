@@ -6,7 +6,7 @@ from .reasoning import THINK_END, THINK_START, MiniMaxM3ReasoningParser, extract
 from .stop_strings import StopStringMatcher
 from .tiny_tokenizer import M3_SPECIAL_TOKENS, build_tiny_tokenizer
 from .tokenizer import Tokenizer
-from .tool_parser import CALL_END, CALL_START, NS, ToolCallStreamParser, parse_tool_calls
+from .tool_parser import CALL_END, CALL_START, NS, ToolCallStreamParser, forced_call_prefix, parse_tool_calls
 
 __all__ = [
     "CALL_END",
@@ -22,6 +22,7 @@ __all__ = [
     "ToolCallStreamParser",
     "build_tiny_tokenizer",
     "extract_reasoning",
+    "forced_call_prefix",
     "parse_tool_calls",
     "render_chat_template",
 ]

@@ -39,13 +39,17 @@ _POST = "post"            # content, no more markers
 
 
 class MiniMaxM3ReasoningParser:
-    """Streaming version of `extract`; markers are matched as text across deltas."""
+    """Streaming version of `extract`; markers are matched as text across deltas. `prefix`: text the reply
+    was started with in the prompt (an assistant prefix, e.g. `</mm:think>` + a tool-call opening): the parser
+    reads it first, so its state is the reply's after it, and what it returns for the prefix is dropped."""
 
-    def __init__(self, thinking_mode: str | None = None):
+    def __init__(self, thinking_mode: str | None = None, prefix: str = ""):
         self.thinking_mode = thinking_mode
         self._enabled = thinking_mode == "enabled"
         self._state = _LEAD
         self._buf = ""
+        if prefix:
+            self.feed(prefix)
 
     @property
     def in_reasoning(self) -> bool:

@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any
 
+from .reasoning import THINK_END
 from .stop_strings import partial_suffix_len
 
 NS = "]<]minimax[>["
@@ -246,6 +247,17 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, l
         else:
             calls.extend(parsed)
         pos = end
+
+
+def forced_call_prefix(thinking_mode: str | None, name: str | None = None) -> tuple[str, str]:
+    """A reply that must be a tool call (tool_choice "required", or the function `name`): (the text to put
+    after the chat template's generation prompt, the part of it the tool parser reads before the output).
+    The reply opens as an assistant turn without reasoning that calls a tool renders in history: `</mm:think>`
+    (the generation prompt already ends with it when thinking is "disabled"; after the `<mm:think>` it ends
+    with when "enabled", the reasoning is empty), then `NS<tool_call>` and a newline, then for a named function
+    `NS<invoke name="...">`; the model writes the rest."""
+    call = CALL_START + "\n" + (f'{NS}<invoke name="{name}">' if name is not None else "")
+    return ("" if thinking_mode == "disabled" else THINK_END) + call, call
 
 
 class ToolCallStreamParser:

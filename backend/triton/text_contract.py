@@ -1,9 +1,10 @@
 """The text contract (model `m3`): the vLLM backend's tensors, `max_batch_size: 0`.
 
-text_input (or messages + tools + chat_template_kwargs) -> text_output deltas, plus finish_reason,
+text_input (or messages + tools + chat_template_kwargs + assistant_prefix) -> text_output deltas, plus finish_reason,
 num_input/output_tokens, cumulative_logprob, logprobs and reasoning_output on request. Sampling options
 come from defaults < request parameters < sampling_parameters JSON < alias tensors (max_tokens, top_k...).
-Chat messages are rendered by the engine (its chat template, its time bound); a template sent by the client
+Chat messages are rendered by the engine (its chat template, its time bound), `assistant_prefix` after the
+generation prompt (the reply starts with it: the gateway's forced tool calls); a template sent by the client
 (`chat_template_kwargs.chat_template`) is refused unless the model sets `trust_request_chat_template`.
 """
 from __future__ import annotations
@@ -72,10 +73,14 @@ class TextContract(Contract):
                 raise RequestError("chat_template_kwargs.chat_template",
                                    "chat templates sent with the request are refused: the model does not set "
                                    "the trust_request_chat_template parameter")
-        if tools is not None:
-            if ctk is not None and "tools" in ctk:
-                raise RequestError("tools", "give tools either as the tools input or in chat_template_kwargs")
-            ctk = {**(ctk or {}), "tools": tools}
+        for name, value in (("tools", tools), ("assistant_prefix", str_scalar(tensors, "assistant_prefix"))):
+            if value is None:
+                continue
+            if messages is None:
+                raise RequestError(name, "is only allowed together with messages")
+            if ctk is not None and name in ctk:
+                raise RequestError(name, f"give {name} either as the {name} input or in chat_template_kwargs")
+            ctk = {**(ctk or {}), name: value}
         return prompt, messages, ctk
 
     def _sampling_options(self, tensors, params) -> tuple[dict[str, Any], dict[str, str]]:

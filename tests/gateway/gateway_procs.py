@@ -19,6 +19,10 @@ SCRIPTS = {
     7001: TOOL_CALL,
     7002: "<mm:think>The user wants the weather.</mm:think>It is sunny in Paris.",
     7003: "It is sunny and 24 degrees in Paris.",
+    # after a forced prefix (tool_choice "required": the block is open; a named function: its invoke too)
+    7004: f"{NS}<invoke name=\"get_weather\">{NS}<city>Rome{NS}</city>{NS}</invoke>\n{NS}</tool_call>",
+    7005: (f"{NS}<city>Lyon{NS}</city>{NS}<days>2{NS}</days>{NS}</invoke>\n"
+           f"{NS}<invoke name=\"get_weather\">{NS}<city>Oslo{NS}</city>{NS}</invoke>\n{NS}</tool_call>"),
 }
 
 

@@ -130,6 +130,15 @@ def test_request_chat_templates_need_the_models_trust():
     with pytest.raises(RequestError) as e:
         text({"messages": ins["messages"], "tools": s("[]"), "chat_template_kwargs": s('{"tools": []}')})
     assert e.value.field == "tools"
+    # so does the assistant prefix (the reply's start, rendered after the generation prompt): with messages only
+    r = text({"messages": ins["messages"], "assistant_prefix": s("</mm:think>")})
+    assert r.chat_template_kwargs == {"assistant_prefix": "</mm:think>"}
+    for bad in ({"text_input": s("hi"), "assistant_prefix": s("x")},
+                {"messages": ins["messages"], "assistant_prefix": s("x"),
+                 "chat_template_kwargs": s('{"assistant_prefix": "y"}')}):
+        with pytest.raises(RequestError) as e:
+            text(bad)
+        assert e.value.field == "assistant_prefix"
 
 
 def test_text_stream_deltas_and_final():

@@ -157,6 +157,31 @@ def test_chat_messages_prompt(make_engine, eu, tiny_loaded):
     assert outs[0].prompt_token_ids == tok.apply_chat_template(msgs, tokenize=True, thinking_mode="disabled")
 
 
+def test_assistant_prefix_starts_the_reply(make_engine, eu, tiny_loaded):
+    """chat_template_kwargs.assistant_prefix (m3's assistant_prefix input): tokenized with the rendered prompt, and
+    read by the reasoning parser first: after a prefix that closes the think block of thinking "enabled", the
+    output is content, not reasoning."""
+    tok = tiny_loaded[2]
+    msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    eng = make_engine()
+    kw = {"thinking_mode": "enabled"}
+    eng.add_request("p", prompt=msgs, sampling_params=greedy(6, ignore_eos=True), reasoning_parser="minimax_m3",
+                    chat_template_kwargs={**kw, "assistant_prefix": "</mm:think>Sure"})
+    eng.add_request("n", prompt=msgs, sampling_params=greedy(6, ignore_eos=True), reasoning_parser="minimax_m3",
+                    chat_template_kwargs=kw)
+    res = eu.run_to_completion(eng)
+    p, n = res["p"][2], res["n"][2]
+    assert p[0].prompt_token_ids == tok.encode(tok.apply_chat_template(msgs, **kw) + "</mm:think>Sure")
+    assert len(p[0].prompt_token_ids) > len(n[0].prompt_token_ids)
+    assert "".join(o.text for o in p) and not "".join(o.reasoning_text for o in p)
+    assert "".join(o.reasoning_text for o in n) and not "".join(o.text for o in n)
+    for kwargs in (dict(prompt="hi"), dict(prompt_token_ids=[1, 2]), dict(prompt=msgs, chat_template_kwargs={
+            "assistant_prefix": 3})):
+        with pytest.raises(InvalidRequest) as e:
+            eng.add_request("bad", **{"chat_template_kwargs": {"assistant_prefix": "x"}, **kwargs})
+        assert e.value.field == "assistant_prefix"
+
+
 def test_invalid_requests_disturb_nothing(make_engine, eu):
     eng = make_engine(max_model_len=128)
     eng.add_request("ok", prompt_token_ids=[1, 2, 3], sampling_params=greedy(5, ignore_eos=True))

@@ -5,12 +5,14 @@ import random
 import pytest
 
 from m3serve.text import (
+    CALL_END,
     MiniMaxM3ReasoningParser,
     StopStringMatcher,
     Tokenizer,
     ToolCallStreamParser,
     build_tiny_tokenizer,
     extract_reasoning,
+    forced_call_prefix,
     parse_tool_calls,
 )
 
@@ -235,6 +237,35 @@ def test_template_round_trip(tok):
                      {"name": "search", "arguments": {"q": "你好", "n": 5}}]
     assert type(calls[0]["arguments"]["days"]) is int
     assert calls[0]["arguments"]["code"] == "007"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", [None, "search"])
+def test_forced_call_prefix_continues_the_prompt_as_history_renders_the_call(tok, mode, name):
+    """tool_choice "required" / named: prompt + prefix + what the model writes is the text the template renders
+    for that call in history (thinking "enabled": with the generation prompt's <mm:think> closed at once); the
+    reasoning parser started on the prefix passes the output as content; the tool parser, given the prefix's
+    call part first, returns the call."""
+    kw = {} if mode is None else {"thinking_mode": mode}
+    q = [{"role": "user", "content": "q"}]
+    args = {"q": "你好", "n": 5}
+    call = {"type": "function", "function": {"name": "search", "arguments": args}}
+    history = tok.apply_chat_template(q + [{"role": "assistant", "content": "", "tool_calls": [call]}],
+                                      tools=TOOLS, add_generation_prompt=False, **kw)
+    if mode == "enabled":
+        history = history.replace("]~b]ai\n" + E, "]~b]ai\n" + S + E)
+    prompt = tok.apply_chat_template(q, tools=TOOLS, **kw)
+    prefix, call_part = forced_call_prefix(mode, name)
+    assert prefix.endswith(call_part) and history.startswith(prompt + prefix)
+    output = history[len(prompt + prefix):].removesuffix("[e~[\n")
+    assert output.endswith(CALL_END)
+    for chunks in ([output], list(output)):
+        p = MiniMaxM3ReasoningParser(mode, prefix)
+        parts = [p.feed(ch) for ch in chunks] + [p.flush()]
+        assert "".join(r for r, _ in parts) == "" and "".join(c for _, c in parts) == output
+    assert parse_tool_calls(call_part + output, TOOLS) == ("", [{"name": "search", "arguments": args}])
+    stream = ToolCallStreamParser(TOOLS)
+    assert stream.feed(call_part) == ("", []) and stream.feed(output) == ("", [{"name": "search", "arguments": args}])
 
 
 def test_coercion_by_schema():
