@@ -8,6 +8,7 @@ by the engine (`LLMEngine.step()`, decode CUDA graphs) as rank 0 would run it.
   python benchmarks/bench_rank.py --out OUT_DIR             # the H200 (about 5 minutes)
   python benchmarks/bench_rank.py --out OUT_DIR --ep        # the same rank under expert parallelism
   python benchmarks/bench_rank.py --smoke --out /tmp/r      # CPU, toy widths (tests/unit/test_bench_rank.py)
+  python benchmarks/bench_rank.py --reproject OUT_DIR/bench_rank.json --allreduce TP.json --out DIR   # no GPU
 
 The other three ranks are absent: every all-reduce (o_proj, dense MLP / MoE, embedding) leaves this rank's partial
 sum in place and the logits gather tiles this rank's vocab rows to the full vocab (`StandIn`: the same shapes
@@ -21,7 +22,9 @@ the per-rank decode step at batch 1, 4, 16, 64 x context 4K, 32K, 128K (points w
 reported as such); the collectives each step calls (kind and bytes, recorded in one eager step per batch).
 Estimated (labelled so): the TP4 step = rank step + every recorded collective at NCCL's own cost model
 for 4 GPUs over NVLink, and the tokens/s per user against the goal of 300 at 4 users; with --allreduce (bench_tp.py's
-JSON from a 4-GPU host) the all-reduces at their measured cost as well.
+JSON from a 4-GPU host) the all-reduces at their measured cost as well; `--reproject` redoes only that from a
+saved bench_rank.json (its recorded collectives and step times) on any machine, so the one-GPU run and the 4-GPU
+all-reduces need not share a call.
 Writes OUT_DIR/bench_rank.json (after every measurement) and OUT_DIR/bench_rank.md.
 """
 from __future__ import annotations
@@ -165,6 +168,42 @@ def save(res: dict, out: str) -> None:
         json.dump(res, f, indent=1)
 
 
+def write_report(res: dict, out: str) -> None:
+    save(res, out)
+    with open(os.path.join(out, "bench_rank.md"), "w") as f:
+        f.write(table(res))
+    print(table(res))
+
+
+def compact_calls(calls: list) -> list:
+    """[(kind, bytes)] in order -> [[kind, bytes, repeats]] runs (the JSON's `sequence`)."""
+    runs: list = []
+    for kind, nbytes in calls:
+        if runs and runs[-1][:2] == [kind, nbytes]:
+            runs[-1][2] += 1
+        else:
+            runs.append([kind, nbytes, 1])
+    return runs
+
+
+def reproject(path: str, allreduce: str, out: str) -> int:
+    """The TP4 projection of a saved run again, with bench_tp's measured all-reduces (no device needed)."""
+    with open(path) as f:
+        res = json.load(f)
+    measured = measured_allreduce(allreduce)
+    for row in res.get("decode", []):
+        if row.get("fits") and "step_s" in row:
+            runs = res["collectives"][str(row["batch"])].get("sequence")
+            if runs is None:
+                raise SystemExit(f"{path}: no recorded collective sequence (a run older than --reproject)")
+            calls = [(kind, nbytes) for kind, nbytes, n in runs for _ in range(n)]
+            row["projection"] = projection(row["step_s"], calls, row["batch"], measured)
+    res["reprojected"] = {"from": os.path.abspath(path), "allreduce": os.path.abspath(allreduce)}
+    os.makedirs(out, exist_ok=True)
+    write_report(res, out)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -178,7 +217,13 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=360.0, help="skip the decode points left after this long")
     p.add_argument("--smoke", action="store_true", help="CPU, toy widths with M3's head ratios (SMOKE_TP4)")
     p.add_argument("--allreduce", help="bench_tp.py's JSON from a 4-GPU host: its all-reduces replace the model's")
+    p.add_argument("--reproject", metavar="BENCH_RANK_JSON",
+                   help="no run: redo the projection of this saved run with --allreduce's measured all-reduces")
     a = p.parse_args(argv)
+    if a.reproject:
+        if not a.allreduce:
+            p.error("--reproject needs --allreduce")
+        return reproject(a.reproject, a.allreduce, a.out)
     measured = measured_allreduce(a.allreduce) if a.allreduce else None
     t_start = time.perf_counter()
     batches = [int(x) for x in a.batches.split(",")]
@@ -239,7 +284,7 @@ def main(argv=None) -> int:
         one_eager_step(engine, b, min(contexts))
         calls[b], par.calls = par.calls, None
         res["collectives"][b] = {"calls": len(calls[b]), "bytes": sum(n for _, n in calls[b]),
-                                 "kinds": sorted({k for k, _ in calls[b]}),
+                                 "kinds": sorted({k for k, _ in calls[b]}), "sequence": compact_calls(calls[b]),
                                  "standin_s": standin_s(par, b, cfg.vocab_size, device)}
     save(res, a.out)
 
@@ -262,10 +307,7 @@ def main(argv=None) -> int:
             res["decode"].append(row)
             save(res, a.out)
     res["total_s"] = time.perf_counter() - t_start
-    save(res, a.out)
-    with open(os.path.join(a.out, "bench_rank.md"), "w") as f:
-        f.write(table(res))
-    print(table(res))
+    write_report(res, a.out)
     del engine, model
     release()
     return 0

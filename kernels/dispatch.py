@@ -302,10 +302,16 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
 
 def moe_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     """(path, gate_up config, down config) of the MoE expert GEMMs for T tokens of `moe.MoEWeights` ``w`` on this
-    device (`Tuning.moe_table`)."""
-    shared = (w.shared_gate_up, w.shared_down) if w.shared_gate_up is not None else ()
+    device (`Tuning.moe_table`): the routed experts', with the shared expert's tiles when they ride along."""
+    shared = (w.shared_gate_up, w.shared_down) if w.shared_rides else ()
     return _gemm_config(tuning().moe_table, T, device, (w.gate_up, w.down) + shared, (w.inter_pad, w.hidden),
                         (w.gate_up.k_pad, w.down.k_pad))
+
+
+def moe_shared_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
+    """As `moe_config`, for the shared expert's own launches (`moe.MoEStep.shared_expert`)."""
+    return _gemm_config(tuning().moe_table, T, device, (w.shared_gate_up, w.shared_down),
+                        (w.shared_inter_pad, w.hidden), (w.shared_gate_up.k_pad, w.shared_down.k_pad))
 
 
 def linear_config(M: int, w: PackedWeight, device: torch.device) -> tuple[str, dict]:

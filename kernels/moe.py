@@ -16,14 +16,19 @@ remapped by the offset), and the combine skips the other assignments (their rows
 is this rank's partial sum, which the ranks' all-reduce completes. Still no host synchronisation.
 
 The shared expert (gate_up, down; one fp32 row per token) rides in the launches 3-4 (no extra pass over the
-activations, no extra launch). It needs no routing, so `MoEStep` can also run it on a side stream overlapped with
-1-4 (fork / join, capturable in a CUDA graph; ``tuned(moe_overlap=True)``, not yet measured on the H200).
+activations, no extra launch) when its intermediate pads to the routed experts' (one K loop and one gate width
+serve both). It needs no routing, so `MoEStep` can also run it in two launches of its own: on a side stream
+overlapped with 1-4 (fork / join, capturable in a CUDA graph; ``tuned(moe_overlap=True)``, not yet measured on the
+H200), and always when its intermediate differs from the routed one, as on an expert-parallel rank (whole routed
+experts of 3072, the shared expert's TP slice of 768 at EP4): padding the shared expert to the routed width would
+hold and read 4x its bytes.
 
 Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
 decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
 steps); `dispatch.moe_config` picks the path and tile shapes by token count (its table: `dispatch.MOE_TABLE`).
 Weights are laid out once by `moe_prepare` (`weight_layout`): gate and up rows each padded to ``inter_pad`` (a
-multiple of 128, common to the routed and the shared expert), the down projections' K likewise.
+multiple of 128) for the routed experts and ``shared_inter_pad`` for the shared expert, the down projections' K
+likewise.
 """
 from __future__ import annotations
 
@@ -45,14 +50,20 @@ class MoEWeights:
     """Experts laid out for the kernels (see `moe_prepare`)."""
     gate_up: PackedWeight  # [E] x [2 inter_pad, H]: gate rows [0, inter_pad), up rows [inter_pad, 2 inter_pad)
     down: PackedWeight  # [E] x [H, inter_pad]
-    shared_gate_up: PackedWeight | None  # [1] x [2 inter_pad, H]
-    shared_down: PackedWeight | None  # [1] x [H, inter_pad]
+    shared_gate_up: PackedWeight | None  # [1] x [2 shared_inter_pad, H]
+    shared_down: PackedWeight | None  # [1] x [H, shared_inter_pad]
     inter_pad: int
     hidden: int
+    shared_inter_pad: int = 0  # 0: no shared expert
 
     @property
     def n_experts(self) -> int:
         return self.gate_up.groups
+
+    @property
+    def shared_rides(self) -> bool:
+        """The shared expert's tiles can ride in the routed launches (same padded intermediate)."""
+        return self.shared_gate_up is not None and self.shared_inter_pad == self.inter_pad
 
     def expert_bytes(self) -> int:
         return self.gate_up.bytes_per_group() + self.down.bytes_per_group()
@@ -79,17 +90,17 @@ def moe_prepare(gate_up, down, shared_gate_up=None, shared_down=None, dtype: tor
     shared expert (``[2 I_s, H]``, ``[H, I_s]``; optional) -> `MoEWeights`. Formats: nvfp4 / mxfp8 / fp8 / dense
     (dense kept in ``dtype``). Done once at load time; the checkpoint tensors are not kept."""
     inter = gate_up.n // 2
-    inter_s = shared_gate_up.n // 2 if shared_gate_up is not None else inter
-    inter_pad = round_up(max(inter, inter_s), CHUNK_K)
+    inter_s = shared_gate_up.n // 2 if shared_gate_up is not None else 0
+    inter_pad, s_pad = round_up(inter, CHUNK_K), round_up(inter_s, CHUNK_K)
     if down.k != inter or (shared_down is not None and shared_down.k != inter_s):
         raise ValueError("down projections must take the gate_up's intermediate size")
     gu = _gate_up(gate_up, inter, inter_pad, dtype)
     dn = _down(_padded_k(down, inter_pad), inter_pad, dtype)
     sgu = sdn = None
     if shared_gate_up is not None:
-        sgu = _gate_up(shared_gate_up, inter_s, inter_pad, dtype)
-        sdn = _down(_padded_k(shared_down, inter_pad), inter_pad, dtype)
-    return MoEWeights(gu, dn, sgu, sdn, inter_pad, gate_up.k)
+        sgu = _gate_up(shared_gate_up, inter_s, s_pad, dtype)
+        sdn = _down(_padded_k(shared_down, s_pad), s_pad, dtype)
+    return MoEWeights(gu, dn, sgu, sdn, inter_pad, gate_up.k, s_pad)
 
 
 class _KPadded:
@@ -169,11 +180,13 @@ def _side_stream(device: torch.device):
 
 class MoEStep:
     """One layer call split into its launches, buffers allocated up front: `fused_moe` runs them (`run`), benchmarks
-    time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`); with
-    ``Tuning.moe_overlap`` (CUDA) the shared expert (`shared_expert`: its gate_up and down, which need no routing)
-    runs on a side stream instead, overlapped with the router and the routed experts, and `combine` joins them (not
-    yet measured on the H200: off by default). Path and tile shapes: `dispatch.moe_config`. ``first_expert``: the
-    weights are experts [first_expert, first_expert + n) of the router's (expert parallelism, see the module doc)."""
+    time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`) when it has the
+    routed experts' padded intermediate; otherwise (an expert-parallel rank), or with ``Tuning.moe_overlap`` (CUDA),
+    it runs in two launches of its own (`shared_expert`: gate_up into its own intermediate buffer, then down), with
+    its own dispatch row (`dispatch.moe_shared_config`); overlapped, on a side stream with the router and the routed
+    experts, `combine` joining them (not yet measured on the H200: off by default). Path and tile shapes:
+    `dispatch.moe_config`. ``first_expert``: the weights are experts [first_expert, first_expert + n) of the
+    router's (expert parallelism, see the module doc)."""
 
     def __init__(self, x, router_weight, correction_bias, weights: MoEWeights, *, top_k: int, routed_scaling: float,
                  alpha: float, limit: float, out: torch.Tensor | None = None, first_expert: int = 0):
@@ -192,54 +205,65 @@ class MoEStep:
         self.path, self.gu_cfg, self.dn_cfg = dispatch.moe_config(T, weights, x.device)
         self.shared = weights.shared_gate_up is not None
         self.overlap = self.shared and x.is_cuda and dispatch.tuning().moe_overlap
+        self.apart = self.shared and (self.overlap or not weights.shared_rides)  # its own launches
         self.A = T * top_k
-        rows = self.A + (T if self.shared else 0)
         dev = x.device
         self.x16 = None
         if self.path == "mma":
             self.x16 = torch.empty(T, weights.gate_up.k_pad, dtype=torch.float16, device=dev)
-            idt = torch.float16
-        else:
-            idt = _torch_dtype(work_dtype(x))
-        self.inter = torch.empty(rows, weights.inter_pad, dtype=idt, device=dev)
-        self.y = torch.empty(rows, weights.hidden, dtype=torch.float32, device=dev)
+        rows = self.A + (T if self.shared and not self.apart else 0)
+        self.inter = torch.empty(rows, weights.inter_pad, dtype=self._inter_dtype(self.path), device=dev)
+        self.inter_s = None  # the shared expert's intermediate in its own launches (made on first use otherwise)
+        if self.shared:
+            self.s_path, self.s_gu_cfg, self.s_dn_cfg = dispatch.moe_shared_config(T, weights, dev)
+        if self.apart:
+            self._shared_buffer()
+        self.y = torch.empty(self.A + (T if self.shared else 0), weights.hidden, dtype=torch.float32, device=dev)
         self.routing: Routing | None = None
         self.local: Routing | None = None  # the routing of the experts this rank holds (all of them without EP)
+
+    def _inter_dtype(self, path: str) -> torch.dtype:
+        return torch.float16 if path == "mma" else _torch_dtype(work_dtype(self.x))
+
+    def _shared_buffer(self) -> torch.Tensor:
+        if self.inter_s is None:
+            self.inter_s = torch.empty(self.T, self.w.shared_inter_pad, dtype=self._inter_dtype(self.s_path),
+                                       device=self.x.device)
+        return self.inter_s
 
     def route(self):
         self.routing = route(self.x, self.rw, self.bias, self.top_k, x16=self.x16, h_pad=self.w.gate_up.k_pad)
         self.local = self.routing.local(self.first, self.w.n_experts) if self.ep else self.routing
 
-    def _gemm(self, mode: int, x16=None, **kw):
-        if self.path == "mma":
-            src = (x16 if x16 is not None else self.x16) if mode == MODE_GATE_UP else self.inter
-            mma_kernels().grouped_gemm_mma(src, self.inter if mode == MODE_GATE_UP else self.y, mode,
-                                           routing=self.local, T=self.T, **kw)
-        else:
-            grouped_gemm(self.x if mode == MODE_GATE_UP else self.inter,
-                         self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.local, T=self.T, **kw)
-
-    def _gate_up(self, routed: bool, plain: bool, x16=None):
-        w = self.w
-        self._gemm(MODE_GATE_UP, routed=w.gate_up if routed else None, plain=w.shared_gate_up if plain else None,
-                   x_div=self.top_k, out_off=self.A, ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha,
-                   limit=self.limit, x16=x16, **self.gu_cfg)
-
-    def _down(self, routed: bool, plain: bool):
-        self._gemm(MODE_DOWN, routed=self.w.down if routed else None, plain=self.w.shared_down if plain else None,
-                   x_off=self.A, out_off=self.A, **self.dn_cfg)
+    def _gemm(self, path: str, mode: int, src, out, **kw):
+        launch = mma_kernels().grouped_gemm_mma if path == "mma" else grouped_gemm
+        launch(src, out, mode, routing=self.local, T=self.T, **kw)
 
     def gate_up(self):
-        self._gate_up(True, self.shared and not self.overlap)
+        w, rides = self.w, self.shared and not self.apart
+        self._gemm(self.path, MODE_GATE_UP, self.x16 if self.path == "mma" else self.x, self.inter,
+                   routed=w.gate_up, plain=w.shared_gate_up if rides else None, x_div=self.top_k, out_off=self.A,
+                   ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha, limit=self.limit, **self.gu_cfg)
 
     def down(self):
-        self._down(True, self.shared and not self.overlap)
+        rides = self.shared and not self.apart
+        self._gemm(self.path, MODE_DOWN, self.inter, self.y, routed=self.w.down,
+                   plain=self.w.shared_down if rides else None, x_off=self.A, out_off=self.A, **self.dn_cfg)
 
     def shared_expert(self):
-        """The shared expert alone (its own fp16 activation copy on the mma path: no wait for the router's)."""
-        x16 = mma_kernels().to_x16(self.x, self.w.gate_up.k_pad) if self.path == "mma" else None
-        self._gate_up(False, True, x16=x16)
-        self._down(False, True)
+        """The shared expert alone, into rows [A, A + T) of y. Its fp16 activations on the mma path: the router's
+        when it runs after it on that path, else its own copy (overlapped: no wait for the router)."""
+        w = self.w
+        if self.s_path != "mma":
+            src = self.x
+        elif self.path == "mma" and not self.overlap:
+            src = self.x16
+        else:
+            src = mma_kernels().to_x16(self.x, w.shared_gate_up.k_pad)
+        inter = self._shared_buffer()
+        self._gemm(self.s_path, MODE_GATE_UP, src, inter, plain=w.shared_gate_up, ng=w.shared_inter_pad,
+                   alpha=self.alpha, limit=self.limit, **self.s_gu_cfg)
+        self._gemm(self.s_path, MODE_DOWN, inter, self.y, plain=w.shared_down, out_off=self.A, **self.s_dn_cfg)
 
     def combine(self) -> torch.Tensor:
         local = (self.routing.ids, self.first, self.first + self.w.n_experts) if self.ep else None
@@ -258,6 +282,8 @@ class MoEStep:
         self.down()
         if self.overlap:
             main.wait_stream(side)
+        elif self.apart:
+            self.shared_expert()
         return self.combine()
 
 
@@ -293,9 +319,10 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
         w, idx, _ = route_ref(x, router_weight, correction_bias, top_k)
     xf = x.float()
     out = torch.zeros_like(xf)
-    ip, h = weights.inter_pad, weights.hidden
+    h = weights.hidden
 
     def ffn(xs, g_u, d):
+        ip = g_u.shape[0] // 2
         z = xs @ g_u[:, :h].T
         g, u = z[:, :ip].clamp(max=limit), z[:, ip:].clamp(-limit, limit)
         return ((u + 1.0) * (g * torch.sigmoid(alpha * g))) @ d.T

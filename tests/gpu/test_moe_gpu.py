@@ -12,7 +12,7 @@ from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_prepare_module
 from m3serve.kernels.moe_router import grouping_ref, route_ref
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare, quant_linear_ref
 from m3serve.model.weights import QuantWeight
-from support.moe import fill_random, m3_moe_config, random_moe, rel_err
+from support.moe import fill_random, m3_moe_config, random_moe, rel_err, tiny_moe_config
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -114,6 +114,33 @@ def test_shared_expert_on_a_side_stream_matches_one_launch(T):
         b, rb = _run(cfg, moe, w, x)
     assert torch.equal(torch.sort(ra.ids, 1).values, torch.sort(rb.ids, 1).values)
     assert rel_err(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 16, 300, 2000])
+def test_shared_expert_of_its_own_width(T):
+    """A shared expert narrower than the routed experts (an EP rank: whole experts, the shared expert's TP slice)
+    keeps its own width and runs in its own launches, on the mma kernels too where its K chunks allow (1,024 here;
+    M3's 768 at EP4 does not: the EP test below runs it on the portable path)."""
+    from m3serve.kernels.dispatch import moe_shared_config
+    from m3serve.kernels.moe import MoEStep
+
+    _LAYERS.clear()
+    cfg = tiny_moe_config(hidden=2048, inter=3072, experts=16, top_k=4, shared_inter=1024)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    moe = random_moe(cfg, "nvfp4", "mxfp8", g, device=DEV, dtype=torch.bfloat16)
+    w = moe_prepare_module(moe)
+    assert (w.inter_pad, w.shared_inter_pad, w.shared_rides) == (3072, 1024, False)
+    dev = torch.device(DEV)
+    if T <= 1024 and mma_kernels() is not None and mma_kernels().available(dev):
+        assert moe_config(T, w, dev)[0] == "mma" and moe_shared_config(T, w, dev)[0] == "mma"
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    y, routing = _run(cfg, moe, w, x)
+    assert not torch.isnan(y).any()
+    assert rel_err(y, _ref(cfg, moe, w, x, routing)) < 1e-2
+    kw = dict(top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha,
+              limit=cfg.swiglu_limit)
+    step = MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, **kw)
+    assert step.apart and step.inter.shape == (T * 4, 3072) and step.inter_s.shape == (T, 1024)
 
 
 @pytest.mark.parametrize("T", [64, 700])
@@ -222,6 +249,8 @@ def test_expert_parallel_rank_runs_the_fused_kernel(T):
     ref = TorchMoE().apply(layer, x)  # before prepare: the kernel method releases the checkpoint layout
     layer.prepare(torch.device(DEV))
     assert isinstance(layer.method, KernelMoE)
+    pw = layer.method.weights  # the shared expert's quarter at its own width, not padded to the experts' 3072
+    assert (pw.inter_pad, pw.shared_inter_pad, pw.shared_rides) == (3072, 768, False)
     y = layer.method.apply(layer, x)
     assert not torch.isnan(y).any()
     assert rel_err(y, ref) < 2e-2

@@ -132,6 +132,33 @@ def test_layer_matches_sparse_moe(expert_fmt, shared_fmt, gen):
                    moe(x)) < 1e-5
 
 
+@pytest.mark.parametrize("inter,shared_inter", [(256, 64), (64, 160)])
+def test_shared_expert_of_another_width_runs_in_its_own_launches(inter, shared_inter, gen):
+    """A shared expert whose intermediate pads differently from the routed experts' (an expert-parallel rank: whole
+    experts, the shared expert's TP slice) is laid out at its own width, not padded to theirs (which held and read
+    twice its bytes at (256, 64)), and runs in two launches of its own; the layer still equals `SparseMoE`. Every
+    buffer is poisoned: the routed intermediate has no shared rows and the shared one is fully written."""
+    from m3serve.kernels.moe import MoEStep
+
+    cfg = tiny_moe_config(hidden=128, inter=inter, experts=8, top_k=2, shared_inter=shared_inter)
+    moe = random_moe(cfg, "nvfp4", "mxfp8", gen)
+    w = moe_prepare_module(moe)
+    pad = lambda n: -(-n // 128) * 128
+    assert (w.inter_pad, w.shared_inter_pad) == (pad(inter), pad(shared_inter)) and not w.shared_rides
+    assert w.shared_gate_up.n_pad == 2 * pad(shared_inter) and w.shared_down.k_pad == pad(shared_inter)
+    x = torch.randn(9, cfg.hidden_size, generator=gen)
+    kw = dict(top_k=2, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    step = MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, out=torch.full_like(x, float("nan")),
+                   **kw)
+    assert step.apart and step.inter.shape == (9 * 2, pad(inter)) and step.inter_s.shape == (9, pad(shared_inter))
+    for buf in (step.inter, step.inter_s, step.y):
+        buf.fill_(float("nan"))
+    y = step.run()
+    assert torch.isfinite(step.inter_s).all() and rel_err(y, moe(x)) < 1e-5
+    assert rel_err(fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, routing=step.routing, **kw),
+                   moe(x)) < 1e-5
+
+
 def test_layer_skewed_routing(gen):
     """Most tokens on one expert (several tiles of it), experts without tokens, a bf16 layer."""
     cfg = tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2)

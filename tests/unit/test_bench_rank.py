@@ -44,6 +44,17 @@ def test_bench_rank_smoke(bench, tmp_path):
         assert pr["pessimistic_s"] >= pr["nccl_model_s"]
     table = (tmp_path / "bench_rank.md").read_text()
     assert "| weights |" in table and "| 2 | 80 |" in table
+    # --reproject: the saved run's projection again with a 4-GPU host's all-reduces, no run (batch 1's 512 B only)
+    tp = tmp_path / "tp.json"
+    tp.write_text(json.dumps({"allreduce": [{"gpus": 4, "bytes": 512, "us_per_allreduce": 50.0}]}))
+    assert bench.main(["--reproject", str(tmp_path / "bench_rank.json"), "--allreduce", str(tp),
+                       "--out", str(tmp_path / "re")]) == 0
+    again = json.loads((tmp_path / "re" / "bench_rank.json").read_text())
+    for old, new in zip(res["decode"], again["decode"]):
+        calls = [("all_reduce", 512 * old["batch"])] * (2 * layers + 1) + [("all_gather", 16384 * old["batch"])]
+        assert new["projection"] == bench.projection(old["step_s"], calls, old["batch"], {512: 50.0})
+        assert new["projection"]["measured_allreduces"] == (2 * layers + 1 if old["batch"] == 1 else 0)
+    assert "measured all-reduces" in (tmp_path / "re" / "bench_rank.md").read_text()
 
 
 def test_standin_and_nccl_model(bench):

@@ -15,6 +15,7 @@ from m3serve.model import layout as L
 from m3serve.model.loader import CheckpointError, list_tensors, load_model
 from m3serve.model.quantize import quantize_checkpoint
 from m3serve.model.tiny import make_tiny
+from support.required import require
 
 
 @pytest.fixture(scope="module")
@@ -360,7 +361,7 @@ def test_streaming_check_fails_on_an_eager_loader(tiny, monkeypatch):
 def test_transformers_layout_loads_in_transformers(tmp_path):
     """make-tiny's transformers layout is what transformers 5.25 loads with nothing missing: the router bias is
     `...e_score_correction_bias` (a buffer, no `.weight` suffix; with one, transformers left it at zero)."""
-    pytest.importorskip("transformers")
+    require("transformers")
     os.environ.setdefault("USE_HUB_KERNELS", "0")
     from transformers import MiniMaxM3VLForCausalLM
 

@@ -14,6 +14,7 @@ from m3serve.learn.tokenizer import build_tokenizer
 from m3serve.text.reasoning import THINK_END
 from m3serve.text.tokenizer import Tokenizer
 from m3serve.text.tool_parser import CALL_START, NS, parse_tool_calls
+from support.required import require
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_tokenizer_is_seeded(tok_dir, tmp_path):
 
 
 def test_transformers_reads_the_same_tokenizer(tok_dir, tok):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(tok_dir[0])
     for task in TASKS:
         ex = make_examples(task, "eval", 1)[0]

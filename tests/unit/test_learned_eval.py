@@ -10,6 +10,7 @@ import pytest
 
 from m3serve.learn.evaluate import format_table, reply_text, score
 from m3serve.learn.tasks import TASKS, make_examples
+from support.required import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEARNED_DIR = os.environ.get("M3SERVE_LEARNED_DIR", os.path.join(ROOT, "models", "m3-tiny-learned"))
@@ -22,7 +23,7 @@ MIN_MEAN_ACCURACY = 0.9  # over the 40
 def report():
     if not os.path.isfile(os.path.join(LEARNED_DIR, "config.json")):
         pytest.skip("no learned checkpoint committed yet")
-    pytest.importorskip("transformers")
+    require("transformers")
     from m3serve.learn.evaluate import evaluate
 
     return evaluate(LEARNED_DIR, n=SLICE, paths=("reference", "engine"), device="cpu", dtype="float32", slack=4)

@@ -14,7 +14,9 @@ import tarfile
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from support.required import require
+
+transformers = require("transformers")
 from transformers import MiniMaxM3VLForCausalLM  # noqa: E402
 
 from m3serve import LLM, SamplingParams  # noqa: E402

@@ -4,8 +4,9 @@ Its method is picked once at load (`SparseMoE.prepare`), by the experts' weight 
 - `TorchMoE`: the reference (dequantize the routed experts' weights, per expert; loops on the host over the
   experts that got tokens, so it synchronises: CPU and tests).
 - `KernelMoE`: the Triton MoE layer (kernels/moe.py: router with on-device grouping, grouped expert GEMMs that
-  decode NVFP4 / MXFP8 / FP8 weights in registers, SwiGLU-OAI fused, the shared expert in the same launches,
-  combine): CUDA, quantized experts or bf16/fp16 ones. With expert parallelism the router picks among every expert
+  decode NVFP4 / MXFP8 / FP8 weights in registers, SwiGLU-OAI fused, the shared expert in the same launches or,
+  when its width differs from the routed experts' (under EP), in two of its own, combine): CUDA, quantized experts
+  or bf16/fp16 ones. With expert parallelism the router picks among every expert
   and the kernels run this rank's (the others' assignments masked), so the output is the rank's partial sum. The
   weights are laid out for it once and the checkpoint layout released. No host synchronisation (CUDA-graph safe).
 - `DenseMoE`: every expert over every token, the routing weights (zero for experts not chosen) combining them: no
