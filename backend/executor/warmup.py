@@ -7,9 +7,10 @@ kernel's vocabulary split) and the classes of its integer arguments (1, a multip
 dummy steps through the worker's model runner that reach each of them: single-sequence prefills at the token counts
 on both sides of every limit, a prefill of several sequences, a mixed step (a chunk with decodes), 16-token chunks at
 the end of contexts of every power of two of pages, and, when no decode graphs were captured (the capture compiles
-the decode steps of every bucket), eager decodes at every batch size with short and with the longest contexts; then
+the decode steps of every bucket), eager decodes at every batch size and block-table width (`table_widths`); then
 the sampling kernel for every row count. With speculative decoding these steps go through the speculative runner
-(target forward, draft features), and speculative decode steps follow (drafts, verification) at every batch size.
+(target forward, draft features), and speculative decode steps follow (drafts, verification) at every batch size
+and table width.
 Tensor-parallel ranks run the same forwards in lockstep (rank 0
 alone samples).
 
@@ -113,16 +114,45 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
     steps.append([(q, room - q)])
     if eager_decodes:
         for b in range(1, max_num_seqs + 1):
-            steps += [[(1, 1)] * b, [(1, room - 1)] * b]
+            steps += [[(1, 1)] * b] + [[(1, min(room, w * block_size) - 1)] * b
+                                       for w in table_widths(max_num_seqs, room, block_size)]
     return steps
 
 
-def spec_plan(max_num_seqs: int, max_model_len: int, k: int) -> list[list[tuple[int, int]]]:
+EXHAUSTIVE_DECODES = 4096  # batch sizes x table widths up to which every pair gets an eager decode step
+
+
+def table_widths(max_num_seqs: int, room: int, block_size: int) -> list[int]:
+    """Block-table widths (pages) the decode steps of each batch size are warmed at. A decode kernel's
+    specialization follows the width: its row stride and block count (each integer's class: 1, a multiple of 16,
+    other), the top-k tile (the next power of two) and, with the batch, the split-K count and tiles per split. On the
+    H200 (2026-12-04) eager decodes warmed only at the shortest and longest contexts still compiled the MSA decode,
+    index-scan and top-k kernels at contexts in between. So every width, where batch sizes x widths stay under
+    EXHAUSTIVE_DECODES; else each class in each power-of-two range: 1, 2, 16, then 2^j + 1 and 2^(j+1), and the
+    widest."""
+    widest = max(1, -(-room // block_size))
+    if max_num_seqs * widest <= EXHAUSTIVE_DECODES:
+        return list(range(1, widest + 1))
+    widths = {1, 2, 16, widest}
+    j = 16
+    while j < widest:
+        widths |= {j + 1, 2 * j}
+        j *= 2
+    return sorted(w for w in widths if w <= widest)
+
+
+def spec_plan(max_num_seqs: int, max_model_len: int, k: int, block_size: int = 0) -> list[list[tuple[int, int]]]:
     """Speculative decode steps (anchor + k drafts per sequence): every batch size with K drafts at short and at the
-    longest contexts, and one sequence with each smaller number of drafts (a sequence near its end drafts fewer)."""
+    longest contexts and, with `block_size`, at every table width where batch sizes x widths stay under
+    EXHAUSTIVE_DECODES; then one sequence with each smaller number of drafts (a sequence near its end drafts fewer)."""
     room = max(k + 3, max_model_len - 1)
     steps = [[(1 + k, 1)] * b for b in range(1, max_num_seqs + 1)]
     steps += [[(1 + k, room - 1 - k)] * b for b in range(1, max_num_seqs + 1)]
+    widest = -(-room // block_size) if block_size else 0
+    if block_size and max_num_seqs * widest <= EXHAUSTIVE_DECODES:  # (larger: minutes of steps at load)
+        for b in range(1, max_num_seqs + 1):
+            steps += [[(1 + k, min(room, w * block_size) - 1 - k)] * b
+                      for w in range(1, widest + 1) if w * block_size > k + 2]
     return steps + [[(1 + j, 1)] for j in range(1, k)]
 
 
@@ -140,7 +170,7 @@ def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport |
             runner.execute(dummy_step(seqs, bs, pool, dev, "greedy" if rank == 0 else None))
         if runner.spec is not None:  # drafts, then the target's verify (greedy and sampled verification)
             k = runner.spec.spec.num_speculative_tokens
-            for seqs in spec_plan(config.max_num_seqs, max_model_len, k):
+            for seqs in spec_plan(config.max_num_seqs, max_model_len, k, bs):
                 for kind in ("greedy", "sampled"):
                     runner.execute(dummy_step(seqs, bs, pool, dev, kind, spec_k=k))
                     steps.append(seqs)

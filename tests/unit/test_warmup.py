@@ -46,6 +46,9 @@ def test_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
         steps = W.plan(4, 128, 256, runner.cache.block_size, eager_decodes=True)
         assert any(len(s) > 1 and s[0][0] > 1 and s[1][0] == 1 for s in steps)  # a mixed step
         assert {len(s) for s in steps if all(q == 1 for q, _ in s)} == {1, 2, 3, 4}  # every decode batch size
+        bs = runner.cache.block_size  # every batch size meets every table width
+        widths = {(len(s), -(-(s[0][1] + 1) // bs)) for s in steps if all(q == 1 for q, _ in s)}
+        assert widths == {(b, w) for b in range(1, 5) for w in range(1, -(-255 // bs) + 1)}
         assert max(q + c for s in steps for q, c in s) == 255  # the longest context a request can reach
         return steps
     llm = _run_steps_between_two_generations(tiny_model_dir, opts, steps_of)
@@ -61,7 +64,16 @@ def test_speculative_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
                 speculative_config={"method": "dspark", "num_speculative_tokens": 3})
 
     def steps_of(runner):
-        steps = W.spec_plan(3, 128, runner.spec.spec.num_speculative_tokens)
+        bs = runner.cache.block_size
+        steps = W.spec_plan(3, 128, runner.spec.spec.num_speculative_tokens, bs)
         assert {len(s) for s in steps} == {1, 2, 3} and {q for s in steps for q, _ in s} == {2, 3, 4}
+        widths = {(len(s), -(-(s[0][0] + s[0][1]) // bs)) for s in steps if s[0][0] == 4}
+        assert widths == {(b, w) for b in range(1, 4) for w in range(1, -(-127 // bs) + 1)}
         return steps
     _run_steps_between_two_generations(tiny_model_dir, opts, steps_of, spec=True)
+
+
+def test_table_widths_cover_each_class_when_not_every_width():
+    assert W.table_widths(16, 1023, 128) == list(range(1, 9))  # 16 x 8 pairs: all
+    w = W.table_widths(256, 131071, 128)  # 256 x 1024: each class of each power-of-two range
+    assert w == [1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024]
