@@ -40,8 +40,6 @@ def test_scheduler_cuts_low_confidence_and_keeps_high():
     assert s.width([]) == K and s.width([([], K)] * 4) == K  # nothing known: K
     # a sequence's own draft limit caps what it can gain: near max_tokens it adds no rows past k_r
     assert s.width([([0.95] * K, 1)] * 4) == 1
-    # the default table (uncalibrated) still cuts at a large batch of unlikely drafts
-    assert VerifyScheduler(7).width([([0.1] * 7, 7)] * 64) == 1
 
 
 def test_config_validation():
@@ -51,6 +49,7 @@ def test_config_validation():
     ok.validate()
     assert ok.speculative.confidence_scheduling and ok.speculative.confidence_cost_table == COST
     for raw, match in (({"confidence_scheduling": "yes"}, "confidence_scheduling"),
+                       ({"confidence_scheduling": True}, "confidence_cost_table"),  # no made-up default
                        ({"confidence_cost_table": [[1, 1.0]]}, "confidence_cost_table"),
                        ({"confidence_cost_table": [[1, 1.0], [2, 1.0, 3]]}, "confidence_cost_table"),
                        ({"confidence_cost_table": 5}, "confidence_cost_table")):

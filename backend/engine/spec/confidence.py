@@ -11,13 +11,15 @@ step keeps one shape per batch bucket and its CUDA graphs, executor/spec_graph.p
 per unit of step time
     Theta(W) = sum_r (1 + sum_{j <= min(W, k_r)} a_{r,j}) / cost(sum_r (1 + min(W, k_r)))
 where a_{r,j} = c_{r,1} ... c_{r,j} is sequence r's prefix survival (the chance its first j drafts are accepted),
-k_r its own draft limit, and cost(B) the step time at B verify tokens (`cost_table`, measured per machine:
-bench_spec prints one). The confidences are STALE: those of each sequence's previous speculative step (positions
+k_r its own draft limit, and cost(B) the step time at B verify tokens (`cost_table`, measured on the serving
+machine: bench_spec prints one; there is no default, as a guessed cost would trim against made-up figures). The confidences are STALE: those of each sequence's previous speculative step (positions
 past the drafts it had then take its last one). So W depends only on committed history, never on this step's drafts
 or the target's verdict on them, and the rule stays exact for every sequence (a sequence verifying W < K drafts is
 one that drafted W: it still gets its correction or bonus token from the target's distribution). At batch 1 the step
 costs about the same at every width and W = K; as the batch grows, the verify tokens' cost makes low-confidence
-drafts not worth their rows and W falls.
+drafts not worth their rows and W falls. A step with width W drafts W tokens per sequence (the draft's logits, the
+Markov steps and the verify rows all shrink), so the confidences past W that the next choice reads are
+extrapolated from the last one.
 """
 from __future__ import annotations
 
@@ -25,11 +27,6 @@ import bisect
 from collections.abc import Sequence as Seq
 
 import torch
-
-# the relative step time at B verify tokens when no measured table is given: an UNCALIBRATED default (the step time
-# doubles at 256 tokens); replace it by a table measured on the serving machine (bench_spec's `cost_table`)
-DEFAULT_COST_TABLE = ((1, 1.0), (256, 2.0))
-
 
 def confident_prefix_length(confidence: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """confidence fp32 [S, K] in (0, 1), threshold (scalar or [S]) -> verify lengths L int64 [S], 0..K."""
@@ -74,10 +71,10 @@ def prefix_survival(confidence: Seq[float], width: int) -> list[float]:
 class VerifyScheduler:
     """Picks the step's verify width from the speculating sequences' stale confidences (see the module docstring)."""
 
-    def __init__(self, k: int, cost_table: Seq[Seq[float]] | None = None):
+    def __init__(self, k: int, cost_table: Seq[Seq[float]]):
         self.k = k
         self.widths = verify_widths(k)
-        self.cost = CostTable(cost_table or DEFAULT_COST_TABLE)
+        self.cost = CostTable(cost_table)
 
     def width(self, seqs: Seq[tuple[Seq[float], int]]) -> int:
         """seqs: (last conditional confidences, own draft limit k_r) per speculating sequence -> W."""

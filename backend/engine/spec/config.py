@@ -19,9 +19,9 @@ Keys:
   confidence_scheduling    false (default) | true: before each step the engine picks one verify width for every
                            speculating sequence (1, 2, 3, 5 or K) from the sequences' previous confidences and the
                            step's cost (engine/spec/confidence.py; lossless). Needs a confidence head.
-  confidence_cost_table    [[tokens, step time], ...] (>= 2 points): the speculative step's time at that many verify
-                           tokens on this machine (bench_spec's `cost_table`); default: an uncalibrated model whose
-                           step time doubles at 256 tokens.
+  confidence_cost_table    [[tokens, step time], ...] (>= 2 points; required with confidence_scheduling): the
+                           speculative step's time at that many verify tokens on this machine (bench_spec prints it
+                           as `cost_table`).
 """
 from __future__ import annotations
 
@@ -83,6 +83,9 @@ class SpeculativeConfig:
         if not isinstance(g("confidence_scheduling", False), bool):
             bad("confidence_scheduling", f"must be true or false, got {g('confidence_scheduling')!r}")
         table = g("confidence_cost_table")
+        if g("confidence_scheduling") is True and table is None:
+            bad("confidence_cost_table", "confidence_scheduling needs the step-cost table measured on this machine "
+                "(benchmarks/bench_spec.py prints one)")
         if table is not None:
             from m3serve.engine.spec.confidence import CostTable
             try:
