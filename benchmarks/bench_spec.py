@@ -35,7 +35,15 @@ of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties
 kernels).
 
 Caveat, to read the figures: the cut model has few layers while the draft keeps its full width, so the draft's
-share of a step is larger than on the 60-layer model.
+share of a step is larger than on the 60-layer model. Hence the projection to 60 layers (graphed runs): the
+target's layers scaled by 60 / --layers, everything else as measured: a speculative step = its measured time + the
+verify phase x (60 - L) / L; a plain step = its measured time + (its decode forward graph - the lm_head alone) x
+(60 - L) / L (the forward graph of the batch replayed and the lm_head over the batch's rows, timed with CUDA events
+after the plain run). Projected speedup = tau x plain / speculative step, efficiency = plain / speculative step.
+
+`cost_table` (JSON; per p, the figures of p = 0): [verify tokens = B (K+1), speculative step ms] per batch size B, as
+measured and projected to 60 layers: what `speculative_config.confidence_cost_table` takes (the step time at that
+many verify tokens; engine/spec/confidence.py).
 """
 from __future__ import annotations
 
@@ -58,6 +66,7 @@ from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from m3serve.engine.spec.controlled import ControlledProposals  # noqa: E402
 from m3serve.engine.spec.metrics import SpecDecodeStats  # noqa: E402
 from m3serve.engine.step_builder import as_int64  # noqa: E402
+from m3serve.executor.cuda_graph import _bucket  # noqa: E402
 from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
 
@@ -65,6 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from geometry import flash_geometry, random_model  # noqa: E402
 
 PHASES = ("draft", "markov", "verify", "rule", "insert")  # SpeculativeDecoder.phases (target forward = "verify")
+TARGET_LAYERS = 60  # MiniMax-M3's (3 dense + 57 MoE); the projection scales the cut's layers evenly
 
 M3_WIDTHS = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                  intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4, dense_intermediate_size=12288,
@@ -146,6 +156,53 @@ def phase_split(r: dict, graphs) -> None:
     graphs.phase_ms = []
 
 
+def _device_ms(fn, reps: int = 20) -> float:
+    """Mean device time of fn() over `reps` calls (CUDA events; one warm call first)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def plain_layers_ms(eng: LLMEngine, b: int, pages: int) -> float | None:
+    """The plain engine's target layers at batch b: its decode forward graph (bucket of b, `pages` table columns;
+    the buffers as the last step left them: the same rows rewritten) less the lm_head over b rows. None without
+    graphs."""
+    r = eng.executor.worker.runner
+    g = r.graphs
+    if g is None or not g.forward_graphs:
+        return None
+    graph = g.forward_graphs[(_bucket(g.batches, b), _bucket(g.widths, pages))]
+    h = torch.randn(b, r.model.config.hidden_size, device=r.device, dtype=r.model.dtype)
+    with torch.inference_mode():
+        head = _device_ms(lambda: r.model.compute_logits(h))
+    return max(0.0, _device_ms(graph.replay) - head)
+
+
+def project(r: dict, layers: int, plain_layers: float | None) -> dict | None:
+    """A row's plain and speculative steps at 60 layers (see the module docstring); None without the split."""
+    if r["phase_ms"] is None or plain_layers is None:
+        return None
+    f = (TARGET_LAYERS - layers) / layers
+    plain, spec = r["baseline_step_ms"] + f * plain_layers, r["spec_step_ms"] + f * r["phase_ms"]["verify"]
+    return {"plain_step_ms": plain, "spec_step_ms": spec, "step_cost": spec / plain,
+            "speedup": r["ideal_speedup"] * plain / spec, "efficiency": plain / spec,
+            "verify_ms": r["phase_ms"]["verify"] * (1 + f)}
+
+
+def cost_table(rows: list[dict], k: int) -> dict:
+    """[verify tokens, speculative step ms] per batch size (p = 0), measured and projected to 60 layers."""
+    zero = [r for r in rows if r["p"] == 0.0]
+    return {"measured": [[r["batch"] * (k + 1), r["spec_step_ms"]] for r in zero],
+            "projected_60_layers": [[r["batch"] * (k + 1), r["projection_60"]["spec_step_ms"]] for r in zero
+                                    if r["projection_60"] is not None]}
+
+
 def describe(a) -> tuple[str, str]:
     """(the device, the model geometry) of the run."""
     dev = platform.processor() or "cpu" if a.smoke else torch.cuda.get_device_name()
@@ -158,10 +215,10 @@ def save(out: str | None, rows: list[dict], a) -> None:
         dev, geometry = describe(a)
         with open(out, "w") as f:
             json.dump({"device": dev, "torch": torch.__version__, "geometry": geometry, "args": vars(a),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "cost_table": cost_table(rows, a.k)}, f, indent=1)
 
 
-def rows_of(results: dict, b: int, ps: list[float]) -> list[dict]:
+def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
     """The table rows of batch size b: each p against the plain run."""
     base, out = results[("plain", b)], []
     for p in [0.0] + ps:
@@ -176,6 +233,7 @@ def rows_of(results: dict, b: int, ps: list[float]) -> list[dict]:
             "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
             "phase_ms": r.get("phase_ms"), "graphed_steps": r.get("graphed_steps", 0),
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
+        out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
 
 
@@ -233,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_batch(eng, warm[:b], min(a.gen_len, 3 * (a.k + 1)), 500)
             if drafter is None:
                 results[(name, b)] = run_batch(eng, prompts[b], a.gen_len, 1000)
+                results[(name, b)]["plain_layers_ms"] = plain_layers_ms(eng, b, -(-(a.prompt_len + a.gen_len) // bs))
                 continue
             for p in [0.0] + ps:
                 if p > 0:
@@ -250,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["stats"] = eng.spec_stats.as_dict()
                 results[("spec", b, p)] = r
             if drafter is not None:  # this batch's rows now (and the JSON so far: a run cut short keeps them)
-                rows += rows_of(results, b, ps)
+                rows += rows_of(results, b, ps, a.layers)
                 save(a.out, rows, a)
             print(f"batch {b} done ({time.perf_counter() - t_build:.0f} s)", flush=True)
         del eng
@@ -269,6 +328,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
               f"{split} | {r['match']:.2f} |")
+    print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
+          "measured; graphed runs only)\n")
+    head = ("| batch | p | plain step ms | spec step ms | step cost (plain steps) | verify ms | speedup | "
+            "efficiency |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        pr = r["projection_60"]
+        if pr is not None:
+            print(f"| {r['batch']} | {r['p']} | {pr['plain_step_ms']:.2f} | {pr['spec_step_ms']:.2f} | "
+                  f"{pr['step_cost']:.2f} | {pr['verify_ms']:.2f} | {pr['speedup']:.2f} | {pr['efficiency']:.2f} |")
+    print("\ncost_table (verify tokens, speculative step ms; for speculative_config.confidence_cost_table):",
+          json.dumps(cost_table(rows, a.k)))
     save(a.out, rows, a)
     return 0
 
