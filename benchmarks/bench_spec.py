@@ -67,11 +67,10 @@ from m3serve.engine.spec.controlled import ControlledProposals  # noqa: E402
 from m3serve.engine.spec.metrics import SpecDecodeStats  # noqa: E402
 from m3serve.engine.step_builder import as_int64  # noqa: E402
 from m3serve.executor.cuda_graph import _bucket  # noqa: E402
-from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from geometry import flash_geometry, random_model  # noqa: E402
+from geometry import flash_geometry, random_model, write_draft  # noqa: E402
 
 PHASES = ("draft", "markov", "verify", "rule", "insert")  # SpeculativeDecoder.phases (target forward = "verify")
 TARGET_LAYERS = 60  # MiniMax-M3's (3 dense + 57 MoE); the projection scales the cut's layers evenly
@@ -105,16 +104,6 @@ def build_m3_cut(num_layers: int, device: str, dtype: torch.dtype, seed: int = 0
             else:
                 t.normal_(0.0, 1.0 if "embed" in name else t.shape[-1] ** -0.5, generator=g)
     return model.eval()
-
-
-def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, markov_rank: int) -> None:
-    """A random DSpark draft for `model` in `out_dir` (taps: layer 0, the middle, the one before the last)."""
-    n = model.config.num_hidden_layers
-    taps = sorted({0, (n - 1) // 2, max(n - 2, 0)})
-    cfg = tiny_dspark_config(model.config, num_hidden_layers=num_layers, block_size=max(k, 7), target_layer_ids=taps,
-                             mask_token_id=model.config.vocab_size - 1, markov_rank=markov_rank)
-    state = {name: t.to(model.dtype) for name, t in random_dspark_state(cfg).items()}
-    write_dspark(out_dir, cfg, state)
 
 
 def run_batch(eng: LLMEngine, prompts: list[list[int]], gen: int, seed0: int) -> dict:
