@@ -124,7 +124,8 @@ def engine_options(a, spec: bool = False) -> dict:
            "max_num_seqs": max(64, max(a.levels)), "max_num_batched_tokens": a.max_num_batched_tokens,
            "num_gpu_blocks_override": a.num_pages}
     if spec:  # the draft: written by geometry.py's factory
-        out["speculative_config"] = {"method": "dspark", "num_speculative_tokens": a.speculative, "kv_cache_dtype": "fp8"}
+        out["speculative_config"] = {"method": "dspark", "num_speculative_tokens": a.speculative,
+                                     "kv_cache_dtype": "fp8"}
     return out
 
 
@@ -385,9 +386,12 @@ def summarize_spec(res) -> str:
     """Speculation on vs off (--speculative): tokens/s and the ratio, engine-direct and through the server."""
     nan = float("nan")
     lines = ["| C | engine tok/s off | engine tok/s on | on / off | server tok/s off | server tok/s on | on / off | "
-             "server ITL p50 ms off / on | accepted drafts per step (server) |", "|---|---|---|---|---|---|---|---|---|"]
+             "server ITL p50 ms off / on | accepted drafts per step (server) |", "|---" * 9 + "|"]
+
+    def ratio(off, on):
+        return on["tokens_per_s_total"] / off["tokens_per_s_total"] if off.get("tokens_per_s_total") else nan
+
     for e, es, s, ss in zip(res["engine"], res["engine_spec"], res["server"], res["server_spec"]):
-        ratio = lambda x, y: y["tokens_per_s_total"] / x["tokens_per_s_total"] if x.get("tokens_per_s_total") else nan  # noqa: E731
         lines.append(f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {es['tokens_per_s_total']:.0f} | "
                      f"{ratio(e, es):.2f} | {s['tokens_per_s_total']:.0f} | {ss['tokens_per_s_total']:.0f} | "
                      f"{ratio(s, ss):.2f} | {s['itl_ms'][50]:.2f} / {ss['itl_ms'][50]:.2f} | "

@@ -106,7 +106,8 @@ def async_engine(config: EngineConfig):
     engine-direct benchmark: an `AsyncLLMEngine` over `random_model(flash_geometry($M3SERVE_GEOMETRY_LAYERS))` on the
     GPU, with model.json's sizes (max_model_len, max_num_seqs, num_gpu_blocks_override, max_num_batched_tokens).
     With a `speculative_config` there, a random DSpark draft (`write_draft`) in a temporary folder, and with
-    $M3SERVE_GEOMETRY_CONTROL = '{"p": P, "prompt_len": N, "max_tokens": M}' controlled acceptance (`control_acceptance`)."""
+    $M3SERVE_GEOMETRY_CONTROL = '{"p": P, "prompt_len": N, "max_tokens": M}' controlled acceptance
+    (`control_acceptance`)."""
     import json
     import os
     import tempfile

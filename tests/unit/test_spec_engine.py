@@ -271,8 +271,9 @@ def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loa
         **(sched if rule == "scheduled" else {})))
     control(eng, known, 0.6)
     widths = []
-    hook = eng.executor.worker.drafter.proposal_hook
-    eng.executor.worker.drafter.proposal_hook = lambda prop, *a: (widths.append(prop.tokens.shape[1]), hook(prop, *a))[1]
+    drafter = eng.executor.worker.drafter
+    hook = drafter.proposal_hook
+    drafter.proposal_hook = lambda prop, *a: (widths.append(prop.tokens.shape[1]), hook(prop, *a))[1]
     for s in range(n):
         eng.add_request(f"r{s}", prompt_token_ids=PROMPT,
                         sampling_params=SamplingParams(max_tokens=4, ignore_eos=True, seed=s, **OPTS))

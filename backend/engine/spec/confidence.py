@@ -5,14 +5,16 @@ confidence c_k falls below the threshold; that token and all later ones are drop
 Lossless: keeping x_k depends only on c_1..c_k, which depend on x_0..x_{k-1}, never on x_k itself nor on
 the target.
 
-Confidence-scheduled verification (`VerifyScheduler`, the paper's Algorithm 1 in its production form, section 5.2):
-before a step the engine picks ONE verify width W for every speculating sequence, from a small set (`widths`: so a
+Confidence-scheduled verification (`VerifyScheduler`; the paper's Algorithm 1 restricted to one width for every
+sequence, chosen from stale confidences as its production form chooses its budget, section 5.2; the per-request
+allocation inside a budget, which needs variable query lengths decided on the device, is not built): before a step the engine picks ONE verify width W for every speculating sequence, from a small set (`widths`: so a
 step keeps one shape per batch bucket and its CUDA graphs, executor/spec_graph.py), to maximise the expected tokens
 per unit of step time
     Theta(W) = sum_r (1 + sum_{j <= min(W, k_r)} a_{r,j}) / cost(sum_r (1 + min(W, k_r)))
 where a_{r,j} = c_{r,1} ... c_{r,j} is sequence r's prefix survival (the chance its first j drafts are accepted),
 k_r its own draft limit, and cost(B) the step time at B verify tokens (`cost_table`, measured on the serving
-machine: bench_spec prints one; there is no default, as a guessed cost would trim against made-up figures). The confidences are STALE: those of each sequence's previous speculative step (positions
+machine: bench_spec prints one; there is no default, as a guessed cost would trim against made-up figures).
+The confidences are STALE: those of each sequence's previous speculative step (positions
 past the drafts it had then take its last one). So W depends only on committed history, never on this step's drafts
 or the target's verdict on them, and the rule stays exact for every sequence (a sequence verifying W < K drafts is
 one that drafted W: it still gets its correction or bonus token from the target's distribution). At batch 1 the step
