@@ -41,6 +41,11 @@ verify phase x (60 - L) / L; a plain step = its measured time + (its decode forw
 (60 - L) / L (the forward graph of the batch replayed and the lm_head over the batch's rows, timed with CUDA events
 after the plain run). Projected speedup = tau x plain / speculative step, efficiency = plain / speculative step.
 
+--confidence-scheduling: a third engine with confidence-scheduled verification (engine/spec/confidence.py) and
+the measured cost table, for each p (p > 0) at each batch size: the controlled proposals' confidence is p, the
+true chance of each drafted token (a calibrated head); the workload runs once to capture every width's graphs,
+then timed. Reported beside the fixed-K run: tokens/s, the ratio, the mean verify width, match.
+
 `cost_table` (JSON; per p, the figures of p = 0): [verify tokens = B (K+1), speculative step ms] per batch size B, as
 measured and projected to 60 layers: what `speculative_config.confidence_cost_table` takes (the step time at that
 many verify tokens; engine/spec/confidence.py).
@@ -192,6 +197,27 @@ def cost_table(rows: list[dict], k: int) -> dict:
                                     if r["projection_60"] is not None]}
 
 
+def run_sched(eng: LLMEngine, results: dict, b: int, ps: list[float], prompts: list[list[int]], a, rows: list[dict]
+              ) -> None:
+    """Confidence-scheduled verification at batch b for each p (the controlled proposals' confidence is p: a
+    calibrated head): the workload once to capture every width's graphs, then timed; its figures join b's rows."""
+    drafter, vocab = eng.executor.worker.drafter, eng.model_config.vocab_size
+    rec = results[("spec", b, 0.0)]["tokens"]
+    known = {as_int64(1000 + i): prompts[i] + rec[i] for i in range(b)}
+    for p in ps:
+        drafter.proposal_hook = ControlledProposals(known, p, vocab, drafter.runner.device)
+        run_batch(eng, prompts, a.gen_len, 1000)
+        eng.spec_stats = SpecDecodeStats(a.k)
+        r = run_batch(eng, prompts, a.gen_len, 1000)
+        st = eng.spec_stats.as_dict()
+        row = next(x for x in rows if x["batch"] == b and x["p"] == p)
+        row.update({"sched_tok_s": r["tok_s"], "sched_speedup": r["tok_s"] / row["baseline_tok_s"],
+                    "sched_over_spec": r["tok_s"] / row["spec_tok_s"],
+                    "sched_mean_width": st["spec_decode_num_draft_tokens"] / max(st["spec_decode_num_drafts"], 1),
+                    "sched_acceptance_rate": st["spec_decode_acceptance_rate"],
+                    "sched_match": sum(x == y for x, y in zip(r["tokens"], results[("plain", b)]["tokens"])) / b})
+
+
 def describe(a) -> tuple[str, str]:
     """(the device, the model geometry) of the run."""
     dev = platform.processor() or "cpu" if a.smoke else torch.cuda.get_device_name()
@@ -240,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
     ap.add_argument("--draft-kv-cache-dtype", default="fp8")
     ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
+    ap.add_argument("--confidence-scheduling", action="store_true",
+                    help="also confidence-scheduled verification, with the cost table these runs measured")
     a = ap.parse_args(argv)
     if a.smoke:
         a.batches, a.ps, a.layers, a.prompt_len, a.gen_len, a.k = "1,2", "0.8", 2, 20, 10, 3
     device = "cpu" if a.smoke else "cuda"
     batches = [int(b) for b in a.batches.split(",")]
+    if a.confidence_scheduling and len(set(batches)) < 2:
+        ap.error("--confidence-scheduling needs two batch sizes or more (its cost table's points)")
     ps = [float(p) for p in a.ps.split(",")]
     t_build = time.perf_counter()
     if a.smoke:  # fp32 toy widths: greedy speculation must match exactly
@@ -271,13 +301,24 @@ def main(argv: list[str] | None = None) -> int:
                for b in batches}
     warm = [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     engines = {"plain": {}, "spec": dict(speculative_config=spec_cfg, enforce_eager=a.smoke or a.eager)}
+    if a.confidence_scheduling:  # its options once the spec runs measured the cost table
+        engines["sched"] = None
     rows, results = [], {}
     for name, opts in engines.items():
+        if name == "sched":
+            opts = dict(engines["spec"], speculative_config={
+                **spec_cfg, "confidence_scheduling": True, "confidence_cost_table": cost_table(rows, a.k)["measured"]})
+            print(f"confidence scheduling with the cost table {opts['speculative_config']['confidence_cost_table']}",
+                  flush=True)
         eng = LLMEngine(EngineConfig(**{**common, **opts}), model=model)
         drafter = eng.executor.worker.drafter
         for b in batches:
             if not a.smoke:  # compile / warm every shape first
                 run_batch(eng, warm[:b], min(a.gen_len, 3 * (a.k + 1)), 500)
+            if name == "sched":
+                run_sched(eng, results, b, ps, prompts[b], a, rows)
+                save(a.out, rows, a)
+                continue
             if drafter is None:
                 results[(name, b)] = run_batch(eng, prompts[b], a.gen_len, 1000)
                 results[(name, b)]["plain_layers_ms"] = plain_layers_ms(eng, b, -(-(a.prompt_len + a.gen_len) // bs))
@@ -330,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{pr['step_cost']:.2f} | {pr['verify_ms']:.2f} | {pr['speedup']:.2f} | {pr['efficiency']:.2f} |")
     print("\ncost_table (verify tokens, speculative step ms; for speculative_config.confidence_cost_table):",
           json.dumps(cost_table(rows, a.k)))
+    if a.confidence_scheduling:
+        print("\nConfidence-scheduled verification (the measured cost table; confidence = p)\n")
+        head = "| batch | p | spec tok/s | scheduled tok/s | scheduled / spec | speedup | mean verify width | match |"
+        print(head)
+        print("|" + "---|" * (head.count("|") - 1))
+        for r in rows:
+            if "sched_tok_s" in r:
+                print(f"| {r['batch']} | {r['p']} | {r['spec_tok_s']:.1f} | {r['sched_tok_s']:.1f} | "
+                      f"{r['sched_over_spec']:.2f} | {r['sched_speedup']:.2f} | {r['sched_mean_width']:.2f} | "
+                      f"{r['sched_match']:.2f} |")
     save(a.out, rows, a)
     return 0
 

@@ -17,7 +17,7 @@ def _bench():
 def test_bench_spec_smoke(tmp_path):
     bench = _bench()
     out = tmp_path / "bench_spec.json"
-    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    assert bench.main(["--smoke", "--out", str(out), "--confidence-scheduling"]) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
     # the cost table: p = 0's step per batch size at B (K + 1) verify tokens (K = 3); no projection on the CPU
@@ -25,6 +25,10 @@ def test_bench_spec_smoke(tmp_path):
     assert all(ms == r["spec_step_ms"] > 0 for (_, ms), r in zip(res["cost_table"]["measured"],
                                                                  [r for r in rows if r["p"] == 0.0]))
     assert all(r["projection_60"] is None for r in rows)
+    for r in rows:  # confidence-scheduled verification beside the fixed K = 3 (p > 0 only), greedy tokens unchanged
+        assert ("sched_tok_s" in r) == (r["p"] > 0)
+        if r["p"] > 0:
+            assert r["sched_match"] == 1.0 and 1 <= r["sched_mean_width"] <= 3 and r["sched_tok_s"] > 0
     assert [(r["batch"], r["p"]) for r in rows] == [(1, 0.0), (1, 0.8), (2, 0.0), (2, 0.8)]
     for r in rows:
         assert r["match"] == 1.0  # greedy, fp32: speculation changes no token
