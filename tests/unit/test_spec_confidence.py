@@ -120,3 +120,16 @@ def test_greedy_identical_while_the_width_changes(graphs, make_engine, reference
     if graphs:
         g = eng.executor.worker.drafter.graphs
         assert {1, K} <= set(g.buffers) and {1, K} <= {key[3] for key in g.views}
+
+
+def test_controlled_proposals_report_p_as_their_confidence():
+    """Where the controlled proposals know the token their confidence is p (the true chance the draft is the
+    target's: a calibrated head for benchmarks of scheduling); elsewhere the draft's own score stays."""
+    control = ControlledProposals({7: list(range(10))}, 0.6, 16)
+    prop = Proposal(torch.zeros(2, 3, dtype=torch.int64), None, torch.full((2, 3), 0.25), None)
+    out = control(prop, torch.zeros(2, dtype=torch.int64), torch.tensor([2, 8]), torch.tensor([7, 9]))
+    # seed 7 at anchor 2 knows positions 3..5; at anchor 8 seed 9 is unknown
+    assert torch.allclose(out.confidence, torch.tensor([[0.6] * 3, [0.25] * 3]))
+    edge = control(prop, torch.zeros(2, dtype=torch.int64), torch.tensor([7, 8]), torch.tensor([7, 7]))
+    # the recording ends at position 9
+    assert torch.allclose(edge.confidence, torch.tensor([[0.6, 0.6, 0.25], [0.6, 0.25, 0.25]]))
