@@ -13,7 +13,9 @@ every request --max-tokens tokens with ignore_eos, greedy):
            what the server path alone can carry -> responses/s and microseconds per response
 With --geometry N: the M3.1-Flash geometry cut to N layers (random weights, benchmarks/geometry.py) engine-direct
 and behind tritonserver's `m3_ids` (token ids in and out, the engine built by $M3SERVE_TEST_ENGINE_FACTORY), at
-real speed on the GPU; no null engine.
+real speed on the GPU; no null engine. With --speculative K as well: the same again with DSpark speculation on
+(K drafts, a random draft, controlled acceptance --spec-p: geometry.py's `control_acceptance`), engine-direct and
+through a second model `m3_ids_spec` of the same server, and a table of speculation on vs off.
 Writes OUT_DIR/bench_server.json and OUT_DIR/bench_server.md. The server runs through `build.sh serve`
 (with $M3SERVE_PYTHON when there is no .venv), in its own process group, killed at the end.
 """
@@ -26,6 +28,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -116,10 +119,19 @@ def null_engine(config):
 
 
 # ---- engine-direct ---------------------------------------------------------------------------------------
-def engine_options(a) -> dict:
-    return {"device": a.device, "dtype": a.dtype, "max_model_len": a.max_model_len,
-            "max_num_seqs": max(64, max(a.levels)), "max_num_batched_tokens": a.max_num_batched_tokens,
-            "num_gpu_blocks_override": a.num_pages}
+def engine_options(a, spec: bool = False) -> dict:
+    out = {"device": a.device, "dtype": a.dtype, "max_model_len": a.max_model_len,
+           "max_num_seqs": max(64, max(a.levels)), "max_num_batched_tokens": a.max_num_batched_tokens,
+           "num_gpu_blocks_override": a.num_pages}
+    if spec:  # the draft: written by geometry.py's factory
+        out["speculative_config"] = {"method": "dspark", "num_speculative_tokens": a.speculative,
+                                     "kv_cache_dtype": "fp8"}
+    return out
+
+
+def spec_control(a) -> str:
+    """$M3SERVE_GEOMETRY_CONTROL for geometry.py's factory: controlled acceptance of the bench's prompt."""
+    return json.dumps({"p": a.spec_p, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens})
 
 
 async def _engine_level(engine, c, n_per_user, max_tokens, prompt_ids=None):
@@ -191,11 +203,11 @@ def engine_pace(before: dict, after: dict, wall: float) -> dict:
     return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": wait / wall}
 
 
-def run_engine_direct(a, model_dir) -> list[dict]:
+def run_engine_direct(a, model_dir, spec: bool = False) -> list[dict]:
     from m3serve.config import EngineConfig
     from m3serve.engine.async_engine import AsyncLLMEngine
 
-    cfg = EngineConfig(model=model_dir, **engine_options(a))
+    cfg = EngineConfig(model=model_dir, **engine_options(a, spec))
     ids = None
     if a.geometry:
         from geometry import async_engine
@@ -211,7 +223,8 @@ def run_engine_direct(a, model_dir) -> list[dict]:
             out = []
             for c in a.levels:
                 out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids))
-                print(f"[engine] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s", file=sys.stderr, flush=True)
+                print(f"[engine{' spec' if spec else ''}] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s",
+                      file=sys.stderr, flush=True)
             return out
         return asyncio.run(go())
     finally:
@@ -227,15 +240,16 @@ def run_engine_direct(a, model_dir) -> list[dict]:
 def write_repo(a, model_dir, repo) -> str:
     """The model repository; returns $M3SERVE_TEST_ENGINE_FACTORY for the server (engines of the test models)."""
     src = os.path.join(ROOT, "model_repository", "m3", "config.pbtxt")
-    opts = dict(engine_options(a), model=model_dir, enable_prefix_caching=True)
     models = [("m3", None), ("m3null", os.path.abspath(__file__) + ":null_engine")]
     if a.geometry:  # the token-id contract over the random M3.1-Flash geometry (no tokenizer: ids in, ids out)
         src = os.path.join(ROOT, "model_repository", "m3_ids", "config.pbtxt")
-        models = [("m3_ids", os.path.join(ROOT, "benchmarks", "geometry.py") + ":async_engine")]
+        factory = os.path.join(ROOT, "benchmarks", "geometry.py") + ":async_engine"
+        models = [("m3_ids", factory)] + ([("m3_ids_spec", factory)] if a.speculative else [])
     factories = ";".join(f"{name}={factory}" for name, factory in models if factory)
     for name, factory in models:
+        opts = dict(engine_options(a, name == "m3_ids_spec"), model=model_dir, enable_prefix_caching=True)
         os.makedirs(os.path.join(repo, name, "1"), exist_ok=True)
-        cfg = open(src).read().replace('name: "m3"', f'name: "{name}"')
+        cfg = re.sub(r'^name: "[^"]*"', f'name: "{name}"', open(src).read(), count=1, flags=re.M)
         if factory and not a.geometry:  # one response per token: measures the per-response cost, no coalescing
             cfg = cfg.replace("parameters [\n", 'parameters [\n  { key: "coalesce_responses" value: '
                                                 '{ string_value: "false" } },\n')
@@ -321,20 +335,20 @@ def load_bench_client():
 
 
 def server_counters(mport, model) -> dict:
-    import re
     import urllib.request
     with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
         text = f.read().decode()
     out = {}
     for name in ("m3serve:responses_total", "m3serve:response_send_seconds_total", "vllm:generation_tokens_total",
-                 "m3serve:engine_steps_total", "m3serve:engine_device_wait_seconds_total"):
+                 "m3serve:engine_steps_total", "m3serve:engine_device_wait_seconds_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"):
         m = re.search(re.escape(name) + r'\{[^}]*model="' + re.escape(model) + r'"[^}]*\}\s+(\S+)', text)
         out[name] = float(m.group(1)) if m else 0.0
     return out
 
 
 def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
-    kind, prompt = ("ids", a.prompt_ids) if model == "m3_ids" else ("text", PROMPT)
+    kind, prompt = ("ids", a.prompt_ids) if model.startswith("m3_ids") else ("text", PROMPT)
 
     async def go():
         for c in a.levels:  # warm-up, as engine-direct's
@@ -355,6 +369,10 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
             n = after["m3serve:responses_total"] - before["m3serve:responses_total"]
             sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
             lv["server_responses"] = n
+            steps = after["vllm:spec_decode_num_drafts_total"] - before["vllm:spec_decode_num_drafts_total"]
+            if steps:  # speculation on: drafts accepted per speculative step of a sequence
+                lv["accepted_per_draft"] = (after["vllm:spec_decode_num_accepted_tokens_total"]
+                                            - before["vllm:spec_decode_num_accepted_tokens_total"]) / steps
             lv["server_send_us_per_response"] = 1e6 * sec / n if n else None
             out.append(lv)
             print(f"[{model}] c={c}: {lv['tokens_per_s_total']:.0f} tok/s, {lv['errors']} errors, "
@@ -364,6 +382,23 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
 
 
 # ---- report ------------------------------------------------------------------------------------------------
+def summarize_spec(res) -> str:
+    """Speculation on vs off (--speculative): tokens/s and the ratio, engine-direct and through the server."""
+    nan = float("nan")
+    lines = ["| C | engine tok/s off | engine tok/s on | on / off | server tok/s off | server tok/s on | on / off | "
+             "server ITL p50 ms off / on | accepted drafts per step (server) |", "|---" * 9 + "|"]
+
+    def ratio(off, on):
+        return on["tokens_per_s_total"] / off["tokens_per_s_total"] if off.get("tokens_per_s_total") else nan
+
+    for e, es, s, ss in zip(res["engine"], res["engine_spec"], res["server"], res["server_spec"]):
+        lines.append(f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {es['tokens_per_s_total']:.0f} | "
+                     f"{ratio(e, es):.2f} | {s['tokens_per_s_total']:.0f} | {ss['tokens_per_s_total']:.0f} | "
+                     f"{ratio(s, ss):.2f} | {s['itl_ms'][50]:.2f} / {ss['itl_ms'][50]:.2f} | "
+                     f"{ss.get('accepted_per_draft', nan):.2f} |")
+    return "\n".join(lines)
+
+
 def summarize(res) -> str:
     lines = ["| C | engine-direct tok/s | server tok/s | server / engine | server TTFT p50 ms | server ITL p50 ms | "
              "server resp/req | null-engine resp/s (1 token each) | us per response (end to end) | "
@@ -413,11 +448,21 @@ def main(argv=None) -> int:
                    help="the M3.1-Flash geometry cut to LAYERS layers, random weights (benchmarks/geometry.py), "
                         "served through m3_ids with random prompt ids; no null engine")
     p.add_argument("--prompt-len", type=int, default=128, help="--geometry: prompt length in token ids")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="--geometry: also DSpark with K drafts (random draft, controlled acceptance), on vs off")
+    p.add_argument("--spec-p", type=float, default=0.8,
+                   help="--speculative: the chance a drafted token is the target's (controlled acceptance)")
     p.add_argument("--engine-process", choices=("true", "false"), default="true",
                    help="the server's engine in a process of its own (the model's default) or on threads of the stub")
     a = p.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",")]
-    a.prompt_ids = [3 + (7919 * i) % 497 for i in range(a.prompt_len)]
+    if a.speculative and not a.geometry:
+        p.error("--speculative needs --geometry")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from geometry import bench_prompt_ids
+    a.prompt_ids = bench_prompt_ids(a.prompt_len)
+    if a.speculative:  # geometry.py's factory (engine-direct here, the server's model) reads it
+        os.environ["M3SERVE_GEOMETRY_CONTROL"] = spec_control(a)
     work, model_dir = work_dir(a)
     import torch
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "python": platform.python_version(),
@@ -431,6 +476,14 @@ def main(argv=None) -> int:
         traceback.print_exc()
         res["engine_error"] = f"{type(e).__name__}: {e}"
         res["engine"] = []
+    if a.speculative:
+        try:
+            res["engine_spec"] = [] if a.skip_engine else run_engine_direct(a, model_dir, spec=True)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            res["engine_spec_error"] = f"{type(e).__name__}: {e}"
+            res["engine_spec"] = []
     res["engine_s"] = time.time() - t0
     repo = os.path.join(work, "repo")
     factories = write_repo(a, model_dir, repo)
@@ -443,10 +496,11 @@ def main(argv=None) -> int:
         import tritonclient.grpc as grpcclient
         bench = load_bench_client()
         served = "m3_ids" if a.geometry else "m3"
-        if grpcclient.InferenceServerClient(url).is_model_ready(served):
-            res["server"] = run_server_levels(bench, url, mport, served, a, a.max_tokens)
-        else:
-            res["server_error"] = f"model {served} failed to load (see tritonserver.log)"
+        for key, name in [("server", served)] + ([("server_spec", "m3_ids_spec")] if a.speculative else []):
+            if grpcclient.InferenceServerClient(url).is_model_ready(name):
+                res[key] = run_server_levels(bench, url, mport, name, a, a.max_tokens)
+            else:
+                res[f"{key}_error"] = f"model {name} failed to load (see tritonserver.log)"
         res["null"] = [] if a.geometry else run_server_levels(bench, url, mport, "m3null", a, a.null_max_tokens)
         import urllib.request
         with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
@@ -457,20 +511,27 @@ def main(argv=None) -> int:
         stop_server(proc)
     if a.geometry:  # kernel compiles inside timed levels (geometry.log_compiles: engine-direct here, the server's log)
         from geometry import COMPILES
-        compiles_in(res["engine"], COMPILES)
-        compiles_in(res.get("server", []), server_compiles(log_path))
-        for side in ("engine", "server"):
+        for side in ("engine", "engine_spec"):
+            compiles_in(res.get(side, []), COMPILES)
+        for side in ("server", "server_spec"):
+            compiles_in(res.get(side, []), server_compiles(log_path))
+        for side in ("engine", "engine_spec", "server", "server_spec"):
             for lv in res.get(side, []):
                 if lv.get("compiles"):
                     print(f"[{side}] c={lv['concurrency']}: {lv['compiles']} kernel compiles in the timed run "
                           f"({lv['compile_s']:.2f} s): {', '.join(lv['compiled'])}", file=sys.stderr, flush=True)
     nan = float("nan")
-    if not res["engine"]:
-        res["engine"] = [{"concurrency": c, "tokens_per_s_total": nan} for c in a.levels]
-    if not res.get("server"):
-        res["server"] = [{"concurrency": c, "tokens_per_s_total": nan, "ttft_ms": {50: nan}, "itl_ms": {50: nan},
+    for side in ("engine", "engine_spec") if a.speculative else ("engine",):
+        if not res.get(side):
+            res[side] = [{"concurrency": c, "tokens_per_s_total": nan} for c in a.levels]
+    for side in ("server", "server_spec") if a.speculative else ("server",):
+        if not res.get(side):
+            res[side] = [{"concurrency": c, "tokens_per_s_total": nan, "ttft_ms": {50: nan}, "itl_ms": {50: nan},
                           "responses_per_request_mean": nan} for c in a.levels]
     res["table"] = summarize(res)
+    if a.speculative:
+        res["table"] += (f"\n\nDSpark K = {a.speculative} (random draft, controlled acceptance p = {a.spec_p}), "
+                         f"on vs off:\n\n" + summarize_spec(res))
     write_report(a.out, "bench_server", res)
     return 0
 

@@ -35,7 +35,20 @@ of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties
 kernels).
 
 Caveat, to read the figures: the cut model has few layers while the draft keeps its full width, so the draft's
-share of a step is larger than on the 60-layer model.
+share of a step is larger than on the 60-layer model. Hence the projection to 60 layers (graphed runs): the
+target's layers scaled by 60 / --layers, everything else as measured: a speculative step = its measured time + the
+verify phase x (60 - L) / L; a plain step = its measured time + (its decode forward graph - the lm_head alone) x
+(60 - L) / L (the forward graph of the batch replayed and the lm_head over the batch's rows, timed with CUDA events
+after the plain run). Projected speedup = tau x plain / speculative step, efficiency = plain / speculative step.
+
+--confidence-scheduling: a third engine with confidence-scheduled verification (engine/spec/confidence.py) and
+the measured cost table, for each p (p > 0) at each batch size: the controlled proposals' confidence is p, the
+true chance of each drafted token (a calibrated head); the workload runs once to capture every width's graphs,
+then timed. Reported beside the fixed-K run: tokens/s, the ratio, the mean verify width, match.
+
+`cost_table` (JSON; per p, the figures of p = 0): [verify tokens = B (K+1), speculative step ms] per batch size B, as
+measured and projected to 60 layers: what `speculative_config.confidence_cost_table` takes (the step time at that
+many verify tokens; engine/spec/confidence.py).
 """
 from __future__ import annotations
 
@@ -58,13 +71,14 @@ from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from m3serve.engine.spec.controlled import ControlledProposals  # noqa: E402
 from m3serve.engine.spec.metrics import SpecDecodeStats  # noqa: E402
 from m3serve.engine.step_builder import as_int64  # noqa: E402
-from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark  # noqa: E402
+from m3serve.executor.cuda_graph import _bucket  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from geometry import flash_geometry, random_model  # noqa: E402
+from geometry import flash_geometry, random_model, write_draft  # noqa: E402
 
 PHASES = ("draft", "markov", "verify", "rule", "insert")  # SpeculativeDecoder.phases (target forward = "verify")
+TARGET_LAYERS = 60  # MiniMax-M3's (3 dense + 57 MoE); the projection scales the cut's layers evenly
 
 M3_WIDTHS = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                  intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4, dense_intermediate_size=12288,
@@ -95,16 +109,6 @@ def build_m3_cut(num_layers: int, device: str, dtype: torch.dtype, seed: int = 0
             else:
                 t.normal_(0.0, 1.0 if "embed" in name else t.shape[-1] ** -0.5, generator=g)
     return model.eval()
-
-
-def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, markov_rank: int) -> None:
-    """A random DSpark draft for `model` in `out_dir` (taps: layer 0, the middle, the one before the last)."""
-    n = model.config.num_hidden_layers
-    taps = sorted({0, (n - 1) // 2, max(n - 2, 0)})
-    cfg = tiny_dspark_config(model.config, num_hidden_layers=num_layers, block_size=max(k, 7), target_layer_ids=taps,
-                             mask_token_id=model.config.vocab_size - 1, markov_rank=markov_rank)
-    state = {name: t.to(model.dtype) for name, t in random_dspark_state(cfg).items()}
-    write_dspark(out_dir, cfg, state)
 
 
 def run_batch(eng: LLMEngine, prompts: list[list[int]], gen: int, seed0: int) -> dict:
@@ -146,6 +150,74 @@ def phase_split(r: dict, graphs) -> None:
     graphs.phase_ms = []
 
 
+def _device_ms(fn, reps: int = 20) -> float:
+    """Mean device time of fn() over `reps` calls (CUDA events; one warm call first)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def plain_layers_ms(eng: LLMEngine, b: int, pages: int) -> float | None:
+    """The plain engine's target layers at batch b: its decode forward graph (bucket of b, `pages` table columns;
+    the buffers as the last step left them: the same rows rewritten) less the lm_head over b rows. None without
+    graphs."""
+    r = eng.executor.worker.runner
+    g = r.graphs
+    if g is None or not g.forward_graphs:
+        return None
+    graph = g.forward_graphs[(_bucket(g.batches, b), _bucket(g.widths, pages))]
+    h = torch.randn(b, r.model.config.hidden_size, device=r.device, dtype=r.model.dtype)
+    with torch.inference_mode():
+        head = _device_ms(lambda: r.model.compute_logits(h))
+    return max(0.0, _device_ms(graph.replay) - head)
+
+
+def project(r: dict, layers: int, plain_layers: float | None) -> dict | None:
+    """A row's plain and speculative steps at 60 layers (see the module docstring); None without the split."""
+    if r["phase_ms"] is None or plain_layers is None:
+        return None
+    f = (TARGET_LAYERS - layers) / layers
+    plain, spec = r["baseline_step_ms"] + f * plain_layers, r["spec_step_ms"] + f * r["phase_ms"]["verify"]
+    return {"plain_step_ms": plain, "spec_step_ms": spec, "step_cost": spec / plain,
+            "speedup": r["ideal_speedup"] * plain / spec, "efficiency": plain / spec,
+            "verify_ms": r["phase_ms"]["verify"] * (1 + f)}
+
+
+def cost_table(rows: list[dict], k: int) -> dict:
+    """[verify tokens, speculative step ms] per batch size (p = 0), measured and projected to 60 layers."""
+    zero = [r for r in rows if r["p"] == 0.0]
+    return {"measured": [[r["batch"] * (k + 1), r["spec_step_ms"]] for r in zero],
+            "projected_60_layers": [[r["batch"] * (k + 1), r["projection_60"]["spec_step_ms"]] for r in zero
+                                    if r["projection_60"] is not None]}
+
+
+def run_sched(eng: LLMEngine, results: dict, b: int, ps: list[float], prompts: list[list[int]], a, rows: list[dict]
+              ) -> None:
+    """Confidence-scheduled verification at batch b for each p (the controlled proposals' confidence is p: a
+    calibrated head): the workload once to capture every width's graphs, then timed; its figures join b's rows."""
+    drafter, vocab = eng.executor.worker.drafter, eng.model_config.vocab_size
+    rec = results[("spec", b, 0.0)]["tokens"]
+    known = {as_int64(1000 + i): prompts[i] + rec[i] for i in range(b)}
+    for p in ps:
+        drafter.proposal_hook = ControlledProposals(known, p, vocab, drafter.runner.device)
+        run_batch(eng, prompts, a.gen_len, 1000)
+        eng.spec_stats = SpecDecodeStats(a.k)
+        r = run_batch(eng, prompts, a.gen_len, 1000)
+        st = eng.spec_stats.as_dict()
+        row = next(x for x in rows if x["batch"] == b and x["p"] == p)
+        row.update({"sched_tok_s": r["tok_s"], "sched_speedup": r["tok_s"] / row["baseline_tok_s"],
+                    "sched_over_spec": r["tok_s"] / row["spec_tok_s"],
+                    "sched_mean_width": st["spec_decode_num_draft_tokens"] / max(st["spec_decode_num_drafts"], 1),
+                    "sched_acceptance_rate": st["spec_decode_acceptance_rate"],
+                    "sched_match": sum(x == y for x, y in zip(r["tokens"], results[("plain", b)]["tokens"])) / b})
+
+
 def describe(a) -> tuple[str, str]:
     """(the device, the model geometry) of the run."""
     dev = platform.processor() or "cpu" if a.smoke else torch.cuda.get_device_name()
@@ -158,10 +230,10 @@ def save(out: str | None, rows: list[dict], a) -> None:
         dev, geometry = describe(a)
         with open(out, "w") as f:
             json.dump({"device": dev, "torch": torch.__version__, "geometry": geometry, "args": vars(a),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "cost_table": cost_table(rows, a.k)}, f, indent=1)
 
 
-def rows_of(results: dict, b: int, ps: list[float]) -> list[dict]:
+def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
     """The table rows of batch size b: each p against the plain run."""
     base, out = results[("plain", b)], []
     for p in [0.0] + ps:
@@ -176,6 +248,7 @@ def rows_of(results: dict, b: int, ps: list[float]) -> list[dict]:
             "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
             "phase_ms": r.get("phase_ms"), "graphed_steps": r.get("graphed_steps", 0),
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
+        out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
 
 
@@ -193,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
     ap.add_argument("--draft-kv-cache-dtype", default="fp8")
     ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
+    ap.add_argument("--confidence-scheduling", action="store_true",
+                    help="also confidence-scheduled verification, with the cost table these runs measured")
     a = ap.parse_args(argv)
     if a.smoke:
         a.batches, a.ps, a.layers, a.prompt_len, a.gen_len, a.k = "1,2", "0.8", 2, 20, 10, 3
     device = "cpu" if a.smoke else "cuda"
     batches = [int(b) for b in a.batches.split(",")]
+    if a.confidence_scheduling and len(set(batches)) < 2:
+        ap.error("--confidence-scheduling needs two batch sizes or more (its cost table's points)")
     ps = [float(p) for p in a.ps.split(",")]
     t_build = time.perf_counter()
     if a.smoke:  # fp32 toy widths: greedy speculation must match exactly
@@ -224,15 +301,27 @@ def main(argv: list[str] | None = None) -> int:
                for b in batches}
     warm = [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     engines = {"plain": {}, "spec": dict(speculative_config=spec_cfg, enforce_eager=a.smoke or a.eager)}
+    if a.confidence_scheduling:  # its options once the spec runs measured the cost table
+        engines["sched"] = None
     rows, results = [], {}
     for name, opts in engines.items():
+        if name == "sched":
+            opts = dict(engines["spec"], speculative_config={
+                **spec_cfg, "confidence_scheduling": True, "confidence_cost_table": cost_table(rows, a.k)["measured"]})
+            print(f"confidence scheduling with the cost table {opts['speculative_config']['confidence_cost_table']}",
+                  flush=True)
         eng = LLMEngine(EngineConfig(**{**common, **opts}), model=model)
         drafter = eng.executor.worker.drafter
         for b in batches:
             if not a.smoke:  # compile / warm every shape first
                 run_batch(eng, warm[:b], min(a.gen_len, 3 * (a.k + 1)), 500)
+            if name == "sched":
+                run_sched(eng, results, b, ps, prompts[b], a, rows)
+                save(a.out, rows, a)
+                continue
             if drafter is None:
                 results[(name, b)] = run_batch(eng, prompts[b], a.gen_len, 1000)
+                results[(name, b)]["plain_layers_ms"] = plain_layers_ms(eng, b, -(-(a.prompt_len + a.gen_len) // bs))
                 continue
             for p in [0.0] + ps:
                 if p > 0:
@@ -250,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["stats"] = eng.spec_stats.as_dict()
                 results[("spec", b, p)] = r
             if drafter is not None:  # this batch's rows now (and the JSON so far: a run cut short keeps them)
-                rows += rows_of(results, b, ps)
+                rows += rows_of(results, b, ps, a.layers)
                 save(a.out, rows, a)
             print(f"batch {b} done ({time.perf_counter() - t_build:.0f} s)", flush=True)
         del eng
@@ -269,6 +358,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
               f"{split} | {r['match']:.2f} |")
+    print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
+          "measured; graphed runs only)\n")
+    head = ("| batch | p | plain step ms | spec step ms | step cost (plain steps) | verify ms | speedup | "
+            "efficiency |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        pr = r["projection_60"]
+        if pr is not None:
+            print(f"| {r['batch']} | {r['p']} | {pr['plain_step_ms']:.2f} | {pr['spec_step_ms']:.2f} | "
+                  f"{pr['step_cost']:.2f} | {pr['verify_ms']:.2f} | {pr['speedup']:.2f} | {pr['efficiency']:.2f} |")
+    print("\ncost_table (verify tokens, speculative step ms; for speculative_config.confidence_cost_table):",
+          json.dumps(cost_table(rows, a.k)))
+    if a.confidence_scheduling:
+        print("\nConfidence-scheduled verification (the measured cost table; confidence = p)\n")
+        head = "| batch | p | spec tok/s | scheduled tok/s | scheduled / spec | speedup | mean verify width | match |"
+        print(head)
+        print("|" + "---|" * (head.count("|") - 1))
+        for r in rows:
+            if "sched_tok_s" in r:
+                print(f"| {r['batch']} | {r['p']} | {r['spec_tok_s']:.1f} | {r['sched_tok_s']:.1f} | "
+                      f"{r['sched_over_spec']:.2f} | {r['sched_speedup']:.2f} | {r['sched_mean_width']:.2f} | "
+                      f"{r['sched_match']:.2f} |")
     save(a.out, rows, a)
     return 0
 

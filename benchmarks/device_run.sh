@@ -7,7 +7,8 @@
 # benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), "rank": benchmarks/bench_rank.py
 # $RANK_ARGS (rank 0 of TP 4 at 60 layers on one GPU; after "tp": RANK_ARGS="--allreduce $OUT/bench_tp.json"), and "server":
 # benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS (the M3.1-Flash geometry through the real
-# tritonserver vs engine-direct), and "suite": the whole test suite as `./build.sh test` runs it (tests/run_suite.py:
+# tritonserver vs engine-direct; SERVER_ARGS="--speculative 7 --concurrency 1,16" adds DSpark on vs off),
+# and "suite": the whole test suite as `./build.sh test` runs it (tests/run_suite.py:
 # tests/kernels in the interpreter beside the rest with compiled kernels; logs in $OUT/suite). Logs and JSON go to
 # $OUT (or ./device_out).
 # "server" needs tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds

@@ -104,8 +104,13 @@ def make_engine(model: M3ForCausalLM, **options):
 def async_engine(config: EngineConfig):
     """Engine factory for the Triton model ($M3SERVE_TEST_ENGINE_FACTORY = "m3_ids=benchmarks/geometry.py:async_engine") and the
     engine-direct benchmark: an `AsyncLLMEngine` over `random_model(flash_geometry($M3SERVE_GEOMETRY_LAYERS))` on the
-    GPU, with model.json's sizes (max_model_len, max_num_seqs, num_gpu_blocks_override, max_num_batched_tokens)."""
+    GPU, with model.json's sizes (max_model_len, max_num_seqs, num_gpu_blocks_override, max_num_batched_tokens).
+    With a `speculative_config` there, a random DSpark draft (`write_draft`) in a temporary folder, and with
+    $M3SERVE_GEOMETRY_CONTROL = '{"p": P, "prompt_len": N, "max_tokens": M}' controlled acceptance
+    (`control_acceptance`)."""
+    import json
     import os
+    import tempfile
 
     from m3serve.engine.async_engine import AsyncLLMEngine
 
@@ -116,10 +121,58 @@ def async_engine(config: EngineConfig):
     if not smoke:
         log_compiles()
         python_speed()
+    spec = config.speculative_config or None
+    if spec:
+        draft = tempfile.mkdtemp(prefix="geometry_draft_")
+        write_draft(model, draft, 1, spec["num_speculative_tokens"], 16 if smoke else 256)
+        spec = dict(spec, model=draft)
     engine = make_engine(model, device=device, dtype="bfloat16", max_model_len=config.max_model_len,
                          max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
-                         max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
+                         max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
+                         speculative_config=spec)
+    control = os.environ.get("M3SERVE_GEOMETRY_CONTROL")
+    if spec and control:
+        c = json.loads(control)
+        control_acceptance(engine, c["p"], bench_prompt_ids(c["prompt_len"]), c["max_tokens"])
     return AsyncLLMEngine(engine.config, engine=engine)
+
+
+def bench_prompt_ids(n: int) -> list[int]:
+    """The benchmarks' prompt of n token ids (bench_server sends it in every request)."""
+    return [3 + (7919 * i) % 497 for i in range(n)]
+
+
+def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, markov_rank: int) -> None:
+    """A random DSpark draft for `model` in `out_dir` (taps: layer 0, the middle, the one before the last)."""
+    from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark
+
+    n = model.config.num_hidden_layers
+    taps = sorted({0, (n - 1) // 2, max(n - 2, 0)})
+    cfg = tiny_dspark_config(model.config, num_hidden_layers=num_layers, block_size=max(k, 7), target_layer_ids=taps,
+                             mask_token_id=model.config.vocab_size - 1, markov_rank=markov_rank)
+    state = {name: t.to(model.dtype) for name, t in random_dspark_state(cfg).items()}
+    write_dspark(out_dir, cfg, state)
+
+
+def control_acceptance(engine, p: float, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Controlled acceptance for requests that all send `prompt_ids`, greedy (bench_server): the target's greedy
+    continuation recorded through the speculative engine itself (random drafts: all rejected, so the tokens are the
+    verify path's), then `ControlledProposals` (engine/spec/controlled.py) in front of the draft with that continuation
+    for every request (looked up under one key: requests carry the engine's random seeds, so their coins are shared
+    too: every request accepts at the same positions). Returns the continuation."""
+    from m3serve.engine.sampling_params import SamplingParams
+    from m3serve.engine.spec.controlled import ControlledProposals
+
+    engine.add_request("control-recording", prompt_token_ids=prompt_ids, sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens += o.new_token_ids
+    drafter = engine.executor.worker.drafter
+    control = ControlledProposals({0: prompt_ids + tokens}, p, engine.model_config.vocab_size, drafter.runner.device)
+    drafter.proposal_hook = lambda prop, ids, pos, seeds: control(prop, ids, pos, torch.zeros_like(seeds))
+    return tokens
 
 
 def python_speed() -> float:

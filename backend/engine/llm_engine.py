@@ -29,6 +29,7 @@ from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
 from m3serve.engine.spec.metrics import SpecDecodeStats
+from m3serve.engine.spec.confidence import VerifyScheduler
 from m3serve.engine.spec.scheduling import num_draft_tokens
 from m3serve.engine.step import SamplerOutput, StepInput
 from m3serve.engine.step_builder import StepBuilder
@@ -87,9 +88,13 @@ class LLMEngine:
         spec = config.speculative
         k = spec.num_speculative_tokens if spec is not None else 0
         self.spec_stats = SpecDecodeStats(k) if spec is not None else None
+        # confidence-scheduled verification: each step's drafts per sequence (`_plan_verify_width`); else always K
+        self.verify_scheduler = VerifyScheduler(k, spec.confidence_cost_table) if k and spec.confidence_scheduling \
+            else None
+        self.verify_width = k
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
-                                   num_lookahead=(lambda seq: num_draft_tokens(seq, k)) if k else None)
+                                   num_lookahead=(lambda seq: num_draft_tokens(seq, self.verify_width)) if k else None)
         self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids, self.executor.pin_memory, k)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
@@ -213,6 +218,8 @@ class LLMEngine:
         the device when this returns (`_launch_ahead`): the host's work between two steps (outputs, detokenizing,
         scheduling, the next step's input) overlaps the device's."""
         if self._inflight is None:
+            if self.verify_scheduler is not None:
+                self._plan_verify_width()
             batch = self.scheduler.schedule()
             if not batch:
                 return []
@@ -225,6 +232,15 @@ class LLMEngine:
         current, self._inflight = self._inflight, None
         self._inflight = self._launch_ahead(current)
         return self._complete(current)
+
+    def _plan_verify_width(self) -> None:
+        """Confidence-scheduled verification: the drafts every speculating sequence verifies in the next step, from
+        the decoding sequences' confidences of their previous step (engine/spec/confidence.py; history only, so the
+        rule stays exact)."""
+        k = self.verify_scheduler.k
+        limits = [(s, num_draft_tokens(s, k)) for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        w = self.verify_scheduler.width([(s.draft_confidence, n) for s, n in limits if n > 0])
+        self.verify_width = self.step_builder.num_speculative_tokens = w
 
     def _failed_step(self, seqs: list[Sequence], e: Exception) -> list[RequestOutput]:
         """The forward or the sampler failed: this step's requests fail, their pages are freed."""
@@ -293,6 +309,10 @@ class LLMEngine:
             rejected = [k and k + 1 - emitted[id(seq)] for seq, k in zip(batch.seqs, batch.num_draft_tokens)]
             self.spec_stats.observe([scheduled[id(seq)] > 0 for seq in seqs], sampled.num_draft_tokens.tolist(),
                                     [len(row) for row in rows])
+            if self.verify_scheduler is not None and sampled.draft_confidence is not None:
+                for seq, conf in zip(seqs, sampled.draft_confidence.tolist()):
+                    if scheduled[id(seq)]:
+                        seq.draft_confidence = conf[:scheduled[id(seq)]]
         self.scheduler.update(batch, rejected)
         self.num_steps += 1
         outputs = []

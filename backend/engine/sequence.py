@@ -133,6 +133,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.cumulative_logprob = 0.0
         self.first_output_sent = False
+        self.draft_confidence: list[float] = []  # DSpark: its drafts' confidence scores in its last speculative step
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

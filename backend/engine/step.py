@@ -195,6 +195,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # fp32 [N, n] (or [N, K+1, n])
     num_tokens: torch.Tensor | None = None  # int64 [N]: tokens each row emitted (speculative steps only)
     num_draft_tokens: torch.Tensor | None = None  # int64 [N]: drafts verified per row (0: the row did not speculate)
+    draft_confidence: torch.Tensor | None = None  # fp32 [N, K]: the drafts' confidence-head scores c_k (0: no draft)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SamplerOutput":
         return _move(self, torch.device(device), non_blocking)

@@ -90,6 +90,8 @@ class SpeculativeDecoder:
                               f"({self.draft.block_size})")
         if spec.confidence_threshold > 0 and self.draft.confidence_head is None:
             raise ConfigError("speculative_config.confidence_threshold: the draft has no confidence head")
+        if spec.confidence_scheduling and self.draft.confidence_head is None:
+            raise ConfigError("speculative_config.confidence_scheduling: the draft has no confidence head")
         if cfg.vocab_size >= MAX_VOCAB:
             raise ConfigError(f"vocabulary of {cfg.vocab_size} tokens: speculative decoding supports < {MAX_VOCAB}")
         self.kv_dtype = draft_kv_dtype(spec.kv_cache_dtype, self.draft.dtype)
@@ -283,7 +285,8 @@ class SpeculativeDecoder:
             return None
         out = SamplerOutput(torch.full((n, width), -1, dtype=torch.int64, device=dev),
                             torch.zeros(n, width, device=dev), num_tokens=torch.ones(n, dtype=torch.int64, device=dev),
-                            num_draft_tokens=torch.zeros(n, dtype=torch.int64, device=dev))
+                            num_draft_tokens=torch.zeros(n, dtype=torch.int64, device=dev),
+                            draft_confidence=torch.zeros(n, width - 1, device=dev))
         if n_top > 0:
             out.top_token_ids = torch.zeros(n, width, n_top, dtype=torch.int64, device=dev)
             out.top_logprobs = torch.zeros(n, width, n_top, device=dev)
@@ -294,6 +297,7 @@ class SpeculativeDecoder:
         rows = sp.sample_rows
         out.token_ids[rows], out.logprobs[rows] = v.tokens, v.logprobs
         out.num_tokens[rows], out.num_draft_tokens[rows] = v.num_accepted + 1, v.num_verified
+        out.draft_confidence[rows] = proposal.confidence.float()  # the engine's next verify width reads them
         if v.top is not None:
             out.top_logprobs[rows], out.top_token_ids[rows] = v.top
         return out

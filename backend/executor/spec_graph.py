@@ -1,12 +1,14 @@
 """CUDA graphs for DSpark speculative steps (executor/spec_decode.py), per (batch bucket, block-table width bucket,
 greedy or sampled), like the decode graphs (cuda_graph.py).
 
-A step is graphed when every sequence in it speculates with all K drafts: S sequences x (K+1) tokens (the anchor,
-then K placeholders), nothing else (no prefill chunk, no plain decode, no top-n logprobs). Such a step has one
+A step is graphed when every sequence in it speculates with the step's K drafts: S sequences x (K+1) tokens (the
+anchor, then K placeholders), nothing else (no prefill chunk, no plain decode, no top-n logprobs). Such a step has one
 shape per bucket, so its tensors are static: `SpecBuffers` holds them at the largest sizes, each step copies its
 `StepInput` into their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page
 0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, sequences with fewer drafts
-near max_tokens, penalties) runs the same phases eagerly.
+near max_tokens, penalties) runs the same phases eagerly. The step's K is the configured one, or, with
+confidence-scheduled verification, the width the engine chose for the step (engine/spec/confidence.py: one of a
+few), so graphs and buffers are kept per K too.
 
 Each phase of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
 tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) is one graph; the five replay
@@ -97,10 +99,11 @@ class SpecGraphs:
         self.decoder, self.k = decoder, decoder.spec.num_speculative_tokens
         self.batches = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_pages)
-        self.buffers = SpecBuffers(self.batches[-1], max_pages, r.cache.block_size, self.k, r.device)
+        self.max_pages = max_pages
+        self.buffers: dict[int, SpecBuffers] = {}  # per step K (drafts per sequence)
         self.capture_graphs = r.device.type == "cuda"
-        self.views: dict[tuple[int, int, bool], StepInput] = {}
-        self.graphs: dict[tuple[int, int, bool], tuple[list[torch.cuda.CUDAGraph], object]] = {}
+        self.views: dict[tuple[int, int, bool, int], StepInput] = {}
+        self.graphs: dict[tuple[int, int, bool, int], tuple[list[torch.cuda.CUDAGraph], object]] = {}
         self.pool = None
         self.num_steps = 0  # steps it ran (replayed, or eagerly over the buffers)
         self.timing = False  # record CUDA events between the phases of every replay (benchmarks)
@@ -108,10 +111,12 @@ class SpecGraphs:
         self._events: list[torch.cuda.Event] | None = None
 
     def supports(self, step: StepInput) -> bool:
-        """Every sequence of the step speculates with K drafts and nothing else is in it (host fields only)."""
+        """Every sequence of the step speculates with the step's K <= the configured K drafts and nothing else is in
+        it (host fields only)."""
         sp, s, n = step.spec, step.sampling, step.num_seqs
+        k = sp.num_speculative_tokens if sp is not None else 0
         return (sp is not None and s is not None and sp.num_seqs == n == s.num_rows and n <= self.batches[-1]
-                and step.num_tokens == n * (self.k + 1) and sp.draft_rows.shape[0] == n * self.k
+                and 1 <= k <= self.k and step.num_tokens == n * (k + 1) and sp.draft_rows.shape[0] == n * k
                 and step.block_tables.shape[1] <= self.widths[-1] and s.max_num_logprobs <= 0
                 and s.repetition_penalty is None and s.frequency_penalty is None and s.presence_penalty is None
                 and s.suppress_token_ids is None)
@@ -119,10 +124,16 @@ class SpecGraphs:
     def clear(self) -> None:
         self.graphs.clear()
 
-    def _view(self, key: tuple[int, int, bool]) -> StepInput:
+    def _buffers(self, k: int) -> SpecBuffers:
+        if k not in self.buffers:
+            r = self.decoder.runner
+            self.buffers[k] = SpecBuffers(self.batches[-1], self.max_pages, r.cache.block_size, k, r.device)
+        return self.buffers[k]
+
+    def _view(self, key: tuple[int, int, bool, int]) -> StepInput:
         """The bucket's static step, its attention tile maps planned once (a graph may not copy them in)."""
         if key not in self.views:
-            view = self.buffers.spec_step(*key)
+            view = self._buffers(key[3]).spec_step(*key[:3])
             plan = getattr(self.decoder.runner.backend, "plan", None)
             if plan is not None:
                 plan(view)
@@ -131,10 +142,10 @@ class SpecGraphs:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput:
-        n = step.num_seqs
-        key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), step.sampling.all_greedy)
+        n, k = step.num_seqs, step.spec.num_speculative_tokens
+        key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), step.sampling.all_greedy, k)
         view = self._view(key)
-        self.buffers.fill_spec(step, view)
+        self.buffers[k].fill_spec(step, view)
         self.num_steps += 1
         if key in self.graphs:
             graphs, state = self.graphs[key]
@@ -188,8 +199,8 @@ class SpecGraphs:
                 self.pool = g.pool()
             graphs.append(g)
         torch.cuda.synchronize(d.runner.device)
-        log.info("captured the speculative step's %d phase graphs for %d sequences, %d table columns, %s in %.2f s",
-                 len(graphs), view.num_seqs, view.block_tables.shape[1],
+        log.info("captured the speculative step's %d phase graphs for %d sequences x %d drafts, %d table columns, %s "
+                 "in %.2f s", len(graphs), view.num_seqs, view.spec.num_speculative_tokens, view.block_tables.shape[1],
                  "greedy" if view.sampling.all_greedy else "sampled", time.perf_counter() - t0)
         return graphs, state
 
@@ -197,4 +208,4 @@ class SpecGraphs:
 def _rows(out: SamplerOutput, n: int) -> SamplerOutput:
     """The first n rows of a graphed step's output (the rest is padding)."""
     return SamplerOutput(out.token_ids[:n], out.logprobs[:n], num_tokens=out.num_tokens[:n],
-                         num_draft_tokens=out.num_draft_tokens[:n])
+                         num_draft_tokens=out.num_draft_tokens[:n], draft_confidence=out.draft_confidence[:n])

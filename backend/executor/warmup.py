@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from m3serve.engine.spec.confidence import verify_widths
 from m3serve.engine.step import SamplingInput, StepInput
 
 log = logging.getLogger(__name__)
@@ -170,9 +171,12 @@ def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport |
             runner.execute(dummy_step(seqs, bs, pool, dev, "greedy" if rank == 0 else None))
         if runner.spec is not None:  # drafts, then the target's verify (greedy and sampled verification)
             k = runner.spec.spec.num_speculative_tokens
-            for seqs in spec_plan(config.max_num_seqs, max_model_len, k, bs):
+            plans = [(k, seqs) for seqs in spec_plan(config.max_num_seqs, max_model_len, k, bs)]
+            if runner.spec.spec.confidence_scheduling:  # steps whose K is a smaller verify width: their own shapes
+                plans += [(w, [(1 + w, 1)] * b) for w in verify_widths(k)[:-1] for b in (1, config.max_num_seqs)]
+            for spec_k, seqs in plans:
                 for kind in ("greedy", "sampled"):
-                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, spec_k=k))
+                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, spec_k=spec_k))
                     steps.append(seqs)
         if rank == 0:  # the sampling kernel's vocabulary split depends on the rows: every row count a step can have
             vocab = runner.model.config.vocab_size

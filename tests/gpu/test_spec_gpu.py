@@ -104,3 +104,30 @@ def test_draft_context_partials_at_m3_widths(kv):
     assert torch.allclose(merged, rop[1:, :, 0], atol=2e-2, rtol=2e-2), (merged - rop[1:, :, 0]).abs().max()
     assert torch.allclose(torch.log2(w.sum(-1)) + top[1:, :, 0], rlse[1:, :, 0], atol=2e-2)
     assert bool((lse[0] == float("-inf")).all())
+
+
+def test_confidence_scheduled_widths_replay_their_own_graphs(tiny_model_dir):
+    """Confidence-scheduled verification (engine/spec/confidence.py) with scores that switch between low and high
+    with the position: steps of width 1 and of K both replay graphs of their own, and give the eager run's tokens."""
+    from m3serve.engine.spec.proposer import Proposal
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=300 + i)
+              for i, n in enumerate((40, 33, 25, 48, 30))]
+    known = {300 + i: p for i, p in enumerate(_prompts())}
+    spec = {"confidence_scheduling": True, "confidence_cost_table": [[1, 1.0], [8, 1.0], [64, 4.0]]}
+    runs = {}
+    for eager in (False, True):
+        llm = _llm(tiny_model_dir, eager, spec)
+        drafter = llm.engine.executor.worker.drafter
+        control = ControlledProposals(known, 0.7, drafter.draft.config.vocab_size, "cuda")
+
+        def hook(prop, ids, pos, seeds, control=control):
+            prop = control(prop, ids, pos, seeds)
+            conf = torch.where((pos // 5) % 2 == 0, 0.97, 0.05)[:, None].expand(-1, prop.tokens.shape[1])
+            return Proposal(prop.tokens, prop.probs, conf.contiguous(), None)
+
+        drafter.proposal_hook = hook
+        runs[eager] = [o.token_ids for o in llm.generate(_prompts(), params)]
+        if not eager:
+            assert {1, K} <= {key[3] for key in drafter.graphs.graphs}
+    assert runs[False] == runs[True]

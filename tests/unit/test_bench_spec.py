@@ -7,13 +7,28 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_bench_spec_smoke(tmp_path):
+def _bench():
     spec = importlib.util.spec_from_file_location("bench_spec", os.path.join(ROOT, "benchmarks", "bench_spec.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_spec_smoke(tmp_path):
+    bench = _bench()
     out = tmp_path / "bench_spec.json"
-    assert bench.main(["--smoke", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    assert bench.main(["--smoke", "--out", str(out), "--confidence-scheduling"]) == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    # the cost table: p = 0's step per batch size at B (K + 1) verify tokens (K = 3); no projection on the CPU
+    assert [t for t, _ in res["cost_table"]["measured"]] == [4, 8] and res["cost_table"]["projected_60_layers"] == []
+    assert all(ms == r["spec_step_ms"] > 0 for (_, ms), r in zip(res["cost_table"]["measured"],
+                                                                 [r for r in rows if r["p"] == 0.0]))
+    assert all(r["projection_60"] is None for r in rows)
+    for r in rows:  # confidence-scheduled verification beside the fixed K = 3 (p > 0 only), greedy tokens unchanged
+        assert ("sched_tok_s" in r) == (r["p"] > 0)
+        if r["p"] > 0:
+            assert r["sched_match"] == 1.0 and 1 <= r["sched_mean_width"] <= 3 and r["sched_tok_s"] > 0
     assert [(r["batch"], r["p"]) for r in rows] == [(1, 0.0), (1, 0.8), (2, 0.0), (2, 0.8)]
     for r in rows:
         assert r["match"] == 1.0  # greedy, fp32: speculation changes no token
@@ -22,3 +37,16 @@ def test_bench_spec_smoke(tmp_path):
     for b in (1, 2):
         assert by_p[(b, 0.0)]["acceptance_rate"] < 0.2 < 0.4 < by_p[(b, 0.8)]["acceptance_rate"]
         assert by_p[(b, 0.8)]["ideal_speedup"] > 2.5
+
+
+def test_projection_to_60_layers():
+    """4 measured layers: the target's layers (verify phase; plain forward less its head) scale by 60/4, the rest
+    (draft, Markov, rule, insert, host; the plain step's head and sampling) stays."""
+    bench = _bench()
+    row = {"phase_ms": {"draft": 1.0, "markov": 0.5, "verify": 2.0, "rule": 0.5, "insert": 0.2, "host": 0.8},
+           "baseline_step_ms": 1.5, "spec_step_ms": 5.0, "ideal_speedup": 4.0}
+    pr = bench.project(row, 4, 1.0)
+    assert pr["plain_step_ms"] == 1.5 + 14 * 1.0 and pr["spec_step_ms"] == 5.0 + 14 * 2.0
+    assert pr["verify_ms"] == 30.0 and pr["step_cost"] == 33.0 / 15.5
+    assert pr["speedup"] == 4.0 * 15.5 / 33.0 and pr["efficiency"] == 15.5 / 33.0
+    assert bench.project({**row, "phase_ms": None}, 4, 1.0) is None and bench.project(row, 4, None) is None

@@ -253,20 +253,27 @@ def first_tokens(model, n):
     return Sampler()(logits, s).token_ids.tolist()
 
 
-@pytest.mark.parametrize("rule", ["standard", "block", "broken"])
+@pytest.mark.parametrize("rule", ["standard", "block", "scheduled", "broken"])
 def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loaded, reference_greedy, monkeypatch):
     """300 seeds of one prompt at temperature 0.8 / top-k 3, K = 2 probabilistic drafts, each replaced by the
     target's greedy choice after the seed's first token with probability 0.6: the first three output tokens (the
     prefill's sample, then the first speculative step's run) against the target's exact joint by chi-square; a
-    residual that ignores Q fails the same check."""
+    residual that ignores Q fails the same check. "scheduled": confidence-scheduled verification with a cost table
+    that makes the 300 sequences verify one draft of the two (every step after the prefill: widths recorded)."""
     if rule == "broken":
         monkeypatch.setattr(spec_decode, "verify", residual_ignores_q)
     model, n = tiny_loaded[0], 300
     joint = exact_first_three(model)
     known = {s: PROMPT + [t] + reference_greedy(PROMPT + [t], 3) for s, t in enumerate(first_tokens(model, n))}
+    sched = dict(confidence_scheduling=True, confidence_cost_table=[[1, 1.0], [2 * n, 1.0], [3 * n, 1.6]])
     eng = make_engine(max_num_seqs=n, max_num_batched_tokens=8 * n, speculative_config=spec(
-        2, draft_sample_method="probabilistic", rejection_sample_method="block" if rule == "block" else "standard"))
+        2, draft_sample_method="probabilistic", rejection_sample_method="block" if rule == "block" else "standard",
+        **(sched if rule == "scheduled" else {})))
     control(eng, known, 0.6)
+    widths = []
+    drafter = eng.executor.worker.drafter
+    hook = drafter.proposal_hook
+    drafter.proposal_hook = lambda prop, *a: (widths.append(prop.tokens.shape[1]), hook(prop, *a))[1]
     for s in range(n):
         eng.add_request(f"r{s}", prompt_token_ids=PROMPT,
                         sampling_params=SamplingParams(max_tokens=4, ignore_eos=True, seed=s, **OPTS))
@@ -282,6 +289,7 @@ def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loa
                                min_expected=5)
     st = eng.stats()
     assert 0.2 < st["spec_decode_acceptance_rate"] < 0.8, st  # drafts were accepted and rejected a lot
+    assert set(widths) == ({1} if rule == "scheduled" else {2})
     if rule == "broken":
         assert p < 1e-4, (p, chi2, df)
     else:

@@ -16,6 +16,12 @@ Keys:
   model                    the draft checkpoint directory (default: <model>/dspark)
   confidence_threshold     0 (off) .. 1: verify only the drafts before the first one whose confidence-head score
                            falls below it (DeepSpec's static threshold; lossless). Needs a confidence head.
+  confidence_scheduling    false (default) | true: before each step the engine picks one verify width for every
+                           speculating sequence (1, 2, 3, 5 or K) from the sequences' previous confidences and the
+                           step's cost (engine/spec/confidence.py; lossless). Needs a confidence head.
+  confidence_cost_table    [[tokens, step time], ...] (>= 2 points; required with confidence_scheduling): the
+                           speculative step's time at that many verify tokens on this machine (bench_spec prints it
+                           as `cost_table`).
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ class SpeculativeConfig:
     attention_backend: str | None = None
     model: str | None = None
     confidence_threshold: float = 0.0
+    confidence_scheduling: bool = False
+    confidence_cost_table: list | None = None
 
     @classmethod
     def problems(cls, raw: Any) -> list[str]:
@@ -72,6 +80,21 @@ class SpeculativeConfig:
         thr = g("confidence_threshold", 0.0)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr < 1.0:
             bad("confidence_threshold", f"must be a number in [0, 1), got {thr!r}")
+        if not isinstance(g("confidence_scheduling", False), bool):
+            bad("confidence_scheduling", f"must be true or false, got {g('confidence_scheduling')!r}")
+        table = g("confidence_cost_table")
+        if g("confidence_scheduling") is True and table is None:
+            bad("confidence_cost_table", "confidence_scheduling needs the step-cost table measured on this machine "
+                "(benchmarks/bench_spec.py prints one)")
+        if table is not None:
+            from m3serve.engine.spec.confidence import CostTable
+            try:
+                if not all(isinstance(p, (list, tuple)) and len(p) == 2 and not any(isinstance(v, bool) for v in p)
+                           for p in table):
+                    raise ValueError("each point must be [tokens, step time]")
+                CostTable(table)
+            except (TypeError, ValueError) as e:
+                bad("confidence_cost_table", str(e))
         return out
 
     @classmethod

@@ -10,7 +10,9 @@ same proposals whatever the batch. Positions with no known token (past the recor
 
 With a greedy target and the target's own greedy continuation as `sequences`, a drafted position whose prefix was
 accepted is accepted with probability p (plus the rare case that the draft's own token is right): the per-position
-acceptance is ~p and a step's expected accepted run is sum_{i=1..K} p^i.
+acceptance is ~p and a step's expected accepted run is sum_{i=1..K} p^i. So the proposals' confidence is p at the
+positions with a known token (a calibrated confidence head; confidence-scheduled verification reads it), the
+draft's own elsewhere.
 """
 from __future__ import annotations
 
@@ -48,4 +50,5 @@ class ControlledProposals:
         tokens = torch.where((known >= 0) & coin, known, prop.tokens)
         q = prop.probs if prop.probs is not None else one_hot(prop.tokens, self.vocab_size)
         mixed = self.p * one_hot(known.clamp(min=0), self.vocab_size) + (1.0 - self.p) * q
-        return Proposal(tokens, torch.where((known >= 0)[..., None], mixed, q), prop.confidence, None)
+        conf = torch.where(known >= 0, self.p, prop.confidence)
+        return Proposal(tokens, torch.where((known >= 0)[..., None], mixed, q), conf, None)

@@ -2,7 +2,7 @@
 
   spec_decode_num_drafts                   speculative steps of sequences (one per sequence and step)
   spec_decode_num_draft_tokens             drafted tokens verified (the confidence threshold may verify fewer than
-                                           were drafted, down to none)
+                                           were drafted, down to none; confidence scheduling drafts fewer)
   spec_decode_num_accepted_tokens          drafted tokens accepted
   spec_decode_num_accepted_tokens_per_pos  [K]: accepted at draft position i (0-based)
 derived:
