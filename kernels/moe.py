@@ -20,8 +20,10 @@ activations, no extra launch). It needs no routing, so `MoEStep` can also run it
 1-4 (fork / join, capturable in a CUDA graph; ``tuned(moe_overlap=True)``, not yet measured on the H200).
 
 Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
-decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
-steps); `dispatch.moe_config` picks the path and tile shapes by token count (its table: `dispatch.MOE_TABLE`).
+decode-sized steps, the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
+steps), and at the largest steps `dequant_gemm` (experts decoded once to bf16, rows sorted by expert,
+``torch._grouped_mm``; one host synchronisation); `dispatch.moe_config` picks the path and tile shapes by token
+count (its table: `dispatch.MOE_TABLE`).
 Weights are laid out once by `moe_prepare` (`weight_layout`): gate and up rows each padded to ``inter_pad`` (a
 multiple of 128, common to the routed and the shared expert), the down projections' K likewise.
 """
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from . import dispatch
+from .dequant_gemm import dense_grouped_gemm
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
 from .moe_router import Routing, route, route_ref
 from .codecs import cast_to
@@ -211,7 +214,11 @@ class MoEStep:
         self.local = self.routing.local(self.first, self.w.n_experts) if self.ep else self.routing
 
     def _gemm(self, mode: int, x16=None, **kw):
-        if self.path == "mma":
+        if self.path == "dense":
+            dense_grouped_gemm(self.x if mode == MODE_GATE_UP else self.inter,
+                               self.inter if mode == MODE_GATE_UP else self.y, mode, routing=self.local, T=self.T,
+                               **kw)
+        elif self.path == "mma":
             src = (x16 if x16 is not None else self.x16) if mode == MODE_GATE_UP else self.inter
             mma_kernels().grouped_gemm_mma(src, self.inter if mode == MODE_GATE_UP else self.y, mode,
                                            routing=self.local, T=self.T, **kw)
