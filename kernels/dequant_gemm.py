@@ -176,7 +176,7 @@ def dense_path_ok(device: torch.device) -> bool:
     being captured (the MoE chunking reads the routing's counts on the host)."""
     if not hasattr(torch, "_grouped_mm") or rocm():
         return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 __all__ = ["dequant", "dense_grouped_gemm", "dense_linear", "dense_path_ok", "sorted_rows", "SCRATCH_MB"]
