@@ -58,8 +58,8 @@ def dequant(pw: PackedWeight, groups: torch.Tensor | list[int] | None = None, dt
     they already have ``dtype``."""
     dev = pw.data.device
     if groups is None:
-        groups = list(range(pw.groups))
-    if isinstance(groups, list):
+        groups = torch.arange(pw.groups, dtype=torch.int32, device=dev)
+    if isinstance(groups, list):  # a host-to-device copy (not during graph capture)
         groups = torch.tensor(groups, dtype=torch.int32, device=dev)
     n = groups.numel()
     if pw.fmt == FMT_DENSE:
@@ -100,7 +100,8 @@ def _plain(x: torch.Tensor, out: torch.Tensor, mode: int, w: PackedWeight, T: in
            ng: int, alpha: float, limit: float):
     """Rows t of all T tokens (the shared expert, or a linear): x[t + x_off] -> out[t + out_off]."""
     k = x.shape[1]
-    wd = dequant(w, [0], x.dtype)[0, :, :k]
+    group0 = torch.zeros(1, dtype=torch.int32, device=x.device)  # a launch, not a host copy: capturable
+    wd = dequant(w, group0, x.dtype)[0, :, :k]
     xs = x[x_off: x_off + T]
     n_out = ng if mode == MODE_GATE_UP else w.n
     dst = out[out_off: out_off + T, :n_out]
@@ -171,12 +172,14 @@ def dense_linear(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor) -> torch
     return dense_grouped_gemm(x2, out, MODE_LINEAR, plain=pw, T=x2.shape[0])
 
 
-def dense_path_ok(device: torch.device) -> bool:
-    """The decode-then-cuBLAS path can run here: torch has ``_grouped_mm`` (not tried on ROCm), and no CUDA graph is
-    being captured (the MoE chunking reads the routing's counts on the host)."""
+def dense_path_ok(device: torch.device, host_sync: bool) -> bool:
+    """The decode-then-cuBLAS path can run here: torch has ``_grouped_mm`` (not tried on ROCm), and, for a call that
+    synchronises with the host (``host_sync``: the MoE chunking reads the routing's counts), no CUDA graph is being
+    captured. The linears never synchronise: they may be captured."""
     if not hasattr(torch, "_grouped_mm") or rocm():
         return False
-    return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    capturing = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return not (host_sync and capturing)
 
 
 __all__ = ["dequant", "dense_grouped_gemm", "dense_linear", "dense_path_ok", "sorted_rows", "SCRATCH_MB"]

@@ -59,8 +59,8 @@ MOE_TABLE = (
 # The quantized linears (`linear_config`): rows (most rows M or None, path, config), read as `MOE_TABLE`: the mma
 # rows (up to LINEAR_MMA_MAX_ROWS rows), else the portable tiles, small up to 64 rows, large beyond, and the
 # decode-once-then-cuBLAS path from LINEAR_DENSE_FROM rows (provisional, as MOE_DENSE_FROM). A "dense" row is
-# skipped where that path cannot run (`dequant_gemm.dense_path_ok`: e.g. during CUDA-graph capture), so each
-# "dense" row is followed by the row to use then.
+# skipped where that path cannot run (`dequant_gemm.dense_path_ok`: ROCm, or the MoE's during CUDA-graph capture),
+# so each "dense" row is followed by the row to use then.
 LINEAR_MMA_MAX_ROWS = 256
 LINEAR_DENSE_FROM = 1024
 LINEAR_TABLE = (
@@ -296,8 +296,9 @@ def _mma_gemm_fits(cfg: dict, rows: tuple[int, ...], k_pads: tuple[int, ...]) ->
 
 
 def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[PackedWeight, ...],
-                 rows: tuple[int, ...], k_pads: tuple[int, ...]) -> tuple:
-    """(path, configs...) of the first row of ``table`` that fits T tokens of these weights on this device."""
+                 rows: tuple[int, ...], k_pads: tuple[int, ...], host_sync: bool) -> tuple:
+    """(path, configs...) of the first row of ``table`` that fits T tokens of these weights on this device
+    (``host_sync``: the op's dense path synchronises with the host, see `dequant_gemm.dense_path_ok`)."""
     mma = gemm_mma_kernels()
     fast = (tuning().mma and mma is not None and mma.available(device)
             and all(mma.supported(p) for p in weights))
@@ -308,7 +309,7 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
         if path == "mma" and not (fast and all(_mma_gemm_fits(c, rows, k_pads) for c in cfgs)):
             continue
         if path == "dense":
-            if dense_path_ok(device):
+            if dense_path_ok(device, host_sync):
                 return (path, *cfgs)
             continue
         if path == "tl" and not platform.compiled_cuda(device):  # the tl rows' tiles were measured on the H200
@@ -322,9 +323,9 @@ def moe_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     device (`Tuning.moe_table`)."""
     shared = (w.shared_gate_up, w.shared_down) if w.shared_gate_up is not None else ()
     return _gemm_config(tuning().moe_table, T, device, (w.gate_up, w.down) + shared, (w.inter_pad, w.hidden),
-                        (w.gate_up.k_pad, w.down.k_pad))
+                        (w.gate_up.k_pad, w.down.k_pad), host_sync=True)
 
 
 def linear_config(M: int, w: PackedWeight, device: torch.device) -> tuple[str, dict]:
     """(path, config) of a quantized linear for M rows of ``w`` on this device (`Tuning.linear_table`)."""
-    return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,))
+    return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,), host_sync=False)

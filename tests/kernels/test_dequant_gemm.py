@@ -116,7 +116,18 @@ def test_sorted_rows_groups_by_expert(gen):
     assert ids == sorted(ids) and counts == torch.bincount(r.ids.reshape(-1).long(), minlength=6).tolist()
 
 
-def test_dispatch_dense_rows():
+def test_dense_moe_unaligned_hidden(gen):
+    """Hidden 100: odd output columns of the down projection (N_pad 112 computed, 100 kept)."""
+    cfg = tiny_moe_config(hidden=100, inter=64, experts=8, top_k=2, shared_inter=96)
+    moe = random_moe(cfg, "fp8", "fp8", gen)
+    w = moe_prepare_module(moe)
+    x = torch.randn(11, 100, generator=gen)
+    with tuned(moe_table=DENSE_MOE):
+        y, ref, _ = _run(moe, cfg, w, x)
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_dispatch_dense_rows(monkeypatch):
     """The default tables: the decode kernels below the crossover, the dense path from it; a dense row that cannot
     run here (no torch._grouped_mm) falls through to the row after it."""
     dev = torch.device("cpu")
@@ -124,10 +135,5 @@ def test_dispatch_dense_rows():
     pw = WL.pack_quant_weight(qw)
     assert dispatch.linear_config(dispatch.LINEAR_DENSE_FROM - 1, pw, dev)[0] == "tl"
     assert dispatch.linear_config(dispatch.LINEAR_DENSE_FROM, pw, dev)[0] == "dense"
-    import m3serve.kernels.dispatch as D
-    orig = D.dense_path_ok
-    try:
-        D.dense_path_ok = lambda device: False
-        assert dispatch.linear_config(dispatch.LINEAR_DENSE_FROM, pw, dev)[0] == "tl"
-    finally:
-        D.dense_path_ok = orig
+    monkeypatch.setattr(dispatch, "dense_path_ok", lambda device, host_sync: False)
+    assert dispatch.linear_config(dispatch.LINEAR_DENSE_FROM, pw, dev)[0] == "tl"
