@@ -9,13 +9,14 @@ of the bf16 GEMM rate measured in the same run.
   `fused_moe` with only the "dense" row (eager: that path reads the routing's counts on the host), ``bf16_ms`` =
   the dense bf16 GEMMs of the same FLOPs ([T (k+1), H] x [H, 2I], [T (k+1), I] x [I, H]); ``err`` = relative
   difference of the two paths' outputs; ``decode`` = the decode launch alone on 16 experts' gate_up (TB/s read +
-  written).
+  written); from --variants-from tokens also bench_moe's larger portable tiles (``tl_variants``).
 * linear: ``N x K`` = 6144 x 8192 for NVFP4 / MXFP8 / FP8 at --linear-rows: kernels vs dense path (both graph
   replay) vs ``F.linear`` bf16.
 * crossover: the smallest count measured from which the dense path wins at every larger count measured; the
   dispatch constants `dispatch.MOE_DENSE_FROM` / `LINEAR_DENSE_FROM` are to be set from it.
-* ttft: one prompt of --ttft tokens through `LLMEngine` on the 4-layer geometry (bench_engine's build), with the
-  prefill's FLOPs counted (`prefill_flops`) and their rate as a share of the measured bf16 GEMM rate.
+* ttft: one prompt of --ttft tokens through `LLMEngine` on the 4-layer geometry (bench_engine's build, eager), with
+  the dispatch tables minus their "dense" rows and then as they are; the prefill's FLOPs counted
+  (`prefill_flops`) and their rate as a share of the measured bf16 GEMM rate.
 
     python benchmarks/bench_prefill.py --out /tmp/prefill.json     (one device call; tables last)
     python benchmarks/bench_prefill.py --smoke                      (CPU interpreter, tiny shapes: checks it runs)
@@ -43,7 +44,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/support: random layers
 
-from bench_moe import timed  # noqa: E402
+from bench_moe import timed, timed_variant, variants  # noqa: E402
 from ceilings import copy_bandwidth  # noqa: E402
 from m3serve.config import SPARSE  # noqa: E402
 from m3serve.kernels import dispatch  # noqa: E402
@@ -109,6 +110,11 @@ def bench_moe_layer(args, dev, res):
             y_d = layer()
             row["dense_ms"] = timed(layer, False, args.rep)
         row["err"] = rel_err(y_d, y_k)
+        row["tl_variants"] = []  # larger portable tiles (more rows per decoded weight tile): bench_moe's sweep
+        for v in (variants(T) if T >= args.variants_from and dev == "cuda" else []):
+            if v[1:] != dispatch.MOE_TABLE[-1][2:]:
+                row["tl_variants"].append(timed_variant("moe_table", v, lambda: dispatch.moe_config(T, w, x.device),
+                                                        layer, args.rep))
         a1 = torch.randn(T * (k + 1), H, device=dev, dtype=dtype)
         b1 = torch.randn(H, 2 * inter, device=dev, dtype=dtype)
         a2 = torch.randn(T * (k + 1), inter, device=dev, dtype=dtype)
@@ -190,20 +196,25 @@ def bench_ttft(args, dev, res):
     from bench_engine import build, release, time_ttft
     from geometry import SMOKE
 
-    ns = SimpleNamespace(geometry_over=SMOKE if args.smoke else {}, batches=[1], enforce_eager=False,
+    # eager: the TTFT step is a prefill (graphs serve decode only), no start-up capture needed
+    ns = SimpleNamespace(geometry_over=SMOKE if args.smoke else {}, batches=[1], enforce_eager=True,
                          no_async_scheduling=False, chunk=args.chunk)
     cfg, model, engine = build(args.layers, 1, torch.device(dev), ns, max(args.ttft))
     g = torch.Generator().manual_seed(0)
-    for n in args.ttft:  # warm-up: compiles the prefill kernels of every chunk size
-        time_ttft(engine, torch.device(dev), n, g)
+    kernels_only = dict(moe_table=without_dense(dispatch.MOE_TABLE), linear_table=without_dense(dispatch.LINEAR_TABLE))
     rows = []
-    for n in args.ttft:
-        t = time_ttft(engine, torch.device(dev), n, g)
-        fl = prefill_flops(cfg, n)
-        row = dict(prompt_tokens=n, ttft_ms=t * 1e3, tokens_per_s=n / t, gflop_per_token=fl / n / 1e9,
-                   tflops=fl / t / 1e12, share_of_bf16_gemm=fl / t / res["bf16_gemm_flops"])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for tables, name in ((kernels_only, "decode kernels only"), ({}, "default dispatch")):
+        with tuned(**tables):
+            for n in args.ttft:  # warm-up: compiles the prefill kernels of every chunk size
+                time_ttft(engine, torch.device(dev), n, g)
+            for n in args.ttft:
+                t = time_ttft(engine, torch.device(dev), n, g)
+                fl = prefill_flops(cfg, n)
+                row = dict(dispatch=name, prompt_tokens=n, ttft_ms=t * 1e3, tokens_per_s=n / t,
+                           gflop_per_token=fl / n / 1e9, tflops=fl / t / 1e12,
+                           share_of_bf16_gemm=fl / t / res["bf16_gemm_flops"])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     res["ttft"] = dict(layers=args.layers, chunk=args.chunk, rows=rows)
     del model, engine
     release()
@@ -219,6 +230,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk) of the engine")
     ap.add_argument("--scratch-mb", type=int, default=2048, help="decoded experts held at once (dense path)")
     ap.add_argument("--rep", type=int, default=25)
+    ap.add_argument("--variants-from", type=int, default=4096, help="time bench_moe's tl tile variants from here")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
@@ -265,6 +277,8 @@ def report(res):
         print(f"| {r['tokens']} | {r['default']} | {r['kernels_path']} | {r['kernels_ms']:.3f} | {r['dense_ms']:.3f} | "
               f"{r['bf16_ms']:.3f} | {r['best_vs_bf16']:.2f}x | {r['kernels_tflops']:.0f} / {r['dense_tflops']:.0f} | "
               f"{r['err']:.1e} |")
+        for v in r["tl_variants"]:
+            print(f"|   tl variant {v['config']} | {v.get('ms', v.get('error'))} |")
     print(f"MoE crossover (dense path wins from): {res['moe_crossover_tokens']} tokens "
           f"(dispatch.MOE_DENSE_FROM = {dispatch.MOE_DENSE_FROM})")
     print("\nQuantized linears (graph replay)")
@@ -277,10 +291,10 @@ def report(res):
     if "ttft" in res:
         t = res["ttft"]
         print(f"\nTTFT, {t['layers']}-layer geometry, chunk {t['chunk']}")
-        print("| prompt | TTFT ms | tokens/s | GFLOP/token | TFLOP/s | share of bf16 GEMM |")
+        print("| dispatch | prompt | TTFT ms | tokens/s | GFLOP/token | TFLOP/s | share of bf16 GEMM |")
         for r in t["rows"]:
-            print(f"| {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['gflop_per_token']:.2f} | "
-                  f"{r['tflops']:.0f} | {r['share_of_bf16_gemm'] * 100:.0f}% |")
+            print(f"| {r['dispatch']} | {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['gflop_per_token']:.2f} | {r['tflops']:.0f} | {r['share_of_bf16_gemm'] * 100:.0f}% |")
 
 
 if __name__ == "__main__":

@@ -58,16 +58,13 @@ def test_dense_linear_path(fmt, gen):
             assert rel_err(y, quant_linear_ref(x, ql)) < 1e-5
 
 
-def _run(moe, cfg, w, x, **kw):
-    out = torch.full_like(x, float("nan"))
-    rl = []
-    y = fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, top_k=cfg.num_experts_per_tok,
-                  routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, out=out,
-                  routing_out=rl, **kw)
-    ref = fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, top_k=cfg.num_experts_per_tok,
-                        routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-                        routing=rl[0], **kw)
-    return y, ref, rl[0]
+def _run(moe, cfg, w, x, **extra):
+    """(layer output, the fp32 reference on the layer's own routing, the routing); the output poisoned first."""
+    kw = dict(top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha,
+              limit=cfg.swiglu_limit, **extra)
+    out, rl = torch.full_like(x, float("nan")), []
+    y = fused_moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, out=out, routing_out=rl, **kw)
+    return y, fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, routing=rl[0], **kw), rl[0]
 
 
 @pytest.mark.parametrize("expert_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("mxfp8", "nvfp4"), ("fp8", "fp8"),
