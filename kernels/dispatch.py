@@ -47,14 +47,14 @@ from .weight_layout import CHUNK_K, PackedWeight
 # (`dequant_gemm`; scratch_mb bounds the decoded experts held at once), from MOE_DENSE_FROM tokens (provisional:
 # estimated from the bytes, not yet measured; benchmarks/bench_prefill.py prints the measured crossover).
 MOE_DENSE_FROM = 4096
+_MOE_TL = (dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3))
 MOE_TABLE = (
     (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
-    (MOE_DENSE_FROM - 1, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3),
-     dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (MOE_DENSE_FROM - 1, "tl", *_MOE_TL),
     (None, "dense", dict(scratch_mb=2048), dict(scratch_mb=2048)),
-    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (None, "tl", *_MOE_TL),
 )
 # The quantized linears (`linear_config`): rows (most rows M or None, path, config), read as `MOE_TABLE`: the mma
 # rows (up to LINEAR_MMA_MAX_ROWS rows), else the portable tiles, small up to 64 rows, large beyond, and the
@@ -63,13 +63,14 @@ MOE_TABLE = (
 # so each "dense" row is followed by the row to use then.
 LINEAR_MMA_MAX_ROWS = 256
 LINEAR_DENSE_FROM = 1024
+_LINEAR_TL = dict(bm=64, bn=128, num_warps=8, num_stages=3)
 LINEAR_TABLE = (
     (16, "mma", dict(p=1, nt=8, unroll=2)),
     (LINEAR_MMA_MAX_ROWS, "mma", dict(p=1, nt=16, unroll=2)),
     (64, "tl", dict(bm=16, bn=64, num_warps=4, num_stages=2)),
-    (LINEAR_DENSE_FROM - 1, "tl", dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (LINEAR_DENSE_FROM - 1, "tl", _LINEAR_TL),
     (None, "dense", dict()),
-    (None, "tl", dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (None, "tl", _LINEAR_TL),
 )
 PORTABLE_GEMM = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
 
