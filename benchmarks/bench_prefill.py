@@ -24,6 +24,7 @@ of the bf16 GEMM rate measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -54,6 +55,17 @@ from m3serve.kernels.moe import fused_moe, moe_prepare_module  # noqa: E402
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare  # noqa: E402
 from m3serve.model.weights import QuantWeight  # noqa: E402
 from support.moe import fill_random, m3_moe_config, random_moe, rel_err, tiny_moe_config  # noqa: E402
+
+
+@contextlib.contextmanager
+def recorded(row: dict):
+    """The dense path's measurement: a failure is recorded in the row (``dense_error``, dense_ms = inf), the run goes
+    on with the other measurements."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001
+        row.update(dense_ms=float("inf"), err=float("nan"), dense_error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        print(f"dense path failed: {row['dense_error']}", flush=True)
 
 
 def without_dense(table: tuple) -> tuple:
@@ -105,11 +117,11 @@ def bench_moe_layer(args, dev, res):
             row["kernels_path"] = dispatch.moe_config(T, w, x.device)[0]
             y_k = layer()
             row["kernels_ms"] = timed(layer, True, args.rep)
-        with tuned(moe_table=dense):
+        with tuned(moe_table=dense), recorded(row):
             assert dispatch.moe_config(T, w, x.device)[0] == "dense"
             y_d = layer()
             row["dense_ms"] = timed(layer, False, args.rep)
-        row["err"] = rel_err(y_d, y_k)
+            row["err"] = rel_err(y_d, y_k)
         row["tl_variants"] = []  # larger portable tiles (more rows per decoded weight tile): bench_moe's sweep
         for v in (variants(T) if T >= args.variants_from and dev == "cuda" else []):
             if v[1:] != dispatch.MOE_TABLE[-1][2:]:
@@ -154,7 +166,7 @@ def bench_linears(args, dev, res):
                 row["kernels_path"] = dispatch.linear_config(M, ql.packed, x.device)[0]
                 y_k = quant_linear(x, ql)
                 row["kernels_ms"] = timed(lambda: quant_linear(x, ql), True, args.rep)
-            with tuned(linear_table=dense):
+            with tuned(linear_table=dense), recorded(row):
                 assert dispatch.linear_config(M, ql.packed, x.device)[0] == "dense"
                 row["err"] = rel_err(quant_linear(x, ql), y_k)
                 row["dense_ms"] = timed(lambda: quant_linear(x, ql), True, args.rep)
@@ -204,7 +216,7 @@ def bench_ttft(args, dev, res):
     kernels_only = dict(moe_table=without_dense(dispatch.MOE_TABLE), linear_table=without_dense(dispatch.LINEAR_TABLE))
     rows = []
     for tables, name in ((kernels_only, "decode kernels only"), ({}, "default dispatch")):
-        with tuned(**tables):
+        with tuned(**tables), recorded({}):
             for n in args.ttft:  # warm-up: compiles the prefill kernels of every chunk size
                 time_ttft(engine, torch.device(dev), n, g)
             for n in args.ttft:
@@ -256,12 +268,13 @@ def main():
     save()
     bench_linears(args, dev, res)
     save()
+    report(res)  # before the TTFT part: a run cut short there keeps these tables in its log
     if dev == "cuda":
         torch.cuda.empty_cache()
     if args.ttft:
         bench_ttft(args, dev, res)
         save()
-    report(res)
+        report_ttft(res)
 
 
 def report(res):
@@ -277,6 +290,8 @@ def report(res):
         print(f"| {r['tokens']} | {r['default']} | {r['kernels_path']} | {r['kernels_ms']:.3f} | {r['dense_ms']:.3f} | "
               f"{r['bf16_ms']:.3f} | {r['best_vs_bf16']:.2f}x | {r['kernels_tflops']:.0f} / {r['dense_tflops']:.0f} | "
               f"{r['err']:.1e} |")
+        if "dense_error" in r:
+            print(f"|   dense path failed: {r['dense_error']} |")
         for v in r["tl_variants"]:
             print(f"|   tl variant {v['config']} | {v.get('ms', v.get('error'))} |")
     print(f"MoE crossover (dense path wins from): {res['moe_crossover_tokens']} tokens "
@@ -288,6 +303,9 @@ def report(res):
               f"{r['dense_ms']:.4f} | {r['bf16_ms']:.4f} | {r['best_speedup_vs_bf16']:.2f}x | {r['err']:.1e} |")
     print(f"linear crossover rows (dense path wins from): {res['linear_crossover_rows']} "
           f"(dispatch.LINEAR_DENSE_FROM = {dispatch.LINEAR_DENSE_FROM})")
+
+
+def report_ttft(res):
     if "ttft" in res:
         t = res["ttft"]
         print(f"\nTTFT, {t['layers']}-layer geometry, chunk {t['chunk']}")
