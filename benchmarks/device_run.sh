@@ -3,7 +3,9 @@
 # lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
 # benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
-# $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), and on a multi-GPU kind "tp":
+# $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), benchmarks/bench_prefill.py $PREFILL_ARGS
+# ("prefill": MoE layer and quantized linears at prefill sizes, decode kernels vs decode-once-then-cuBLAS, TTFT as a
+# share of the bf16 GEMM rate), and on a multi-GPU kind "tp":
 # benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), "rank": benchmarks/bench_rank.py
 # $RANK_ARGS (rank 0 of TP 4 at 60 layers on one GPU; after "tp": RANK_ARGS="--allreduce $OUT/bench_tp.json"), and "server":
 # benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS (the M3.1-Flash geometry through the real
@@ -56,6 +58,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_qkv.log" | tail -30 ;;
     moe) timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/bench_moe.py --out "$OUT/bench_moe.json" ${MOE_ARGS:-} 2>&1 \
            | tee "$OUT/bench_moe.log" | grep -v '^{' ;;
+    prefill) timeout "${PREFILL_TIMEOUT:-420}" python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.json" \
+               ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/bench_prefill.log" | grep -v '^{' ;;
     engine) timeout "${ENGINE_TIMEOUT:-400}" python3 benchmarks/bench_engine.py --out "$OUT" ${ENGINE_ARGS:-} 2>&1 \
            | tee "$OUT/bench_engine.log" | grep -v "^  " ;;
     spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \

@@ -4,9 +4,9 @@
   attention, <= 8 index heads for the scan) on sm_89 / sm_90 runs the Gluon ``mma.sync`` kernels of `nvfp4_mma`
   (`use_mma_index_scan`, `use_mma_decode_attention`); every other op, format, shape and device runs the portable
   ``tl`` kernels (`indexer`, `msa_attention`), which serve NVIDIA, AMD and the interpreter alike. The MoE expert
-  GEMMs and the quantized linears choose between `grouped_gemm_mma` (sm_89 / sm_90, decode-sized steps) and the
-  portable `grouped_gemm` by token count: `moe_config` and `linear_config` read the tables `MOE_TABLE` and
-  `LINEAR_TABLE`.
+  GEMMs and the quantized linears choose between `grouped_gemm_mma` (sm_89 / sm_90, decode-sized steps), the
+  portable `grouped_gemm` and, at prefill-sized steps, `dequant_gemm` (weights decoded once, then cuBLAS) by token
+  count: `moe_config` and `linear_config` read the tables `MOE_TABLE` and `LINEAR_TABLE`.
 * **Tuning.** `Tuning` holds every launch choice that was measured or can be varied: tile sizes, warps, stages,
   split-K targets, the decoders, the MoE / linear tables. Its defaults are the ones measured on the H200
   (docs/performance.md: the decoder, tune and NVFP4 variant tables, the MoE section); ``None`` means the rule
@@ -34,6 +34,7 @@ import torch
 
 from . import codecs, platform
 from .codecs import FMT_NVFP4, FMT_PLAIN, MODE_INT, cache_format
+from .dequant_gemm import dense_path_ok
 from .grouped_gemm import mma_kernels as gemm_mma_kernels
 from .weight_layout import CHUNK_K, PackedWeight
 
@@ -42,21 +43,34 @@ from .weight_layout import CHUNK_K, PackedWeight
 # fits where the mma kernels run and the shapes divide; a "tl" row anywhere but compiled NVIDIA CUDA (the
 # interpreter, ROCm, whose devices also report type "cuda") takes `PORTABLE_GEMM`).
 # mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
-# tl: bm x bn output tiles of the portable kernels.
+# tl: bm x bn output tiles of the portable kernels; dense: the weights decoded once to bf16, then cuBLAS
+# (`dequant_gemm`; scratch_mb bounds the decoded experts held at once), from MOE_DENSE_FROM tokens (provisional:
+# estimated from the bytes, not yet measured; benchmarks/bench_prefill.py prints the measured crossover).
+MOE_DENSE_FROM = 4096
+_MOE_TL = (dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3))
 MOE_TABLE = (
     (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
-    (None, "tl", dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (MOE_DENSE_FROM - 1, "tl", *_MOE_TL),
+    (None, "dense", dict(scratch_mb=2048), dict(scratch_mb=2048)),
+    (None, "tl", *_MOE_TL),
 )
 # The quantized linears (`linear_config`): rows (most rows M or None, path, config), read as `MOE_TABLE`: the mma
-# rows (up to LINEAR_MMA_MAX_ROWS rows), else the portable tiles, small up to 64 rows, large beyond.
+# rows (up to LINEAR_MMA_MAX_ROWS rows), else the portable tiles, small up to 64 rows, large beyond, and the
+# decode-once-then-cuBLAS path from LINEAR_DENSE_FROM rows (provisional, as MOE_DENSE_FROM). A "dense" row is
+# skipped where that path cannot run (`dequant_gemm.dense_path_ok`: ROCm, or the MoE's during CUDA-graph capture),
+# so each "dense" row is followed by the row to use then.
 LINEAR_MMA_MAX_ROWS = 256
+LINEAR_DENSE_FROM = 1024
+_LINEAR_TL = dict(bm=64, bn=128, num_warps=8, num_stages=3)
 LINEAR_TABLE = (
     (16, "mma", dict(p=1, nt=8, unroll=2)),
     (LINEAR_MMA_MAX_ROWS, "mma", dict(p=1, nt=16, unroll=2)),
     (64, "tl", dict(bm=16, bn=64, num_warps=4, num_stages=2)),
-    (None, "tl", dict(bm=64, bn=128, num_warps=8, num_stages=3)),
+    (LINEAR_DENSE_FROM - 1, "tl", _LINEAR_TL),
+    (None, "dense", dict()),
+    (None, "tl", _LINEAR_TL),
 )
 PORTABLE_GEMM = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
 
@@ -67,6 +81,8 @@ class Tuning:
 
     # which kernels
     mma: bool = True  # the Gluon mma.sync kernels where they apply (False: the portable kernels everywhere)
+    dense_prefill: bool | None = None  # the tables' "dense" rows (decode once, then cuBLAS); None: off on CUDA until
+    #   benchmarks/bench_prefill.py has measured them on the H200, on elsewhere (the paths CI checks)
     asm: bool | None = None  # the inline-PTX NVFP4 word decoder in the portable kernels (None: where it self-checks)
     # MSA decode attention (msa_decode)
     decode_words: bool | str | None = None  # portable decoder: True int32 words (nvfp4: one joined tile), "split"
@@ -283,8 +299,9 @@ def _mma_gemm_fits(cfg: dict, rows: tuple[int, ...], k_pads: tuple[int, ...]) ->
 
 
 def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[PackedWeight, ...],
-                 rows: tuple[int, ...], k_pads: tuple[int, ...]) -> tuple:
-    """(path, configs...) of the first row of ``table`` that fits T tokens of these weights on this device."""
+                 rows: tuple[int, ...], k_pads: tuple[int, ...], host_sync: bool) -> tuple:
+    """(path, configs...) of the first row of ``table`` that fits T tokens of these weights on this device
+    (``host_sync``: the op's dense path synchronises with the host, see `dequant_gemm.dense_path_ok`)."""
     mma = gemm_mma_kernels()
     fast = (tuning().mma and mma is not None and mma.available(device)
             and all(mma.supported(p) for p in weights))
@@ -293,6 +310,11 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
         if limit is not None and T > limit:
             continue
         if path == "mma" and not (fast and all(_mma_gemm_fits(c, rows, k_pads) for c in cfgs)):
+            continue
+        if path == "dense":
+            on = tuning().dense_prefill
+            if (device.type != "cuda" if on is None else on) and dense_path_ok(device, host_sync):
+                return (path, *cfgs)
             continue
         if path == "tl" and not platform.compiled_cuda(device):  # the tl rows' tiles were measured on the H200
             return portable
@@ -305,15 +327,15 @@ def moe_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     device (`Tuning.moe_table`): the routed experts', with the shared expert's tiles when they ride along."""
     shared = (w.shared_gate_up, w.shared_down) if w.shared_rides else ()
     return _gemm_config(tuning().moe_table, T, device, (w.gate_up, w.down) + shared, (w.inter_pad, w.hidden),
-                        (w.gate_up.k_pad, w.down.k_pad))
+                        (w.gate_up.k_pad, w.down.k_pad), host_sync=True)
 
 
 def moe_shared_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     """As `moe_config`, for the shared expert's own launches (`moe.MoEStep.shared_expert`)."""
     return _gemm_config(tuning().moe_table, T, device, (w.shared_gate_up, w.shared_down),
-                        (w.shared_inter_pad, w.hidden), (w.shared_gate_up.k_pad, w.shared_down.k_pad))
+                        (w.shared_inter_pad, w.hidden), (w.shared_gate_up.k_pad, w.shared_down.k_pad), host_sync=True)
 
 
 def linear_config(M: int, w: PackedWeight, device: torch.device) -> tuple[str, dict]:
     """(path, config) of a quantized linear for M rows of ``w`` on this device (`Tuning.linear_table`)."""
-    return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,))
+    return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,), host_sync=False)

@@ -24,8 +24,10 @@ experts of 3072, the shared expert's TP slice of 768 at EP4): padding the shared
 hold and read 4x its bytes.
 
 Steps 3-4 run the mma kernels (`grouped_gemm_mma`, decoded weights as the mma's M side) on sm_89/sm_90 for
-decode-sized steps and the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
-steps); `dispatch.moe_config` picks the path and tile shapes by token count (its table: `dispatch.MOE_TABLE`).
+decode-sized steps, the portable ``tl`` kernels (`grouped_gemm`) elsewhere (interpreter, ROCm, prefill-sized
+steps), and at the largest steps `dequant_gemm` (experts decoded once to bf16, rows sorted by expert,
+``torch._grouped_mm``; one host synchronisation); `dispatch.moe_config` picks the path and tile shapes by token
+count (its table: `dispatch.MOE_TABLE`).
 Weights are laid out once by `moe_prepare` (`weight_layout`): gate and up rows each padded to ``inter_pad`` (a
 multiple of 128) for the routed experts and ``shared_inter_pad`` for the shared expert, the down projections' K
 likewise.
@@ -39,6 +41,7 @@ import triton
 import triton.language as tl
 
 from . import dispatch
+from .dequant_gemm import dense_grouped_gemm
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
 from .moe_router import Routing, route, route_ref
 from .codecs import cast_to
@@ -236,7 +239,10 @@ class MoEStep:
         self.local = self.routing.local(self.first, self.w.n_experts) if self.ep else self.routing
 
     def _gemm(self, path: str, mode: int, src, out, **kw):
-        launch = mma_kernels().grouped_gemm_mma if path == "mma" else grouped_gemm
+        if path == "dense":
+            launch = dense_grouped_gemm
+        else:
+            launch = mma_kernels().grouped_gemm_mma if path == "mma" else grouped_gemm
         launch(src, out, mode, routing=self.local, T=self.T, **kw)
 
     def gate_up(self):

@@ -5,8 +5,9 @@ never converted per call.
 
 Paths: the mma kernel of `grouped_gemm_mma` (sm_89 / sm_90, up to `dispatch.LINEAR_MMA_MAX_ROWS` rows: weights as
 the mma's M side, the activations converted once to its fp16 layout by one small launch) or the portable kernel of
-`grouped_gemm` (interpreter, ROCm, larger M); both are the MoE kernels with one group and no routing. The path and
-tiles by M: `dispatch.linear_config` (its table: `dispatch.LINEAR_TABLE`).
+`grouped_gemm` (interpreter, ROCm, larger M); both are the MoE kernels with one group and no routing. At large M
+`dequant_gemm` decodes the weight once per call into a bf16 scratch and calls cuBLAS. The path and tiles by M:
+`dispatch.linear_config` (its table: `dispatch.LINEAR_TABLE`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .dequant_gemm import dense_linear
 from .grouped_gemm import MODE_LINEAR, grouped_gemm, mma_kernels
 from .weight_layout import PackedWeight, pack_quant_weight, unpack
 
@@ -56,7 +58,9 @@ def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     if M == 0:
         return out.reshape(*lead, w.n)
     path, cfg = dispatch.linear_config(M, pw, x.device)
-    if path == "mma":
+    if path == "dense":
+        dense_linear(x2, pw, out)
+    elif path == "mma":
         mma = mma_kernels()
         mma.grouped_gemm_mma(mma.to_x16(x2, pw.k_pad), out, MODE_LINEAR, plain=pw, T=M, **cfg)
     else:

@@ -7,6 +7,7 @@ import torch
 import triton
 
 from m3serve.kernels.grouped_gemm import mma_kernels
+from m3serve.kernels import dispatch
 from m3serve.kernels.dispatch import moe_config, tuned
 from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_prepare_module
 from m3serve.kernels.moe_router import grouping_ref, route_ref
@@ -208,7 +209,9 @@ def test_config_table_picks_the_mma_path_for_decode():
         pytest.skip("no mma kernels on this device")
     assert moe_config(1, w, torch.device(DEV))[0] == "mma"
     assert moe_config(64, w, torch.device(DEV))[0] == "mma"
-    assert moe_config(4096, w, torch.device(DEV))[0] == "tl"
+    assert moe_config(dispatch.MOE_DENSE_FROM - 1, w, torch.device(DEV))[0] == "tl"
+    with dispatch.tuned(dense_prefill=True):  # off on CUDA by default until measured
+        assert moe_config(dispatch.MOE_DENSE_FROM, w, torch.device(DEV))[0] == "dense"  # decode once, then cuBLAS
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])

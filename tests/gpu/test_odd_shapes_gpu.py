@@ -1,15 +1,16 @@
 """The quantized linears and the fused MoE layer on the GPU at shapes that are not multiples of 64 or 128, 1 to 4,096
 tokens, every expert / shared-expert format pair, against the fp32 torch references on the same packed weights
 (bf16 activations): the shapes whose N tails made the portable kernel read past a weight (the 64-wide shared expert's
-illegal memory access on the H200), now clamped, so no torch fallback is left. Both paths: the portable kernel (K not
-a multiple of 1,024, or many tokens) and the mma kernel (K padded to 1,024, N odd, up to 1,024 tokens). Run it under
+illegal memory access on the H200), now clamped, so no torch fallback is left. Every path: the portable kernel (K not
+a multiple of 1,024, or many tokens), the mma kernel (K padded to 1,024, N odd, up to 1,024 tokens) and the
+decode-once-then-cuBLAS path (linears from 1,024 rows, the MoE at 4,096 tokens). Run it under
 compute-sanitizer memcheck too (docs/performance.md). The CPU twin: tests/kernels/test_odd_shapes.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from m3serve.kernels.dispatch import linear_config, moe_config
+from m3serve.kernels.dispatch import LINEAR_DENSE_FROM, MOE_DENSE_FROM, linear_config, moe_config, tuned
 from m3serve.kernels.moe import moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear_prepare
 from m3serve.model.weights import QuantWeight
@@ -38,7 +39,10 @@ def test_odd_linear_shapes_reach_both_paths(gen):
         a, b = QuantWeight(200, 992, "nvfp4", torch.bfloat16), QuantWeight(200, 1056, "nvfp4", torch.bfloat16)
     pa, pb = quant_linear_prepare(a).packed, quant_linear_prepare(b).packed
     dev = torch.device(DEV)
-    assert linear_config(16, pa, dev)[0] == "mma" and linear_config(4096, pa, dev)[0] == "tl"
+    assert linear_config(16, pa, dev)[0] == "mma" and linear_config(LINEAR_DENSE_FROM - 1, pa, dev)[0] == "tl"
+    assert linear_config(LINEAR_DENSE_FROM, pa, dev)[0] == "tl"  # the dense rows are off on CUDA by default
+    with tuned(dense_prefill=True):
+        assert linear_config(LINEAR_DENSE_FROM, pa, dev)[0] == "dense"  # decode once, then cuBLAS
     assert linear_config(16, pb, dev)[0] == "tl"
 
 
@@ -63,4 +67,6 @@ def test_odd_moe_shapes_reach_the_mma_path(gen):
     w = moe_prepare_module(random_moe(cfg, "mxfp8", "nvfp4", gen, device=DEV, dtype=torch.bfloat16))
     dev = torch.device(DEV)
     assert moe_config(1, w, dev)[0] == "mma" and moe_config(1024, w, dev)[0] == "mma"
-    assert moe_config(4096, w, dev)[0] == "tl"
+    assert moe_config(MOE_DENSE_FROM - 1, w, dev)[0] == "tl" and moe_config(MOE_DENSE_FROM, w, dev)[0] == "tl"
+    with tuned(dense_prefill=True):
+        assert moe_config(MOE_DENSE_FROM, w, dev)[0] == "dense"

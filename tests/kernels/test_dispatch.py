@@ -110,7 +110,9 @@ MMA_8 = dict(p=1, nt=8, unroll=2)
 SMALL_TL = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # the interpreter's / ROCm's / small-M portable tiles
 # the tables' portable rows: what runs where the mma kernels do not (values are tuning, taken from the tables)
 MOE_TL = dispatch.MOE_TABLE[-1][1:]
-LINEAR_TL = {M: dispatch.LINEAR_TABLE[-2 if M <= dispatch.LINEAR_TABLE[-2][0] else -1][1:] for M in TOKENS}
+LINEAR_TL = {M: next(r[1:] for r in dispatch.LINEAR_TABLE if r[1] == "tl" and (r[0] is None or M <= r[0]))
+             for M in TOKENS}
+DENSE_FROM = {"moe": dispatch.MOE_DENSE_FROM, "linear": dispatch.LINEAR_DENSE_FROM}  # decode once, then cuBLAS
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +152,9 @@ def _fits(cfg: dict, rows, k_pads) -> bool:
 def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
     """The MoE and linear tables' rows are tuning (measured: docs/performance.md, MoE section), not pinned here. What
     is: an "mma" choice only where the mma kernels run and only with tiles that divide the weights; decode-sized
-    steps on the mma kernels where they run (their purpose); elsewhere on CUDA the tables' portable rows; off CUDA
-    (the interpreter) the small portable tiles, whatever the token count."""
+    steps on the mma kernels where they run (their purpose); the decode-once-then-cuBLAS path ("dense") from its
+    crossover on, wherever torch runs it; elsewhere on CUDA the tables' portable rows; off CUDA (the interpreter)
+    the small portable tiles below the crossover."""
     moe, lin = gemm_weights
     _nvidia(monkeypatch)
     shapes = {"moe": ((moe.inter_pad, moe.hidden), (moe.gate_up.k_pad, moe.down.k_pad)),
@@ -163,14 +166,20 @@ def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
                                                                                                               CUDA))):
                 if choice[0] == "mma":
                     assert available and all(_fits(c, *shapes[name]) for c in choice[1:]), (name, T, choice)
+                elif T >= DENSE_FROM[name]:
+                    assert choice[0] == "dense", (name, T, choice)
                 else:
                     assert choice == (MOE_TL if name == "moe" else LINEAR_TL[T]), (name, T, choice)
         assert (dispatch.moe_config(1, moe, CUDA)[0] == "mma") == available
         assert (dispatch.linear_config(1, lin, CUDA)[0] == "mma") == available
-    assert {T: dispatch.moe_config(T, moe, CPU) for T in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL, SMALL_TL))
-    assert {M: dispatch.linear_config(M, lin, CPU) for M in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL))
+    small = [T for T in TOKENS if T < DENSE_FROM["moe"]]
+    assert {T: dispatch.moe_config(T, moe, CPU) for T in small} == dict.fromkeys(small, ("tl", SMALL_TL, SMALL_TL))
+    assert dispatch.moe_config(DENSE_FROM["moe"], moe, CPU)[0] == "dense"
+    small = [M for M in TOKENS if M < DENSE_FROM["linear"]]
+    assert {M: dispatch.linear_config(M, lin, CPU) for M in small} == dict.fromkeys(small, ("tl", SMALL_TL))
     monkeypatch.setattr(platform, "interpreting", lambda: True)  # a CUDA device under the interpreter: the same
-    assert {T: dispatch.moe_config(T, moe, CUDA) for T in TOKENS} == dict.fromkeys(TOKENS, ("tl", SMALL_TL, SMALL_TL))
+    small = [T for T in TOKENS if T < DENSE_FROM["moe"]]
+    assert {T: dispatch.moe_config(T, moe, CUDA) for T in small} == dict.fromkeys(small, ("tl", SMALL_TL, SMALL_TL))
 
 
 def test_rocm_takes_the_portable_choices(monkeypatch, gemm_weights):
@@ -187,7 +196,7 @@ def test_rocm_takes_the_portable_choices(monkeypatch, gemm_weights):
     assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 64
     monkeypatch.setattr(torch.version, "hip", None)  # the same device on NVIDIA: the H200's choices
     assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 128
-    assert dispatch.moe_config(4096, moe, CUDA) == MOE_TL and platform.moe_mma_ok(CUDA)
+    assert dispatch.moe_config(DENSE_FROM["moe"] - 1, moe, CUDA) == MOE_TL and platform.moe_mma_ok(CUDA)
 
 
 def test_mma_rows_need_shapes_the_tiles_divide_and_mma_on(monkeypatch, gemm_weights):
