@@ -161,15 +161,20 @@ def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
               "linear": ((lin.n_pad,), (lin.k_pad,))}
     for available in (True, False):
         _mma_available(monkeypatch, available)
-        for T in TOKENS:
-            for name, choice in (("moe", dispatch.moe_config(T, moe, CUDA)), ("linear", dispatch.linear_config(T, lin,
-                                                                                                              CUDA))):
-                if choice[0] == "mma":
-                    assert available and all(_fits(c, *shapes[name]) for c in choice[1:]), (name, T, choice)
-                elif T >= DENSE_FROM[name]:
-                    assert choice[0] == "dense", (name, T, choice)
-                else:
-                    assert choice == (MOE_TL if name == "moe" else LINEAR_TL[T]), (name, T, choice)
+        # on CUDA the dense rows wait for their measurement on the H200 (Tuning.dense_prefill), then hold from the
+        # crossover on
+        assert dispatch.moe_config(DENSE_FROM["moe"], moe, CUDA)[0] != "dense"
+        assert dispatch.linear_config(DENSE_FROM["linear"], lin, CUDA)[0] != "dense"
+        with dispatch.tuned(dense_prefill=True):
+            for T in TOKENS:
+                for name, choice in (("moe", dispatch.moe_config(T, moe, CUDA)),
+                                     ("linear", dispatch.linear_config(T, lin, CUDA))):
+                    if choice[0] == "mma":
+                        assert available and all(_fits(c, *shapes[name]) for c in choice[1:]), (name, T, choice)
+                    elif T >= DENSE_FROM[name]:
+                        assert choice[0] == "dense", (name, T, choice)
+                    else:
+                        assert choice == (MOE_TL if name == "moe" else LINEAR_TL[T]), (name, T, choice)
         assert (dispatch.moe_config(1, moe, CUDA)[0] == "mma") == available
         assert (dispatch.linear_config(1, lin, CUDA)[0] == "mma") == available
     small = [T for T in TOKENS if T < DENSE_FROM["moe"]]
