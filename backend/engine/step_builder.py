@@ -10,7 +10,7 @@ import torch
 
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.engine.step import SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplingInput, SpecInput, StepInput
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:

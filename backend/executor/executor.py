@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from m3serve.config import EngineConfig, ModelConfig
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.worker import PendingOutput, Worker
 
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.kv_cache import PagedKVCache
 from m3serve.executor.sampler import Sampler
 from m3serve.model.layers.attention import TorchAttention

@@ -56,7 +56,7 @@ from m3serve.engine.spec.probs import sampling_probs
 from m3serve.engine.spec.proposer import Proposal, insert_context, sample_block
 from m3serve.engine.spec.rng import ACCEPT, DRAFT, FINAL, MAX_VOCAB, stream_uniforms
 from m3serve.engine.spec.verify import verify
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.model.dspark_taps import TapRecorder
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, SpecInput, StepInput
+from m3serve.step_io import SamplerOutput, SpecInput, StepInput
 from m3serve.executor.cuda_graph import DecodeBuffers, _bucket, batch_buckets, width_buckets
 
 log = logging.getLogger(__name__)

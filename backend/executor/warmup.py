@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.engine.step import SamplingInput, StepInput
+from m3serve.step_io import SamplingInput, StepInput
 
 log = logging.getLogger(__name__)
 

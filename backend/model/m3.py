@@ -17,7 +17,7 @@ from torch import nn
 
 from m3serve.config import ModelConfig
 from m3serve.distributed.parallel import Parallel
-from m3serve.engine.step import StepInput
+from m3serve.step_io import StepInput
 from m3serve.model.layers.attention import AttentionSpec
 from m3serve.model.layers.embedding import VocabParallelEmbedding
 from m3serve.model.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from m3serve.config import ConfigError
 from m3serve.engine.spec.draft_cache import DraftKVCache
 from m3serve.engine.spec.probs import sampling_probs
-from m3serve.engine.step import SamplingInput
+from m3serve.step_io import SamplingInput
 from m3serve.engine.spec.proposer import insert_context, propose, sample_block
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead

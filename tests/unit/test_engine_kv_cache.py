@@ -16,7 +16,7 @@ import torch
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.engine.step import StepInput
+from m3serve.step_io import StepInput
 from m3serve.executor.kv_cache import PagedKVCache, page_bytes
 from m3serve.model.kv_codec import KVCodec
 

@@ -67,7 +67,7 @@ def test_sampled_static_path_equals_eager_path(make_engine, reference_greedy, eu
 def test_buffers_pad_past_the_step():
     """Rows past the step's sequences: no slot (nothing written), position 0, greedy; a smaller step after a larger
     one leaves nothing of the larger one in the padding."""
-    from m3serve.engine.step import SamplingInput, SpecInput, StepInput
+    from m3serve.step_io import SamplingInput, SpecInput, StepInput
 
     buf = SpecBuffers(4, 3, 16, 2, torch.device("cpu"))
 

@@ -2,6 +2,7 @@
 
 Plain tensors, lists and scalars only, so a step can be pickled, broadcast to tensor-parallel ranks
 (`torch.distributed.broadcast_object_list`) or copied into a CUDA graph's persistent buffers field by field.
+Every layer shares these types, so this module sits below all of them and imports none.
 The engine builds it on the host (`engine/step_builder.py`); the worker moves it to its device once
 (`StepInput.to`) and every layer reads the same fields.
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.engine.sampling_params import GREEDY_TEMPERATURE
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax)
 
 
 def _map_tensors(obj, fn):
