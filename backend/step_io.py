@@ -119,6 +119,20 @@ class SpecInput:
     def num_seqs(self) -> int:
         return int(self.sample_rows.shape[0])
 
+    @classmethod
+    def from_rows(cls, rows: list[tuple[int, int, int, int]], num_sample_rows: int, K: int) -> SpecInput:
+        """rows: (sampling row, step sequence, anchor token index, drafts k) of each speculating sequence."""
+        draft_rows = [anchor + 1 + j for _, _, anchor, k in rows for j in range(k)]
+        draft_index = [r * K + j for r, (_, _, _, k) in enumerate(rows) for j in range(k)]
+        speculating = {row for row, _, _, _ in rows}
+        i64 = dict(dtype=torch.int64)
+        return cls(
+            sample_rows=torch.tensor([r[0] for r in rows], **i64), seq_index=torch.tensor([r[1] for r in rows], **i64),
+            anchor_rows=torch.tensor([r[2] for r in rows], **i64), num_drafts=torch.tensor([r[3] for r in rows], **i64),
+            draft_rows=torch.tensor(draft_rows, **i64), draft_index=torch.tensor(draft_index, **i64),
+            plain_rows=torch.tensor([r for r in range(num_sample_rows) if r not in speculating], **i64),
+            num_speculative_tokens=K)
+
 
 @dataclass
 class StepInput:

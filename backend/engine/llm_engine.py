@@ -32,7 +32,7 @@ from m3serve.engine.spec.metrics import SpecDecodeStats
 from m3serve.engine.spec.scheduling import num_draft_tokens
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.engine.step_builder import StepBuilder
-from m3serve.executor.executor import create_executor
+from m3serve.executor import create_executor
 from m3serve.executor.worker import PendingOutput
 
 log = logging.getLogger(__name__)

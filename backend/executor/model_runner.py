@@ -7,7 +7,7 @@ import logging
 import torch
 
 from m3serve.step_io import SamplerOutput, StepInput
-from m3serve.executor.kv_cache import PagedKVCache
+from m3serve.model.kv_cache import PagedKVCache
 from m3serve.executor.sampler import Sampler
 from m3serve.model.layers.attention import TorchAttention
 

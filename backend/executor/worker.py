@@ -12,7 +12,7 @@ from m3serve.config import EngineConfig, ModelConfig, normalize_kv_dtype
 from m3serve.distributed.parallel import Parallel
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.cuda_graph import graph_reserve_bytes
-from m3serve.executor.kv_cache import PagedKVCache, determine_num_pages
+from m3serve.model.kv_cache import PagedKVCache, determine_num_pages
 from m3serve.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
