@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
+from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, work_dtype
 from .moe_router import Routing, route, route_ref
 from .codecs import cast_to
 from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
@@ -213,7 +213,7 @@ class MoEStep:
     def _gemm(self, mode: int, x16=None, **kw):
         if self.path == "mma":
             src = (x16 if x16 is not None else self.x16) if mode == MODE_GATE_UP else self.inter
-            mma_kernels().grouped_gemm_mma(src, self.inter if mode == MODE_GATE_UP else self.y, mode,
+            dispatch.gemm_mma_kernels().grouped_gemm_mma(src, self.inter if mode == MODE_GATE_UP else self.y, mode,
                                            routing=self.local, T=self.T, **kw)
         else:
             grouped_gemm(self.x if mode == MODE_GATE_UP else self.inter,
@@ -237,7 +237,7 @@ class MoEStep:
 
     def shared_expert(self):
         """The shared expert alone (its own fp16 activation copy on the mma path: no wait for the router's)."""
-        x16 = mma_kernels().to_x16(self.x, self.w.gate_up.k_pad) if self.path == "mma" else None
+        x16 = dispatch.gemm_mma_kernels().to_x16(self.x, self.w.gate_up.k_pad) if self.path == "mma" else None
         self._gate_up(False, True, x16=x16)
         self._down(False, True)
 

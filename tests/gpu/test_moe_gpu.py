@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 
-from m3serve.kernels.grouped_gemm import mma_kernels
+from m3serve.kernels.dispatch import gemm_mma_kernels
 from m3serve.kernels.dispatch import moe_config, tuned
 from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_prepare_module
 from m3serve.kernels.moe_router import grouping_ref, route_ref
@@ -91,7 +91,7 @@ def test_layer_matches_sparse_moe_forward():
 @pytest.mark.parametrize("T", [3, 40, 520])
 def test_mma_and_portable_paths_agree(T):
     cfg, moe, w = _layer("nvfp4")
-    if mma_kernels() is None or not mma_kernels().available(torch.device(DEV)):
+    if gemm_mma_kernels() is None or not gemm_mma_kernels().available(torch.device(DEV)):
         pytest.skip("no mma kernels on this device")
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
     mma_cfg = ("mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=8, unroll=3))
@@ -177,7 +177,7 @@ def test_a_new_token_count_compiles_nothing(t_first, t_then):
 
 def test_config_table_picks_the_mma_path_for_decode():
     cfg, moe, w = _layer("nvfp4")
-    if mma_kernels() is None or not mma_kernels().available(torch.device(DEV)):
+    if gemm_mma_kernels() is None or not gemm_mma_kernels().available(torch.device(DEV)):
         pytest.skip("no mma kernels on this device")
     assert moe_config(1, w, torch.device(DEV))[0] == "mma"
     assert moe_config(64, w, torch.device(DEV))[0] == "mma"
