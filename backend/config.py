@@ -8,6 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from m3serve.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 SPARSE = "minimax_m3_sparse"
@@ -23,10 +25,6 @@ _LEGACY_SPARSE = {
     "index_topk_blocks": "sparse_topk_blocks",
     "index_local_blocks": "sparse_local_block",
 }
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass

@@ -132,7 +132,7 @@ class SpeculativeDecoder:
         """Speculative steps of decoding sequences only replay CUDA graphs from now on (captured per batch and
         block-table width bucket at their first step; executor/spec_graph.py)."""
         from m3serve.executor.spec_graph import SpecGraphs
-        self.graphs = SpecGraphs(self, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
+        self.graphs = SpecGraphs(self, StepState, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
 
     @property
     def proposal_hook(self) -> ProposalHook | None:

@@ -92,9 +92,10 @@ class SpecBuffers(DecodeBuffers):
 class SpecGraphs:
     """The speculative steps' graphs of one `SpeculativeDecoder` (its runner's model, backend, cache)."""
 
-    def __init__(self, decoder, max_num_seqs: int, max_pages: int):
+    def __init__(self, decoder, new_state, max_num_seqs: int, max_pages: int):
+        """new_state(step): what the decoder's phases hand each other (its `StepState`)."""
         r = decoder.runner
-        self.decoder, self.k = decoder, decoder.spec.num_speculative_tokens
+        self.decoder, self.new_state, self.k = decoder, new_state, decoder.spec.num_speculative_tokens
         self.batches = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_pages)
         self.buffers = SpecBuffers(self.batches[-1], max_pages, r.cache.block_size, self.k, r.device)
@@ -175,11 +176,9 @@ class SpecGraphs:
 
     def _capture(self, view: StepInput):
         """One graph per phase, captured in order into the shared pool; their StepState links them."""
-        from m3serve.executor.spec_decode import StepState
-
         d, t0 = self.decoder, time.perf_counter()
         torch.cuda.synchronize(d.runner.device)
-        state, graphs = StepState(view), []
+        state, graphs = self.new_state(view), []
         for phase in d.phases:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):  # mid-serving: other threads

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from m3serve.config import ConfigError
+from m3serve.errors import ConfigError
 
 METHODS = ("dspark",)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # as engine/spec/proposer.py
