@@ -101,9 +101,9 @@ class SamplingInput:
 
 @dataclass
 class SpecInput:
-    """The step's speculating sequences (DSpark, engine/spec/). Each feeds its anchor (its last token, position t)
+    """The step's speculating sequences (DSpark, executor/speculative/). Each feeds its anchor (its last token, position t)
     followed by k placeholders at positions t+1..t+k; the worker drafts K tokens per sequence, writes the first k
-    into the placeholders, runs the target over all of them in one forward and verifies (executor/spec_decode.py).
+    into the placeholders, runs the target over all of them in one forward and verifies (executor/speculative/decoder.py).
     R speculating sequences, D = sum of their k."""
 
     sample_rows: torch.Tensor  # int64 [R]: their rows among the step's sampling rows (logits_indices order)

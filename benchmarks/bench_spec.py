@@ -12,7 +12,7 @@ layers, Markov rank 256, confidence head), random, written as a checkpoint to a 
 engine's loader. (--smoke: a toy fp32 cut of M3, `build_m3_cut`, where greedy speculation must match exactly.)
 
 Controlled acceptance (a random draft is never right): the real draft runs for its cost, then its proposals go
-through `ControlledProposals` (engine/spec/controlled.py): at each drafted position the draft's token is
+through `ControlledProposals` (executor/speculative/controlled.py): at each drafted position the draft's token is
 replaced, with probability p, by the token the target itself produces there (its greedy continuation, recorded
 first by the speculative engine with p = 0 so the numerics are the verify path's), and the verifier is handed the
 true mixture distribution. With greedy decoding a drafted position whose prefix was accepted is then accepted
@@ -22,7 +22,7 @@ Per batch size B (--batches, default 1,4,8,16,32) the same B random prompts (--p
 tokens each, ignore_eos) run through:
   plain      the engine without speculation, CUDA graphs for decode (the default)
   spec p=0   speculation with K = --k drafts, none replaced: the recording run, and the cost of drafts that are all
-             rejected; speculative steps replay their CUDA graphs (executor/spec_graph.py; --eager: eagerly)
+             rejected; speculative steps replay their CUDA graphs (executor/speculative/graphs.py; --eager: eagerly)
   spec p     for each p in --ps
 Decode tokens/s = tokens generated after every request's first token / wall time of those steps (the prefill
 step is excluded). Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a
@@ -55,8 +55,8 @@ if "--smoke" in sys.argv:
 from m3serve.config import FULL, SPARSE, EngineConfig, ModelConfig  # noqa: E402
 from m3serve.engine.llm_engine import LLMEngine  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
-from m3serve.engine.spec.controlled import ControlledProposals  # noqa: E402
-from m3serve.engine.spec.metrics import SpecDecodeStats  # noqa: E402
+from m3serve.executor.speculative.controlled import ControlledProposals  # noqa: E402
+from m3serve.engine.speculative_metrics import SpecDecodeStats  # noqa: E402
 from m3serve.engine.step_builder import as_int64  # noqa: E402
 from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402

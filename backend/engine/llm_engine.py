@@ -2,7 +2,7 @@
 `AsyncLLMEngine` drives it from its own thread). It owns everything that is a Python object (scheduler,
 sequences, detokenizers); the model, the page pool and the sampler live behind the `Executor`, which gets one
 typed `StepInput` per step and returns the sampled token ids. With speculative decoding (`speculative_config`,
-engine/spec/) a step may return several tokens per sequence: they are appended one by one, a stop token, stop
+executor/speculative/) a step may return several tokens per sequence: they are appended one by one, a stop token, stop
 string or max_tokens ending the sequence at that token, and streamed as one output.
 
     engine = LLMEngine(EngineConfig(model=DIR, ...))
@@ -28,8 +28,8 @@ from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
-from m3serve.engine.spec.metrics import SpecDecodeStats
-from m3serve.engine.spec.scheduling import num_draft_tokens
+from m3serve.engine.speculative_metrics import SpecDecodeStats
+from m3serve.engine.speculative_scheduling import num_draft_tokens
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.engine.step_builder import StepBuilder
 from m3serve.executor import create_executor

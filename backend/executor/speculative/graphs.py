@@ -1,4 +1,4 @@
-"""CUDA graphs for DSpark speculative steps (executor/spec_decode.py), per (batch bucket, block-table width bucket,
+"""CUDA graphs for DSpark speculative steps (executor/speculative/decoder.py), per (batch bucket, block-table width bucket,
 greedy or sampled), like the decode graphs (cuda_graph.py).
 
 A step is graphed when every sequence in it speculates with all K drafts: S sequences x (K+1) tokens (the anchor,

@@ -26,8 +26,8 @@ from typing import Any
 from m3serve.errors import ConfigError
 
 METHODS = ("dspark",)
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # as engine/spec/proposer.py
-REJECTION_SAMPLE_METHODS = ("standard", "block")  # as engine/spec/verify.py
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # as executor/speculative/proposer.py
+REJECTION_SAMPLE_METHODS = ("standard", "block")  # as executor/speculative/verify.py
 DRAFT_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
 DEFAULT_DRAFT_SUBDIR = "dspark"
 
