@@ -10,7 +10,8 @@
 #                      the file $M3SERVE_REPOSITORY_KEY_FILE, else one generated into .cache/repository-key (mode 600)
 #   ./build.sh demo    setup, start the server on the learned model (models/m3-tiny-learned; else the tiny random
 #                      model), stream an arithmetic answer and a parsed tool call, stop the server
-#   ./build.sh test    setup, run the whole test suite
+#   ./build.sh test    setup, check the package graph (lint-imports), run the whole test suite
+#   ./build.sh lint-imports               only check the package graph (import-linter's contracts in pyproject.toml)
 #   ./build.sh assemble                   only assemble the backend dir (with $M3SERVE_PYTHON: no venv; Docker)
 # $M3SERVE_PYTHON: use this Python (packages already installed) instead of .venv; $M3SERVE_TRITON_DIR: where the
 # backend dir goes (default .cache/triton); $M3SERVE_MODEL_DIR: where model.json's relative "model" paths resolve.
@@ -246,11 +247,27 @@ demo() {
   log "both answers are correct"
 }
 
+# The package graph of docs/architecture.md (the contracts in pyproject.toml's [tool.importlinter]). import-linter
+# reads the package from where `m3serve` is found, and the editable install maps m3serve.kernels (kernels/) apart
+# from m3serve (backend/): so it reads a throwaway tree, m3serve/ linking backend/'s entries and kernels/.
+lint_imports() {
+  local view
+  view="$(mktemp -d)"
+  mkdir "$view/m3serve"
+  ln -s "$ROOT"/backend/* "$view/m3serve/"
+  ln -s "$ROOT/kernels" "$view/m3serve/kernels"
+  local rc=0
+  PYTHONPATH="$view" "$VENV/bin/lint-imports" --no-cache --no-logo || rc=$?
+  rm -rf "$view"
+  return "$rc"
+}
+
 # The suite through tests/run_suite.py: one pytest process without a GPU; with one, tests/kernels (interpreter)
 # and the rest (compiled kernels, tests/gpu included) in two. transformers and the server wheel are required
 # (tests/support/required.py): a missing one fails the run.
 run_tests() {
   setup
+  lint_imports
   export USE_HUB_KERNELS=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
   "$VENV/bin/python" tests/run_suite.py -q -p no:cacheprovider "$@"
 }
@@ -263,5 +280,6 @@ case "$cmd" in
   serve) serve "$@" ;;
   demo) demo "$@" ;;
   test) run_tests "$@" ;;
-  *) echo "usage: $0 {setup|serve|demo|test|assemble} [args]" >&2; exit 2 ;;
+  lint-imports) lint_imports ;;
+  *) echo "usage: $0 {setup|serve|demo|test|lint-imports|assemble} [args]" >&2; exit 2 ;;
 esac

@@ -8,6 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from m3serve.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 SPARSE = "minimax_m3_sparse"
@@ -23,10 +25,6 @@ _LEGACY_SPARSE = {
     "index_topk_blocks": "sparse_topk_blocks",
     "index_local_blocks": "sparse_local_block",
 }
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass
@@ -287,7 +285,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # > 1: rank 0 in the engine process, a worker process per other rank
     enable_expert_parallel: bool = False  # routed experts: E/N whole experts per rank instead of each one split
     attention_config: dict[str, Any] = field(default_factory=dict)  # {"indexer_kv_dtype": ...}
-    speculative_config: dict[str, Any] | None = None  # DSpark: engine/spec/config.py
+    speculative_config: dict[str, Any] | None = None  # DSpark: backend/speculative_config.py
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps launch their kernels one by one)
     async_scheduling: bool = True  # queue the next decode step before this one's tokens are back (llm_engine.py)
@@ -327,7 +325,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.speculative_config:  # None or {}: off
-            from m3serve.engine.spec.config import SpeculativeConfig
+            from m3serve.speculative_config import SpeculativeConfig
 
             spec_problems = SpeculativeConfig.problems(self.speculative_config)
             problems += spec_problems
@@ -363,9 +361,9 @@ class EngineConfig:
 
     @property
     def speculative(self):
-        """The parsed `speculative_config` (engine/spec/config.py `SpeculativeConfig`), or None (off)."""
+        """The parsed `speculative_config` (backend/speculative_config.py `SpeculativeConfig`), or None (off)."""
         if not self.speculative_config:
             return None
-        from m3serve.engine.spec.config import SpeculativeConfig
+        from m3serve.speculative_config import SpeculativeConfig
 
         return SpeculativeConfig.from_dict(self.speculative_config)

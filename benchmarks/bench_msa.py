@@ -35,7 +35,7 @@ import triton.testing  # noqa: E402
 
 from ceilings import copy_bandwidth  # noqa: E402
 from m3serve.config import KV_BYTES_PER_ELEMENT  # noqa: E402
-from m3serve.executor.kv_cache import LayerKVCache  # noqa: E402
+from m3serve.model.kv_cache import LayerKVCache  # noqa: E402
 from m3serve.kernels.dispatch import tuned  # noqa: E402
 from m3serve.kernels.indexer import indexer_block_scores, indexer_decode, indexer_prefill  # noqa: E402
 from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref  # noqa: E402

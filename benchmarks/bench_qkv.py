@@ -31,7 +31,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from m3serve.config import KV_BYTES_PER_ELEMENT, ModelConfig, preset  # noqa: E402
-from m3serve.executor.kv_cache import PagedKVCache  # noqa: E402
+from m3serve.model.kv_cache import PagedKVCache  # noqa: E402
 from m3serve.kernels.kv_insert import kv_insert, kv_insert_ref  # noqa: E402
 from m3serve.kernels.qkv_insert import QKVLayout, qkv_insert  # noqa: E402
 from m3serve.model.m3 import Attention, Rotary  # noqa: E402

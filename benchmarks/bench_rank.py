@@ -46,7 +46,7 @@ from geometry import SMOKE_TP4, _storage_bytes, flash_geometry, make_engine, ran
 from m3serve.capacity import plan  # noqa: E402
 from m3serve.distributed.parallel import Parallel  # noqa: E402
 from m3serve.executor.cuda_graph import graph_reserve_bytes  # noqa: E402
-from m3serve.executor.kv_cache import activation_reserve_bytes  # noqa: E402
+from m3serve.model.kv_cache import activation_reserve_bytes  # noqa: E402
 
 TP = 4
 GOAL_TOK_S_PER_USER, GOAL_USERS = 300.0, 4

@@ -12,7 +12,7 @@ layers, Markov rank 256, confidence head), random, written as a checkpoint to a 
 engine's loader. (--smoke: a toy fp32 cut of M3, `build_m3_cut`, where greedy speculation must match exactly.)
 
 Controlled acceptance (a random draft is never right): the real draft runs for its cost, then its proposals go
-through `ControlledProposals` (engine/spec/controlled.py): at each drafted position the draft's token is
+through `ControlledProposals` (executor/speculative/controlled.py): at each drafted position the draft's token is
 replaced, with probability p, by the token the target itself produces there (its greedy continuation, recorded
 first by the speculative engine with p = 0 so the numerics are the verify path's), and the verifier is handed the
 true mixture distribution. With greedy decoding a drafted position whose prefix was accepted is then accepted
@@ -22,7 +22,7 @@ Per batch size B (--batches, default 1,4,8,16,32) the same B random prompts (--p
 tokens each, ignore_eos) run through:
   plain      the engine without speculation, CUDA graphs for decode (the default)
   spec p=0   speculation with K = --k drafts, none replaced: the recording run, and the cost of drafts that are all
-             rejected; speculative steps replay their CUDA graphs (executor/spec_graph.py; --eager: eagerly)
+             rejected; speculative steps replay their CUDA graphs (executor/speculative/graphs.py; --eager: eagerly)
   spec p     for each p in --ps
 Decode tokens/s = tokens generated after every request's first token / wall time of those steps (the prefill
 step is excluded). Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a
@@ -41,14 +41,14 @@ verify phase x (60 - L) / L; a plain step = its measured time + (its decode forw
 (60 - L) / L (the forward graph of the batch replayed and the lm_head over the batch's rows, timed with CUDA events
 after the plain run). Projected speedup = tau x plain / speculative step, efficiency = plain / speculative step.
 
---confidence-scheduling: a third engine with confidence-scheduled verification (engine/spec/confidence.py) and
+--confidence-scheduling: a third engine with confidence-scheduled verification (executor/speculative/confidence.py) and
 the measured cost table, for each p (p > 0) at each batch size: the controlled proposals' confidence is p, the
 true chance of each drafted token (a calibrated head); the workload runs once to capture every width's graphs,
 then timed. Reported beside the fixed-K run: tokens/s, the ratio, the mean verify width, match.
 
 `cost_table` (JSON; per p, the figures of p = 0): [verify tokens = B (K+1), speculative step ms] per batch size B, as
 measured and projected to 60 layers: what `speculative_config.confidence_cost_table` takes (the step time at that
-many verify tokens; engine/spec/confidence.py).
+many verify tokens; executor/speculative/confidence.py).
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ if "--smoke" in sys.argv:
 from m3serve.config import FULL, SPARSE, EngineConfig, ModelConfig  # noqa: E402
 from m3serve.engine.llm_engine import LLMEngine  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
-from m3serve.engine.spec.controlled import ControlledProposals  # noqa: E402
-from m3serve.engine.spec.metrics import SpecDecodeStats  # noqa: E402
+from m3serve.executor.speculative.controlled import ControlledProposals  # noqa: E402
+from m3serve.engine.speculative_metrics import SpecDecodeStats  # noqa: E402
 from m3serve.engine.step_builder import as_int64  # noqa: E402
 from m3serve.executor.cuda_graph import _bucket  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402

@@ -157,11 +157,11 @@ def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, mar
 def control_acceptance(engine, p: float, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Controlled acceptance for requests that all send `prompt_ids`, greedy (bench_server): the target's greedy
     continuation recorded through the speculative engine itself (random drafts: all rejected, so the tokens are the
-    verify path's), then `ControlledProposals` (engine/spec/controlled.py) in front of the draft with that continuation
+    verify path's), then `ControlledProposals` (executor/speculative/controlled.py) in front of the draft with that continuation
     for every request (looked up under one key: requests carry the engine's random seeds, so their coins are shared
     too: every request accepts at the same positions). Returns the continuation."""
     from m3serve.engine.sampling_params import SamplingParams
-    from m3serve.engine.spec.controlled import ControlledProposals
+    from m3serve.executor.speculative.controlled import ControlledProposals
 
     engine.add_request("control-recording", prompt_token_ids=prompt_ids, sampling_params=SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True))

@@ -2,7 +2,7 @@
 references use.
 
 Every kernel and reference takes the layer's cache as one object with the attributes of `LayerCache` (the
-engine's ``executor.kv_cache.LayerKVCache`` has them; any object with these names will do: the kernels know
+engine's ``model.kv_cache.LayerKVCache`` has them; any object with these names will do: the kernels know
 nothing of the engine). Layout (architecture.md, "Paged cache layout"), ``P`` pages of ``B`` tokens, page = MSA
 block:
 

@@ -29,8 +29,15 @@ import triton.language as tl
 
 from . import platform
 
-FMT_PLAIN, FMT_FP8, FMT_NVFP4 = 0, 1, 2  # cache formats: cache_format's values, the kernels' FMT constexpr
-PLAIN, FP8, NVFP4 = tl.constexpr(FMT_PLAIN), tl.constexpr(FMT_FP8), tl.constexpr(FMT_NVFP4)  # in jitted code
+# The one format enum: a packed weight's format (`weight_layout.PackedWeight.fmt`), a cache's (`cache_format`), the
+# kernels' FMT constexpr. An unquantized cache is the dense format (FMT_PLAIN names it on the cache side).
+FMT_NVFP4, FMT_MXFP8, FMT_FP8, FMT_DENSE = 0, 1, 2, 3
+FMT_PLAIN = FMT_DENSE
+FMT_NAMES = {FMT_NVFP4: "nvfp4", FMT_MXFP8: "mxfp8", FMT_FP8: "fp8", FMT_DENSE: "dense"}
+# constexpr twins for jitted code (`if FMT == NVFP4:`)
+NVFP4, MXFP8, FP8, DENSE = (tl.constexpr(FMT_NVFP4), tl.constexpr(FMT_MXFP8), tl.constexpr(FMT_FP8),
+                            tl.constexpr(FMT_DENSE))
+PLAIN = DENSE
 # The two NVFP4 decoders of the Gluon mma kernels (`nvfp4_mma`): the hardware e4m3 -> f16x2 convert, or integer
 # ops alone; constexpr twins for jitted code as above.
 MODE_CVT, MODE_INT = 0, 1

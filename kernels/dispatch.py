@@ -35,7 +35,6 @@ import torch
 from . import codecs, platform
 from .codecs import FMT_NVFP4, FMT_PLAIN, MODE_INT, cache_format
 from .dequant_gemm import dense_path_ok
-from .grouped_gemm import mma_kernels as gemm_mma_kernels
 from .weight_layout import CHUNK_K, PackedWeight
 
 # The MoE expert GEMMs (`moe_config`), measured on the H200 (docs/performance.md, benchmarks/NOTES-moe.md): rows
@@ -178,6 +177,16 @@ def mma_kernels():
         return None
     from . import nvfp4_mma
     return nvfp4_mma
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_mma_kernels():
+    """The module `grouped_gemm_mma` (Gluon MoE / linear GEMMs, sm_89 / sm_90), or None where this Triton has no
+    Gluon."""
+    if not platform.gluon_present():
+        return None
+    from . import grouped_gemm_mma
+    return grouped_gemm_mma
 
 
 def _contiguous_pool(data: torch.Tensor, scales: torch.Tensor | None) -> bool:

@@ -25,14 +25,12 @@ Row indices: a routed row ``a`` reads activation row ``a // X_DIV`` (``X_DIV`` =
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .codecs import cast_to, e2m1_to_f16, e4m3_bits_to_f32
-from .platform import gluon_present, interpreting
+from .codecs import DENSE, MXFP8, NVFP4, cast_to, e2m1_to_f16, e4m3_bits_to_f32
+from .platform import interpreting
 from .weight_layout import CHUNK_K, TILE_N, PackedWeight, unpack
 
 MODE_GATE_UP, MODE_DOWN, MODE_LINEAR = 0, 1, 2
@@ -67,13 +65,13 @@ def load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.co
     16-bit WDT (the GPU path) the codes are decoded exactly with fp16 ops and the hardware e4m3 convert, then
     converted; mxfp8 values then carry a factor 2^-8 (the caller's ``UNS`` restores it)."""
     DEC: tl.constexpr = tl.float32 if WDT == tl.float32 else tl.float16
-    if FMT == 3:  # dense, row-major [G, N_PAD, K_PAD]
+    if FMT == DENSE:  # dense, row-major [G, N_PAD, K_PAD]
         k = c * 128 + tl.arange(0, 128)
         w = tl.load(data + (g * N_PAD + rows.to(tl.int64))[:, None] * K_PAD + k[None, :])
         return w.to(WDT)
     else:
         rc = ((g * NT16 + rows // 16).to(tl.int64) * KC + c) * 16 + rows % 16  # tile row index [BN]
-        if FMT == 0:  # nvfp4: 64 bytes + 8 e4m3 scales per tile row
+        if FMT == NVFP4:  # nvfp4: 64 bytes + 8 e4m3 scales per tile row
             b = tl.load(data + rc[:, None] * 64 + tl.arange(0, 64)[None, :])
             sb = tl.load(scale + rc[:, None] * 8 + tl.arange(0, 8)[None, :])
             if DEC == tl.float16:
@@ -91,7 +89,7 @@ def load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.co
             else:
                 v = e4m3_bits_to_f32(b)
             v = tl.reshape(tl.permute(tl.reshape(v, (BN, 16, 2, 2, 2)), (0, 1, 3, 2, 4)), (BN, 128))
-            if FMT == 1:
+            if FMT == MXFP8:
                 s = tl.load(scale + rc[:, None] * 4 + tl.arange(0, 4)[None, :])
                 if DEC == tl.float16:
                     s = s * 0.00390625  # 2^-8: e4m3 (<= 448) times the multiplier (<= 2^15) stays in fp16
@@ -129,13 +127,13 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
     cols = n0 + tl.arange(0, BN)
     wcols = tl.minimum(cols, N_PAD - 1)
     wcols2 = tl.minimum(cols + NG, N_PAD - 1)
-    UNS: tl.constexpr = 256.0 if (FMT == 1) and (WDT != tl.float32) else 1.0
+    UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
     y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
                        MODE == 0, BM, BN, WDT)
-    if FMT != 3:
+    if FMT != DENSE:
         y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
     if MODE == 0:
-        if FMT != 3:
+        if FMT != DENSE:
             up = up * (tl.load(rsc + g * N_PAD + wcols2) * UNS)[None, :]
         y = swiglu_oai_f32(y, up, alpha, limit) * wt[:, None]
         omask = rmask[:, None] & (cols < NG)[None, :]
@@ -175,15 +173,6 @@ def _grouped_gemm_kernel(
                 wt = tl.full((BM,), 1.0, tl.float32)
             _tile_body(x_ptr, sx, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale, w_rows,
                        e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, alpha, limit, MODE, FMT, BM, BN, WDT)
-
-
-@functools.lru_cache(maxsize=None)
-def mma_kernels():
-    """The module `grouped_gemm_mma` (Gluon, sm_89 / sm_90), or None where this Triton has no Gluon."""
-    if not gluon_present():
-        return None
-    from . import grouped_gemm_mma
-    return grouped_gemm_mma
 
 
 def work_dtype(x: torch.Tensor):
@@ -258,4 +247,4 @@ def grouped_gemm_ref(x: torch.Tensor, w: PackedWeight, rows: torch.Tensor, group
 
 
 __all__ = ["MODE_GATE_UP", "MODE_DOWN", "MODE_LINEAR", "grouped_gemm", "grouped_gemm_ref", "routed_tiles_bound",
-           "launch_grid", "mma_kernels", "work_dtype"]
+           "launch_grid", "work_dtype"]

@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from .grouped_gemm import MODE_GATE_UP, launch_grid
 from . import platform
 from .nvfp4_mma import _INT_ASM
-from .weight_layout import CHUNK_K, FMT_FP8, FMT_MXFP8, FMT_NVFP4, TILE_N, PackedWeight
+from .codecs import FMT_FP8, FMT_MXFP8, FMT_NVFP4, FP8, MXFP8, NVFP4
+from .weight_layout import CHUNK_K, TILE_N, PackedWeight
 
 NUM_WARPS = 4
 UNSCALE = {FMT_NVFP4: 128.0, FMT_MXFP8: 256.0, FMT_FP8: 256.0}  # decoded value -> true value (times rowscale)
@@ -165,7 +166,7 @@ def _w_offsets(g, row0, NT16, KC, W: gl.constexpr, R: gl.constexpr, NB: gl.const
 def _w_load(data, scale, boff, soff, c, FMT: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr):
     """Raw bytes and block scales of the chunks c + w (a chunk of 16 tile rows is 16 rows further)."""
     w = gl.load(data + boff + c * (16 * NB))
-    if FMT == 2:
+    if FMT == FP8:
         return w, w
     else:
         return w, gl.load(scale + soff + c * (16 * NS))
@@ -174,7 +175,7 @@ def _w_load(data, scale, boff, soff, c, FMT: gl.constexpr, NB: gl.constexpr, NS:
 @gluon.jit
 def _w_decode(raw, sc, FMT: gl.constexpr, W: gl.constexpr, R: gl.constexpr, L4: gl.constexpr, LA: gl.constexpr):
     """Raw chunk [W, R, bytes] -> the A operand [W, R, 128] (fp16, logical column order)."""
-    if FMT == 0:
+    if FMT == NVFP4:
         x = gl.convert_layout(gl.reshape(raw, [W, R, 8, 8]), L4, assert_trivial=True)
         s = gl.expand_dims(sc.to(gl.float16) * 128.0, 3)
         o0, o1 = gl.inline_asm_elementwise(_INT_ASM, "=r,=r,=r,=r,r,r,r", [x, s],
@@ -185,7 +186,7 @@ def _w_decode(raw, sc, FMT: gl.constexpr, W: gl.constexpr, R: gl.constexpr, L4: 
         v = gl.reshape(gl.permute(v, [0, 1, 3, 4, 7, 5, 2, 6]), [W, R, 128])  # (gb, u, o, j1, t, j0)
     else:
         x = gl.convert_layout(gl.reshape(raw, [W, R, 4, 32]), L4, assert_trivial=True)
-        if FMT == 1:
+        if FMT == MXFP8:
             s = gl.expand_dims(sc, 3)
         else:
             s = gl.full([W, R, 4, 1], 1.0, gl.float16, layout=L4)
@@ -216,8 +217,8 @@ def _gemm(x_ptr, xoff, xmask, data, scale, g, row0, row0b, NT16, KC, FMT: gl.con
           LS: gl.constexpr, L4: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
     """Partial sums [W, R, NT] (a second set for the rows from row0b when TWO: gate / up) of each warp's chunks
     (KC % (W * UNROLL) == 0); UNROLL chunks' loads are issued before the first of them is decoded."""
-    NB: gl.constexpr = 64 if FMT == 0 else 128
-    NS: gl.constexpr = 8 if FMT == 0 else 4
+    NB: gl.constexpr = 64 if FMT == NVFP4 else 128
+    NS: gl.constexpr = 8 if FMT == NVFP4 else 4
     boff, soff = _w_offsets(g, row0, NT16, KC, W, R, NB, NS, LD, LS)
     boff2, soff2 = _w_offsets(g, row0b, NT16, KC, W, R, NB, NS, LD, LS)
     acc = gl.zeros([W, R, NT], gl.float32, layout=MMA)

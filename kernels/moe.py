@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import dispatch
 from .dequant_gemm import dense_grouped_gemm
-from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, mma_kernels, work_dtype
+from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, work_dtype
 from .moe_router import Routing, route, route_ref
 from .codecs import cast_to
 from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
@@ -242,7 +242,7 @@ class MoEStep:
         if path == "dense":
             launch = dense_grouped_gemm
         else:
-            launch = mma_kernels().grouped_gemm_mma if path == "mma" else grouped_gemm
+            launch = dispatch.gemm_mma_kernels().grouped_gemm_mma if path == "mma" else grouped_gemm
         launch(src, out, mode, routing=self.local, T=self.T, **kw)
 
     def gate_up(self):
@@ -265,7 +265,7 @@ class MoEStep:
         elif self.path == "mma" and not self.overlap:
             src = self.x16
         else:
-            src = mma_kernels().to_x16(self.x, w.shared_gate_up.k_pad)
+            src = dispatch.gemm_mma_kernels().to_x16(self.x, w.shared_gate_up.k_pad)
         inter = self._shared_buffer()
         self._gemm(self.s_path, MODE_GATE_UP, src, inter, plain=w.shared_gate_up, ng=w.shared_inter_pad,
                    alpha=self.alpha, limit=self.limit, **self.s_gu_cfg)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 from .dequant_gemm import dense_linear
-from .grouped_gemm import MODE_LINEAR, grouped_gemm, mma_kernels
+from .grouped_gemm import MODE_LINEAR, grouped_gemm
 from .weight_layout import PackedWeight, pack_quant_weight, unpack
 
 
@@ -61,7 +61,7 @@ def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     if path == "dense":
         dense_linear(x2, pw, out)
     elif path == "mma":
-        mma = mma_kernels()
+        mma = dispatch.gemm_mma_kernels()
         mma.grouped_gemm_mma(mma.to_x16(x2, pw.k_pad), out, MODE_LINEAR, plain=pw, T=M, **cfg)
     else:
         grouped_gemm(x2, out, MODE_LINEAR, plain=pw, T=M, **cfg)

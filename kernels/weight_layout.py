@@ -27,11 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from . import nvfp4 as _nvfp4
+from .codecs import FMT_DENSE, FMT_FP8, FMT_MXFP8, FMT_NAMES, FMT_NVFP4
 
 TILE_N = 16  # rows per tile (one mma m-tile)
 CHUNK_K = 128  # K elements per tile
-FMT_NVFP4, FMT_MXFP8, FMT_FP8, FMT_DENSE = 0, 1, 2, 3
-FMT_NAMES = {FMT_NVFP4: "nvfp4", FMT_MXFP8: "mxfp8", FMT_FP8: "fp8", FMT_DENSE: "dense"}
 DATA_BYTES = {FMT_NVFP4: CHUNK_K // 2, FMT_MXFP8: CHUNK_K, FMT_FP8: CHUNK_K}  # per tile row
 SCALES = {FMT_NVFP4: CHUNK_K // 16, FMT_MXFP8: CHUNK_K // 32}  # block scales per tile row
 MX_ORDER = (0, 1, 4, 5, 2, 3, 6, 7)  # mxfp8 / fp8 byte order inside each group of 8 elements

@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplerOutput, SamplingInput, SpecInput, StepInput
 
 CLASSES = (StepInput, SamplingInput, SamplerOutput, SpecInput)
 DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32, torch.float16,

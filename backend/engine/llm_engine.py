@@ -2,7 +2,7 @@
 `AsyncLLMEngine` drives it from its own thread). It owns everything that is a Python object (scheduler,
 sequences, detokenizers); the model, the page pool and the sampler live behind the `Executor`, which gets one
 typed `StepInput` per step and returns the sampled token ids. With speculative decoding (`speculative_config`,
-engine/spec/) a step may return several tokens per sequence: they are appended one by one, a stop token, stop
+executor/speculative/) a step may return several tokens per sequence: they are appended one by one, a stop token, stop
 string or max_tokens ending the sequence at that token, and streamed as one output.
 
     engine = LLMEngine(EngineConfig(model=DIR, ...))
@@ -28,12 +28,12 @@ from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
-from m3serve.engine.spec.metrics import SpecDecodeStats
-from m3serve.engine.spec.confidence import VerifyScheduler
-from m3serve.engine.spec.scheduling import num_draft_tokens
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.engine.speculative_metrics import SpecDecodeStats
+from m3serve.engine.speculative_scheduling import num_draft_tokens
+from m3serve.executor.speculative.confidence import VerifyScheduler
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.engine.step_builder import StepBuilder
-from m3serve.executor.executor import create_executor
+from m3serve.executor import create_executor
 from m3serve.executor.worker import PendingOutput
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class LLMEngine:
 
     def _plan_verify_width(self) -> None:
         """Confidence-scheduled verification: the drafts every speculating sequence verifies in the next step, from
-        the decoding sequences' confidences of their previous step (engine/spec/confidence.py; history only, so the
+        the decoding sequences' confidences of their previous step (executor/speculative/confidence.py; history only, so the
         rule stays exact)."""
         k = self.verify_scheduler.k
         limits = [(s, num_draft_tokens(s, k)) for s in self.scheduler.running if s.num_uncomputed_tokens == 1]

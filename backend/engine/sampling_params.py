@@ -13,9 +13,10 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from m3serve.step_io import GREEDY_TEMPERATURE
+
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # seeds are exact integers in [0, 2^64)
-GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax)
 MAX_LOGPROBS = 20
 
 

@@ -9,7 +9,7 @@ Per step, under `max_num_batched_tokens` tokens and `max_num_seqs` running seque
    so nothing starves) while pages, sequence slots and tokens remain; none in a step that preempted.
 An admitted sequence gets pages for all its tokens at once, so a prefill never has to preempt.
 
-Speculative decoding (`num_lookahead`, engine/spec/scheduling.py): a decode that drafts k tokens takes 1 + k
+Speculative decoding (`num_lookahead`, engine/speculative_scheduling.py): a decode that drafts k tokens takes 1 + k
 tokens of the budget (it waits for a later step when they do not fit) and slots for k positions past its last
 token (preempting as a plain decode does). After the step `update` counts only the anchor and the accepted drafts
 as computed and returns the lookahead pages left empty (`BlockManager.trim`). A preempted sequence is recomputed

@@ -10,7 +10,7 @@ import torch
 
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.engine.step import SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplingInput, SpecInput, StepInput
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -75,23 +75,9 @@ class StepBuilder:
             slot_mapping=torch.from_numpy(slots),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=self.sampling(sample_seqs, ahead) if sample_seqs else None,
-            spec=self._spec(spec, len(sample_rows)) if spec else None,
+            spec=SpecInput.from_rows(spec, len(sample_rows), self.num_speculative_tokens) if spec else None,
             prev_token_rows=torch.tensor(prev_rows, dtype=torch.int64) if ahead else None)
         return (step.pin_memory() if self.pin_memory else step), sample_seqs
-
-    def _spec(self, rows: list[tuple[int, int, int, int]], num_sample_rows: int) -> SpecInput:
-        """rows: (sampling row, step sequence, anchor token index, drafts k) of each speculating sequence."""
-        K = self.num_speculative_tokens
-        draft_rows = [anchor + 1 + j for _, _, anchor, k in rows for j in range(k)]
-        draft_index = [r * K + j for r, (_, _, _, k) in enumerate(rows) for j in range(k)]
-        speculating = {row for row, _, _, _ in rows}
-        i64 = dict(dtype=torch.int64)
-        return SpecInput(
-            sample_rows=torch.tensor([r[0] for r in rows], **i64), seq_index=torch.tensor([r[1] for r in rows], **i64),
-            anchor_rows=torch.tensor([r[2] for r in rows], **i64), num_drafts=torch.tensor([r[3] for r in rows], **i64),
-            draft_rows=torch.tensor(draft_rows, **i64), draft_index=torch.tensor(draft_index, **i64),
-            plain_rows=torch.tensor([r for r in range(num_sample_rows) if r not in speculating], **i64),
-            num_speculative_tokens=K)
 
     def sampling(self, seqs: list[Sequence], ahead: int = 0) -> SamplingInput:
         """`ahead`: tokens of each sequence sampled by a step still running (async scheduling; no penalties then:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, SamplingInput, StepInput
+from m3serve.step_io import SamplerOutput, SamplingInput, StepInput
 
 log = logging.getLogger(__name__)
 

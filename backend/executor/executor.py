@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from m3serve.config import EngineConfig, ModelConfig
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.worker import PendingOutput, Worker
 
 
@@ -50,9 +50,3 @@ class UniprocExecutor(Executor):
     def launch(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> PendingOutput:
         return self.worker.launch(step, prev_token_ids)
 
-
-def create_executor(config: EngineConfig, model_config: ModelConfig, max_model_len: int, **kwargs) -> Executor:
-    if config.tensor_parallel_size > 1:
-        from m3serve.executor.multiproc_executor import MultiprocExecutor
-        return MultiprocExecutor(config, model_config, max_model_len, **kwargs)
-    return UniprocExecutor(config, model_config, max_model_len, **kwargs)

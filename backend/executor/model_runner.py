@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, StepInput
-from m3serve.executor.kv_cache import PagedKVCache
+from m3serve.step_io import SamplerOutput, StepInput
+from m3serve.model.kv_cache import PagedKVCache
 from m3serve.executor.sampler import Sampler
 from m3serve.model.layers.attention import TorchAttention
 
@@ -35,7 +35,7 @@ class ModelRunner:
         self.backend = backend if backend is not None else select_attention_backend(model, cache, self.device)
         self.sampler = Sampler()
         self.graphs = None  # a CudaGraphRunner once `capture_graphs` ran
-        self.spec = None  # a SpeculativeDecoder (executor/spec_decode.py) runs every step when set
+        self.spec = None  # a SpeculativeDecoder (executor/speculative/decoder.py) runs every step when set
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode graphs (CUDA only); decode steps replay them from then on."""
@@ -58,7 +58,7 @@ class ModelRunner:
         """Run one step; the sampled tokens (on the device), or None when the step samples nothing. Tensor-parallel
         ranks other than 0 get the step without its sampling fields: they compute their logits' share (gathered
         to rank 0) and return None. Decode steps replay the CUDA graphs when they were captured; speculative
-        decoding runs its own step (executor/spec_decode.py). `prev_token_ids`: the previous step's sampled ids on
+        decoding runs its own step (executor/speculative/decoder.py). `prev_token_ids`: the previous step's sampled ids on
         the device, where a step launched ahead of them (`step.prev_token_rows`) takes its input ids."""
         if (step.prev_token_rows is None) != (prev_token_ids is None):
             raise ValueError("a step reads the previous step's tokens exactly when it is given them")

@@ -31,11 +31,11 @@ import torch
 from m3serve.config import ConfigError, EngineConfig, ModelConfig
 from m3serve.distributed import parallel as par
 from m3serve.distributed import shm_channel as ch
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.executor import Executor
 from m3serve.executor.worker import Worker
 from m3serve.executor.worker_process import ARGV_TAG, BOOTSTRAP, ENV
-from m3serve.model.layers.sharding import check_divisible
+from m3serve.model.sharding import check_divisible
 
 log = logging.getLogger(__name__)
 

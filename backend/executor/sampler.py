@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, SamplingInput
+from m3serve.step_io import SamplerOutput, SamplingInput
 from m3serve.kernels.sampling import inverse_temperature, sample_simple, uniforms
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.engine.spec.confidence import verify_widths
-from m3serve.engine.step import SamplingInput, StepInput
+from m3serve.executor.speculative.confidence import verify_widths
+from m3serve.step_io import SamplingInput, SpecInput, StepInput
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,7 @@ def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, dev
     n = len(seqs)
     spec = None
     if spec_k:
-        from m3serve.engine.step_builder import StepBuilder
-        spec = StepBuilder(block_size, set(), False, spec_k)._spec(
-            [(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n)
+        spec = SpecInput.from_rows([(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n, spec_k)
     return StepInput(
         input_ids=torch.zeros(qsl[-1], dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),

@@ -10,9 +10,9 @@ import torch
 
 from m3serve.config import EngineConfig, ModelConfig, normalize_kv_dtype
 from m3serve.distributed.parallel import Parallel
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.cuda_graph import graph_reserve_bytes
-from m3serve.executor.kv_cache import PagedKVCache, determine_num_pages
+from m3serve.model.kv_cache import PagedKVCache, determine_num_pages
 from m3serve.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,11 @@ class Worker:
         self.num_kv_heads = kv1 - kv0
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
-        self.drafter = None  # the DSpark draft and its speculative step (executor/spec_decode.py)
+        self.drafter = None  # the DSpark draft and its speculative step (executor/speculative/decoder.py)
         self.warmup = None  # the warm-up's report (executor/warmup.py), CUDA only
         spec = config.speculative
         if spec is not None:
-            from m3serve.executor.spec_decode import SpeculativeDecoder
+            from m3serve.executor.speculative.decoder import SpeculativeDecoder
             self.drafter = SpeculativeDecoder(spec, config.model, model)
 
     @property
@@ -72,7 +72,7 @@ class Worker:
 
     @property
     def use_spec_graphs(self) -> bool:
-        """With speculative decoding, its steps' graphs (executor/spec_graph.py) where decode graphs would be; on one
+        """With speculative decoding, its steps' graphs (executor/speculative/graphs.py) where decode graphs would be; on one
         GPU only (under tensor parallelism speculative steps run eagerly)."""
         return self._graphs_allowed and self.drafter is not None and self.parallel.size == 1
 

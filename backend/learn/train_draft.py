@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from m3serve.learn.loop import Schedule, autocast, batches, collate
 from m3serve.learn.tasks import TASKS
 from m3serve.model.dspark import DSparkDraft, SharedTargetParts
 from m3serve.model.dspark_taps import TapRecorder
@@ -153,7 +154,6 @@ class Acceptance:
 
 def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device, deadline: float, pad_id: int,
                          out_dir: str, log) -> dict:
-    from m3serve.learn.train import Schedule, autocast, batches, collate
     from m3serve.text.tokenizer import Tokenizer
 
     t0 = time.time()

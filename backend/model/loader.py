@@ -8,7 +8,7 @@
   `weight_global_scale` = the reciprocal), MXFP8 (`weight` e4m3 + `weight_scale_inv` E8M0 per 32).
 - A missing, unexpected or misshapen tensor is an error naming it.
 - Tensor parallelism: built with a `Parallel` of rank r of N, the model holds only rank r's shard, and each
-  tensor is read through `get_slice` for just that part (`Shard.source`, model/layers/sharding.py); expert-parallel
+  tensor is read through `get_slice` for just that part (`Shard.source`, model/sharding.py); expert-parallel
   ranks skip the other ranks' experts' tensors altogether.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from m3serve.config import ConfigError, ModelConfig
 from m3serve.distributed.parallel import Parallel
 from m3serve.model import layout as L
-from m3serve.model.layers.sharding import QUANT_BLOCK, Shard
+from m3serve.model.sharding import QUANT_BLOCK, Shard
 from m3serve.model.m3 import M3ForCausalLM, Rotary
 from m3serve.model.weights import QuantWeight
 

@@ -5,7 +5,7 @@ Tokens of all sequences of a step are flattened to `[T, hidden]`; the `StepInput
 which sequence, and an attention backend (model/layers/attention.py) owns the cache. Module names follow
 the transformers layout so the loader's map stays short.
 
-Built with a `Parallel` of size N, each rank holds its shard (model/layers/sharding.py has the rules): its
+Built with a `Parallel` of size N, each rank holds its shard (model/sharding.py has the rules): its
 attention heads, its part of each FFN (or its experts), its vocab rows; the layers sum partial outputs over the
 ranks where a split ends (o_proj, the MLP down projections, the MoE layer, the embedding).
 """
@@ -17,7 +17,7 @@ from torch import nn
 
 from m3serve.config import ModelConfig
 from m3serve.distributed.parallel import Parallel
-from m3serve.engine.step import StepInput
+from m3serve.step_io import StepInput
 from m3serve.model.layers.attention import AttentionSpec
 from m3serve.model.layers.embedding import VocabParallelEmbedding
 from m3serve.model.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear

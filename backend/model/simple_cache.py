@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.step import StepInput
+from m3serve.step_io import StepInput
 from m3serve.model.kv_codec import KVCodec
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from m3serve.kernels import mxfp8, nvfp4
-from m3serve.model.layers.sharding import Shard
+from m3serve.model.sharding import Shard
 
 FORMATS = ("dense", "nvfp4", "mxfp8", "fp8")
 

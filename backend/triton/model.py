@@ -68,6 +68,7 @@ _fix_sys_path()
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from m3serve.engine.client import EngineClient  # noqa: E402
 from m3serve.triton import parameters, schema  # noqa: E402
 from m3serve.triton.contract import Defaults, GenRequest, StopRequest  # noqa: E402
 from m3serve.triton.responder import Group, Item, Responder, log  # noqa: E402
@@ -219,8 +220,9 @@ class TritonPythonModel:
         self._lock = threading.Lock()
         self.accepting = True
 
-    def _build_engine(self, cfg):
-        from m3serve.engine.engine_process import EngineProcess, build_engine
+    def _build_engine(self, cfg) -> EngineClient:
+        from m3serve.engine.engine_process import build_engine
+        from m3serve.engine.process_client import EngineProcess
 
         factory = parameters.test_engine_factory(self.name)
         if factory:

@@ -9,8 +9,8 @@ the model's version folder or `$M3SERVE_MODEL_DIR` (the operator's).
 Tests and benchmarks swap the engine through the server's environment only (test-only, never set it in
 production): `$M3SERVE_TEST_ENGINE_FACTORY` = "module:function" or "/path/file.py:function" for every LLM model of
 the server, or "MODEL=SPEC;MODEL=SPEC" per model; the function gets the EngineConfig and returns an object with
-AsyncLLMEngine's `prepare`, `submit`, `abort_sync`, `stats`, `is_healthy` and `shutdown` (engine_process.py
-builds it in the engine process).
+the `EngineClient` members the model calls (engine/client.py: `prepare`, `submit`, `abort_sync`, `stats`,
+`is_healthy`, `shutdown`); engine_process.py builds it in the engine process.
 """
 from __future__ import annotations
 

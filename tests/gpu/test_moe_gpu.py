@@ -6,8 +6,8 @@ import pytest
 import torch
 import triton
 
-from m3serve.kernels.grouped_gemm import mma_kernels
 from m3serve.kernels import dispatch
+from m3serve.kernels.dispatch import gemm_mma_kernels
 from m3serve.kernels.dispatch import moe_config, tuned
 from m3serve.kernels.moe import fused_moe, fused_moe_ref, moe_prepare_module
 from m3serve.kernels.moe_router import grouping_ref, route_ref
@@ -92,7 +92,7 @@ def test_layer_matches_sparse_moe_forward():
 @pytest.mark.parametrize("T", [3, 40, 520])
 def test_mma_and_portable_paths_agree(T):
     cfg, moe, w = _layer("nvfp4")
-    if mma_kernels() is None or not mma_kernels().available(torch.device(DEV)):
+    if gemm_mma_kernels() is None or not gemm_mma_kernels().available(torch.device(DEV)):
         pytest.skip("no mma kernels on this device")
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
     mma_cfg = ("mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=8, unroll=3))
@@ -132,7 +132,7 @@ def test_shared_expert_of_its_own_width(T):
     w = moe_prepare_module(moe)
     assert (w.inter_pad, w.shared_inter_pad, w.shared_rides) == (3072, 1024, False)
     dev = torch.device(DEV)
-    if T <= 1024 and mma_kernels() is not None and mma_kernels().available(dev):
+    if T <= 1024 and gemm_mma_kernels() is not None and gemm_mma_kernels().available(dev):
         assert moe_config(T, w, dev)[0] == "mma" and moe_shared_config(T, w, dev)[0] == "mma"
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
     y, routing = _run(cfg, moe, w, x)
@@ -205,7 +205,7 @@ def test_a_new_token_count_compiles_nothing(t_first, t_then):
 
 def test_config_table_picks_the_mma_path_for_decode():
     cfg, moe, w = _layer("nvfp4")
-    if mma_kernels() is None or not mma_kernels().available(torch.device(DEV)):
+    if gemm_mma_kernels() is None or not gemm_mma_kernels().available(torch.device(DEV)):
         pytest.skip("no mma kernels on this device")
     assert moe_config(1, w, torch.device(DEV))[0] == "mma"
     assert moe_config(64, w, torch.device(DEV))[0] == "mma"

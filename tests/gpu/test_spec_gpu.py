@@ -1,4 +1,4 @@
-"""DSpark speculative steps on CUDA, replayed from their graphs (executor/spec_graph.py) and run eagerly: the same
+"""DSpark speculative steps on CUDA, replayed from their graphs (executor/speculative/graphs.py) and run eagerly: the same
 tokens with graphs on and off (greedy, and seeded sampling with probabilistic drafts, block verification, FP8 draft
 cache), greedy tokens equal to plain decoding up to near-ties, under in-flight batching with batch sizes between the
 buckets (padded rows) and mixed steps (prefill chunks, sequences near max_tokens with fewer drafts) that run
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from m3serve import LLM, SamplingParams
-from m3serve.engine.spec.controlled import ControlledProposals
+from m3serve.executor.speculative.controlled import ControlledProposals
 
 pytestmark = pytest.mark.gpu
 K = 5
@@ -82,7 +82,7 @@ def test_sampled_speculation_same_tokens_with_graphs_on_and_off(tiny_model_dir):
 def test_draft_context_partials_at_m3_widths(kv):
     """The draft's paged context attention kernel compiled at M3's widths (64 query / 4 KV heads of 128, pages of
     128, bf16 queries), contexts of 0 to 3000 tokens, against its torch reference (merged over the splits)."""
-    from m3serve.engine.spec.draft_cache import DraftKVCache
+    from m3serve.executor.speculative.draft_cache import DraftKVCache
     from m3serve.kernels.msa_attention import context_partials, context_partials_ref
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -107,9 +107,9 @@ def test_draft_context_partials_at_m3_widths(kv):
 
 
 def test_confidence_scheduled_widths_replay_their_own_graphs(tiny_model_dir):
-    """Confidence-scheduled verification (engine/spec/confidence.py) with scores that switch between low and high
+    """Confidence-scheduled verification (executor/speculative/confidence.py) with scores that switch between low and high
     with the position: steps of width 1 and of K both replay graphs of their own, and give the eager run's tokens."""
-    from m3serve.engine.spec.proposer import Proposal
+    from m3serve.executor.speculative.proposer import Proposal
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=300 + i)
               for i, n in enumerate((40, 33, 25, 48, 30))]

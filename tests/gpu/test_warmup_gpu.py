@@ -4,17 +4,13 @@ compiles no Triton kernel, with DSpark speculative decoding too (the compile cou
 also sees loads from the disk cache). The warm-up's time is in the engine's stats."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from m3serve import LLM, SamplingParams
 from m3serve.model.quantize import quantize_checkpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import geometry  # noqa: E402
+import geometry
 
 pytestmark = pytest.mark.gpu
 

@@ -143,9 +143,9 @@ def _nvidia(monkeypatch):
 
 def _fits(cfg: dict, rows, k_pads) -> bool:
     """An mma grouped-GEMM config whose tiles divide the weights: rows by 16 p, K chunks by warps x unroll."""
-    from m3serve.kernels.grouped_gemm import mma_kernels
+    from m3serve.kernels.dispatch import gemm_mma_kernels
     from m3serve.kernels.weight_layout import CHUNK_K
-    per = mma_kernels().NUM_WARPS * cfg["unroll"]
+    per = gemm_mma_kernels().NUM_WARPS * cfg["unroll"]
     return all(n % (16 * cfg["p"]) == 0 for n in rows) and all((k // CHUNK_K) % per == 0 for k in k_pads)
 
 

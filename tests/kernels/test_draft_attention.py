@@ -4,8 +4,8 @@ against the gathered-context torch path, for fp32 and FP8 draft caches, contexts
 import pytest
 import torch
 
-from m3serve.engine.spec.draft_cache import DraftKVCache
-from m3serve.engine.spec.proposer import insert_context
+from m3serve.executor.speculative.draft_cache import DraftKVCache
+from m3serve.executor.speculative.proposer import insert_context
 from m3serve.kernels.dispatch import tuned
 from m3serve.kernels.msa_attention import context_partials, context_partials_ref
 from m3serve.model.dspark import DSparkDraft, SharedTargetParts

@@ -17,7 +17,7 @@ from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
 from m3serve.kernels.dispatch import moe_config
 from m3serve.kernels.moe import fused_moe, moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare
-from m3serve.kernels.weight_layout import FMT_FP8, FMT_MXFP8, FMT_NVFP4
+from m3serve.kernels.codecs import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.model.weights import QuantWeight
 from support.moe import fill_random, random_moe, tiny_moe_config
 from test_nvfp4_mma_compile import _Launch

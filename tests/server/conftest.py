@@ -14,19 +14,17 @@ from tritonserver_proc import ROOT, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    """A folder holding `tiny-m3` (what the shipped model.json files name), for $M3SERVE_MODEL_DIR."""
-    from m3serve.model.tiny import make_tiny
-
-    base = tmp_path_factory.mktemp("models")
-    make_tiny(str(base / "tiny-m3"))
-    return str(base)
+def models_dir(tiny_model_dir) -> str:
+    """The folder holding the session's tiny model as `tiny-m3` (what the shipped model.json files name): the
+    servers' $M3SERVE_MODEL_DIR."""
+    assert os.path.basename(tiny_model_dir) == "tiny-m3"
+    return os.path.dirname(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_dir, tmp_path_factory):
+def server(models_dir, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("server") / "tritonserver.log")
-    srv = start_server(os.path.join(ROOT, "model_repository"), log_path, {"M3SERVE_MODEL_DIR": tiny_model_dir},
+    srv = start_server(os.path.join(ROOT, "model_repository"), log_path, {"M3SERVE_MODEL_DIR": models_dir},
                        wait_models=["m3", "m3_ids", "preprocessing", "postprocessing", "ensemble"])
     yield srv
     srv.stop()

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def faulty_server(tiny_model_dir, tmp_path_factory):
+def faulty_server(models_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("faulty")
     repo = d / "models"
     copy_models(repo, ("m3", "m3_ids"))
@@ -34,7 +34,7 @@ def faulty_server(tiny_model_dir, tmp_path_factory):
     cfg.write_text(cfg.read_text().replace("parameters [\n", "parameters [\n"
                                            '  { key: "trust_request_chat_template" value: { string_value: "true" } },\n'))
     flag = str(d / "fault")
-    env = {"M3SERVE_MODEL_DIR": tiny_model_dir, "M3SERVE_FAULT_FILE": flag, "M3SERVE_CHAT_TEMPLATE_TIMEOUT": "1",
+    env = {"M3SERVE_MODEL_DIR": models_dir, "M3SERVE_FAULT_FILE": flag, "M3SERVE_CHAT_TEMPLATE_TIMEOUT": "1",
            "M3SERVE_TEST_ENGINE_FACTORY": f"m3={factory}"}
     srv = start_server(str(repo), str(d / "tritonserver.log"), env,
                        ["--model-control-mode=explicit", "--load-model=m3", "--load-model=m3_ids"],

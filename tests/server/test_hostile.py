@@ -21,10 +21,10 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_model_dir, tmp_path_factory):
+def srv(models_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("hostile")
     repo = copy_models(d / "models", ("m3", "preprocessing"))
-    s = start_server(repo, str(d / "tritonserver.log"), {"M3SERVE_MODEL_DIR": tiny_model_dir},
+    s = start_server(repo, str(d / "tritonserver.log"), {"M3SERVE_MODEL_DIR": models_dir},
                      ["--model-control-mode=explicit", "--load-model=m3", "--load-model=preprocessing"],
                      wait_models=["m3", "preprocessing"])
     s.dir = d

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
-
-from tritonserver_proc import ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
 
 
 def test_soak_script_on_the_tiny_model(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import soak_server
 
     out = str(tmp_path / "soak")

@@ -21,11 +21,11 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def tp_server(tiny_model_dir, tmp_path_factory):
+def tp_server(models_dir, tmp_path_factory):
     with open(os.path.join(ROOT, "model_repository", "m3", "1", "model.json")) as f:
         args = json.load(f)
     args["tensor_parallel_size"] = 2
-    srv = serve_m3(tmp_path_factory.mktemp("tp_server"), args, tiny_model_dir)
+    srv = serve_m3(tmp_path_factory.mktemp("tp_server"), args, models_dir)
     yield srv
     srv.stop()
 
@@ -68,7 +68,7 @@ def test_tp2_serves_like_tp1_and_survives_nothing_of_a_dead_worker(tp_server, ti
             break
     client.stop_stream()
     client.close()
-    with LLM(model=os.path.join(tiny_model_dir, "tiny-m3"), device="cpu", dtype="float32", max_model_len=1024) as llm:
+    with LLM(model=tiny_model_dir, device="cpu", dtype="float32", max_model_len=1024) as llm:
         want = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
     assert "".join(texts(got)) == want
     # a worker killed mid-generation: the request fails and the model turns unready within 10 s

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from m3serve.config import ModelConfig
-from m3serve.engine.step import StepInput
-from m3serve.executor.kv_cache import LayerKVCache, PagedKVCache
+from m3serve.step_io import StepInput
+from m3serve.model.kv_cache import LayerKVCache, PagedKVCache
 from m3serve.kernels.kv_insert import kv_insert_ref
 from m3serve.model.layers.attention import AttentionSpec, TorchAttention
 from m3serve.model.layers.triton_attention import TritonAttention

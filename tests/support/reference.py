@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.step import StepInput
+from m3serve.step_io import StepInput
 from m3serve.model.kv_codec import KVCodec
 from m3serve.model.layers.attention import TorchAttention
 from m3serve.model.simple_cache import ContiguousCache

@@ -1,7 +1,7 @@
 """The sampling-kernel check shared by the interpreter tests and the GPU tests."""
 import torch
 
-from m3serve.engine.step import SamplingInput
+from m3serve.step_io import SamplingInput
 from m3serve.executor.sampler import Sampler
 from m3serve.kernels.sampling import sample_simple, sample_simple_ref, vocab_splits
 

@@ -1,25 +1,16 @@
 """The benchmarks' compile log (benchmarks/geometry.py `log_compiles`, bench_server's count per timed level): Triton
 calls the listener as its compiler does, the lines parse back from a server log, compiles are counted by level."""
-import importlib.util
-import os
-import sys
+import importlib
 from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 triton = pytest.importorskip("triton")
 
 
 def _load(name):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.pop(0)
+    """A module of benchmarks/ (on pytest's pythonpath: pyproject.toml)."""
+    return importlib.import_module(name)
 
 
 def test_compiles_are_logged_parsed_and_counted_by_level(tmp_path, capsys, monkeypatch):

@@ -4,8 +4,8 @@ leaves exactly the accepted rows; block rows never leak; FP8 storage with per-la
 import pytest
 import torch
 
-from m3serve.engine.spec.draft_cache import DraftKVCache, commit_slots
-from m3serve.engine.spec.proposer import insert_context, propose
+from m3serve.executor.speculative.draft_cache import DraftKVCache, commit_slots
+from m3serve.executor.speculative.proposer import insert_context, propose
 from m3serve.model.dspark import block_mask
 
 BS, POOL, K = 16, 24, 7

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from m3serve.config import ConfigError
-from m3serve.engine.spec.draft_cache import DraftKVCache
-from m3serve.engine.spec.probs import sampling_probs
-from m3serve.engine.step import SamplingInput
-from m3serve.engine.spec.proposer import insert_context, propose, sample_block
+from m3serve.executor.speculative.draft_cache import DraftKVCache
+from m3serve.executor.speculative.probs import sampling_probs
+from m3serve.step_io import SamplingInput
+from m3serve.executor.speculative.proposer import insert_context, propose, sample_block
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
 from m3serve.model.dspark_loader import load_dspark

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import m3serve.model.dspark as dspark_module
-from m3serve.engine.spec.proposer import sample_block
+from m3serve.executor.speculative.proposer import sample_block
 from support.dspark_ref import draft_block
 
 

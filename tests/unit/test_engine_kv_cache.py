@@ -16,8 +16,8 @@ import torch
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.engine.step import StepInput
-from m3serve.executor.kv_cache import PagedKVCache, page_bytes
+from m3serve.step_io import StepInput
+from m3serve.model.kv_cache import PagedKVCache, page_bytes
 from m3serve.model.kv_codec import KVCodec
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}

@@ -13,7 +13,7 @@ import pytest
 
 from m3serve.config import EngineConfig
 from m3serve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from m3serve.engine.engine_process import EngineProcess
+from m3serve.engine.process_client import EngineProcess
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from support.procs import wait_until
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.engine.step import SamplingInput, StepInput
+from m3serve.step_io import SamplingInput, StepInput
 from m3serve.engine.step_builder import StepBuilder
 from support.steps import assert_same
 

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification (engine/spec/confidence.py): the verify width each step picks from the
+"""Confidence-scheduled verification (executor/speculative/confidence.py): the verify width each step picks from the
 sequences' previous confidences and the step's cost, and the engine running with it (greedy output identical to
 plain decoding, on the eager and the static-buffer path). The chi-square check of the sampled distribution with
 scheduling on is test_spec_engine.py's `test_first_tokens_follow_the_target_distribution[scheduled]`."""
@@ -7,9 +7,10 @@ import torch
 
 from m3serve.config import ConfigError, EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.spec.confidence import CostTable, VerifyScheduler, prefix_survival, verify_widths
-from m3serve.engine.spec.controlled import ControlledProposals
-from m3serve.engine.spec.proposer import Proposal
+from m3serve.executor.speculative.confidence import VerifyScheduler, prefix_survival, verify_widths
+from m3serve.executor.speculative.controlled import ControlledProposals
+from m3serve.executor.speculative.proposer import Proposal
+from m3serve.speculative_config import CostTable
 
 K = 4
 # flat up to 8 verify tokens, then rising: at 4 sequences every width costs more than the one below

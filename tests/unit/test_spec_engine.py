@@ -12,11 +12,11 @@ import torch
 
 from m3serve.config import ConfigError, EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.spec import verify as verify_mod
-from m3serve.engine.spec.controlled import ControlledProposals
-from m3serve.engine.spec.probs import draw, sampling_probs
-from m3serve.engine.step import SamplingInput
-from m3serve.executor import spec_decode
+from m3serve.executor.speculative import verify as verify_mod
+from m3serve.executor.speculative.controlled import ControlledProposals
+from m3serve.executor.speculative.probs import draw, sampling_probs
+from m3serve.step_io import SamplingInput
+from m3serve.executor.speculative import decoder as spec_decode
 from m3serve.executor.sampler import Sampler
 from m3serve.model.dspark_taps import TapRecorder
 from support.reference import ReferenceRunner

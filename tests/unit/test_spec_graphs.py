@@ -1,12 +1,12 @@
-"""The static-buffer path of graphed speculative steps (executor/spec_graph.py), run eagerly on the CPU: the steps
+"""The static-buffer path of graphed speculative steps (executor/speculative/graphs.py), run eagerly on the CPU: the steps
 the CUDA graphs take (every sequence speculating with K drafts) go through the persistent buffers, padded to their
 batch bucket, and give the same tokens as the eager path; mixed steps keep running eagerly. (The capture itself
 runs on CUDA only: tests/gpu/test_spec_gpu.py.)"""
 import torch
 
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.spec.controlled import ControlledProposals
-from m3serve.executor.spec_graph import SpecBuffers
+from m3serve.executor.speculative.controlled import ControlledProposals
+from m3serve.executor.speculative.graphs import SpecBuffers
 
 K = 4
 
@@ -67,7 +67,7 @@ def test_sampled_static_path_equals_eager_path(make_engine, reference_greedy, eu
 def test_buffers_pad_past_the_step():
     """Rows past the step's sequences: no slot (nothing written), position 0, greedy; a smaller step after a larger
     one leaves nothing of the larger one in the padding."""
-    from m3serve.engine.step import SamplingInput, SpecInput, StepInput
+    from m3serve.step_io import SamplingInput, SpecInput, StepInput
 
     buf = SpecBuffers(4, 3, 16, 2, torch.device("cpu"))
 

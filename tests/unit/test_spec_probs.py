@@ -2,8 +2,8 @@
 sampler's per-row branches, and inverse-CDF draws are exact."""
 import torch
 
-from m3serve.engine.spec.probs import draw, one_hot, sampling_probs
-from m3serve.engine.step import SamplingInput
+from m3serve.executor.speculative.probs import draw, one_hot, sampling_probs
+from m3serve.step_io import SamplingInput
 from m3serve.executor.sampler import filter_logits
 
 

@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-from m3serve.engine.spec import verify as verify_mod
-from m3serve.engine.spec.confidence import confident_prefix_length
-from m3serve.engine.spec.probs import draw, one_hot, sampling_probs
-from m3serve.engine.step import SamplingInput
-from m3serve.engine.spec.proposer import sample_block
-from m3serve.engine.spec.verify import block_acceptance, verify
+from m3serve.executor.speculative import verify as verify_mod
+from m3serve.executor.speculative.confidence import confident_prefix_length
+from m3serve.executor.speculative.probs import draw, one_hot, sampling_probs
+from m3serve.step_io import SamplingInput
+from m3serve.executor.speculative.proposer import sample_block
+from m3serve.executor.speculative.verify import block_acceptance, verify
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
 from support.stats import chi_square_p as support_chi_square_p
 

@@ -17,10 +17,10 @@ from m3serve.config import ConfigError, EngineConfig, preset
 from m3serve.distributed import shm_channel as ch
 from m3serve.distributed import step_codec
 from m3serve.distributed.parallel import Parallel
-from m3serve.engine.step import SamplerOutput, SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplerOutput, SamplingInput, SpecInput, StepInput
 from m3serve.model import loader
 from m3serve.model.loader import CheckpointError, load_model
-from m3serve.model.layers.sharding import check_divisible
+from m3serve.model.sharding import check_divisible
 from m3serve.model.quantize import quantize_checkpoint
 from m3serve.model.tiny import make_tiny
 from m3serve.model.weights import QuantWeight

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from m3serve.config import ModelConfig
-from m3serve.engine.step import StepInput
+from m3serve.step_io import StepInput
 from m3serve.kernels.indexer import indexer_topk_ref
 from m3serve.kernels.msa_attention import msa_attention_ref
 

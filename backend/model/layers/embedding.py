@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3serve.distributed.parallel import Parallel
-from m3serve.model.layers.sharding import Shard
+from m3serve.model.sharding import Shard
 
 
 class VocabParallelEmbedding(nn.Module):

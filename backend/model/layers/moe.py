@@ -29,7 +29,7 @@ from torch import nn
 from m3serve.config import ModelConfig
 from m3serve.distributed.parallel import Parallel
 from m3serve.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from m3serve.model.layers.sharding import Shard
+from m3serve.model.sharding import Shard
 from m3serve.model.weights import QuantWeight
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

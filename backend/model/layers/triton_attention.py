@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.step import StepInput
-from m3serve.executor.kv_cache import LayerKVCache, PagedKVCache
+from m3serve.step_io import StepInput
+from m3serve.model.kv_cache import LayerKVCache, PagedKVCache
 from m3serve.kernels.dispatch import attention_block_t, index_block_t, prefill_tiles
 from m3serve.kernels.indexer import indexer_decode, indexer_prefill
 from m3serve.kernels.kv_insert import kv_insert

@@ -1,4 +1,4 @@
-"""CUDA graphs for DSpark speculative steps (executor/spec_decode.py), per (batch bucket, block-table width bucket,
+"""CUDA graphs for DSpark speculative steps (executor/speculative/decoder.py), per (batch bucket, block-table width bucket,
 greedy or sampled), like the decode graphs (cuda_graph.py).
 
 A step is graphed when every sequence in it speculates with the step's K drafts: S sequences x (K+1) tokens (the
@@ -7,7 +7,7 @@ shape per bucket, so its tensors are static: `SpecBuffers` holds them at the lar
 `StepInput` into their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page
 0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, sequences with fewer drafts
 near max_tokens, penalties) runs the same phases eagerly. The step's K is the configured one, or, with
-confidence-scheduled verification, the width the engine chose for the step (engine/spec/confidence.py: one of a
+confidence-scheduled verification, the width the engine chose for the step (executor/speculative/confidence.py: one of a
 few), so graphs and buffers are kept per K too.
 
 Each phase of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from m3serve.engine.step import SamplerOutput, SpecInput, StepInput
+from m3serve.step_io import SamplerOutput, SpecInput, StepInput
 from m3serve.executor.cuda_graph import DecodeBuffers, _bucket, batch_buckets, width_buckets
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,10 @@ class SpecBuffers(DecodeBuffers):
 class SpecGraphs:
     """The speculative steps' graphs of one `SpeculativeDecoder` (its runner's model, backend, cache)."""
 
-    def __init__(self, decoder, max_num_seqs: int, max_pages: int):
+    def __init__(self, decoder, new_state, max_num_seqs: int, max_pages: int):
+        """new_state(step): what the decoder's phases hand each other (its `StepState`)."""
         r = decoder.runner
-        self.decoder, self.k = decoder, decoder.spec.num_speculative_tokens
+        self.decoder, self.new_state, self.k = decoder, new_state, decoder.spec.num_speculative_tokens
         self.batches = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_pages)
         self.max_pages = max_pages
@@ -186,11 +187,9 @@ class SpecGraphs:
 
     def _capture(self, view: StepInput):
         """One graph per phase, captured in order into the shared pool; their StepState links them."""
-        from m3serve.executor.spec_decode import StepState
-
         d, t0 = self.decoder, time.perf_counter()
         torch.cuda.synchronize(d.runner.device)
-        state, graphs = StepState(view), []
+        state, graphs = self.new_state(view), []
         for phase in d.phases:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):  # mid-serving: other threads

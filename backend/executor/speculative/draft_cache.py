@@ -1,7 +1,7 @@
 """The DSpark draft's paged KV cache: per draft layer, K (k_norm + RoPE applied) and V of the projected
 context features C of the target's computed positions (design/dspark.md section 2).
 
-It is indexed exactly like the target's page pool (executor/kv_cache.py): the same page size B, the same page
+It is indexed exactly like the target's page pool (model/kv_cache.py): the same page size B, the same page
 ids, so the engine passes the target's block tables and slot mapping unchanged. A row of position p of a
 sequence lives at slot `page_table[p // B] * B + p % B`. Layout per layer (what a paged kernel reads):
   k[l], v[l]   fp8 e4m3 (per-layer fp32 scale) | bf16 | fp16 | fp32   [P + 1, H_kv, B, D]
@@ -9,7 +9,7 @@ Page P (one past the pool) is a scratch page: rows written with slot -1 (padding
 needs the host to filter its rows; no block table points at it.
 
 Block rows (the drafted block) are transient and never written. The speculative step writes the rows of every
-verified draft, accepted or not (executor/spec_decode.py, so the cache does not wait for verification): a rejected
+verified draft, accepted or not (executor/speculative/decoder.py, so the cache does not wait for verification): a rejected
 draft's row lies past its sequence's accepted length, like its target KV row; no draft reads it (a block reads the
 rows before its anchor) and the step that commits that position writes it again, so the cache needs no rollback.
 `commit_slots` keeps only the accepted rows instead (slot -1 for the others), for callers that want exactly them.

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.engine.spec.probs import draw, one_hot
+from m3serve.executor.speculative.probs import draw, one_hot
 
 VERIFY_RULES = ("standard", "block")  # vLLM's rejection_sample_method names
 _RESIDUAL_FLOOR = 1e-7

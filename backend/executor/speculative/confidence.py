@@ -8,7 +8,7 @@ the target.
 Confidence-scheduled verification (`VerifyScheduler`; the paper's Algorithm 1 restricted to one width for every
 sequence, chosen from stale confidences as its production form chooses its budget, section 5.2; the per-request
 allocation inside a budget, which needs variable query lengths decided on the device, is not built): before a step the engine picks ONE verify width W for every speculating sequence, from a small set (`widths`: so a
-step keeps one shape per batch bucket and its CUDA graphs, executor/spec_graph.py), to maximise the expected tokens
+step keeps one shape per batch bucket and its CUDA graphs, executor/speculative/graphs.py), to maximise the expected tokens
 per unit of step time
     Theta(W) = sum_r (1 + sum_{j <= min(W, k_r)} a_{r,j}) / cost(sum_r (1 + min(W, k_r)))
 where a_{r,j} = c_{r,1} ... c_{r,j} is sequence r's prefix survival (the chance its first j drafts are accepted),
@@ -25,10 +25,11 @@ extrapolated from the last one.
 """
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence as Seq
 
 import torch
+
+from m3serve.speculative_config import CostTable
 
 def confident_prefix_length(confidence: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """confidence fp32 [S, K] in (0, 1), threshold (scalar or [S]) -> verify lengths L int64 [S], 0..K."""
@@ -39,24 +40,6 @@ def confident_prefix_length(confidence: torch.Tensor, threshold: float | torch.T
 def verify_widths(k: int) -> list[int]:
     """The widths a step may verify with K drafts: 1, 2, 3, 5 below K, and K (one graph set per width)."""
     return [w for w in (1, 2, 3, 5) if w < k] + [k]
-
-
-class CostTable:
-    """Step time (any unit) at B verify tokens: piecewise linear through the points, linear past the last two."""
-
-    def __init__(self, points: Seq[Seq[float]]):
-        pts = sorted((float(b), float(t)) for b, t in points)
-        if len(pts) < 2 or any(t <= 0 for _, t in pts) or len({b for b, _ in pts}) != len(pts):
-            raise ValueError(f"cost table {points!r}: needs >= 2 points [tokens, time] with distinct tokens, time > 0")
-        self.tokens, self.times = [b for b, _ in pts], [t for _, t in pts]
-
-    def __call__(self, tokens: float) -> float:
-        b, t = self.tokens, self.times
-        if tokens <= b[0]:
-            return t[0]
-        i = min(bisect.bisect_left(b, tokens), len(b) - 1)
-        slope = (t[i] - t[i - 1]) / (b[i] - b[i - 1])
-        return max(min(t), t[i - 1] + slope * (tokens - b[i - 1]))
 
 
 def prefix_survival(confidence: Seq[float], width: int) -> list[float]:

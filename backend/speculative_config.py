@@ -18,24 +18,46 @@ Keys:
                            falls below it (DeepSpec's static threshold; lossless). Needs a confidence head.
   confidence_scheduling    false (default) | true: before each step the engine picks one verify width for every
                            speculating sequence (1, 2, 3, 5 or K) from the sequences' previous confidences and the
-                           step's cost (engine/spec/confidence.py; lossless). Needs a confidence head.
+                           step's cost (executor/speculative/confidence.py; lossless). Needs a confidence head.
   confidence_cost_table    [[tokens, step time], ...] (>= 2 points; required with confidence_scheduling): the
                            speculative step's time at that many verify tokens on this machine (bench_spec prints it
                            as `cost_table`).
 """
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence as Seq
+
 import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from m3serve.config import ConfigError
+from m3serve.errors import ConfigError
 
 METHODS = ("dspark",)
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # as engine/spec/proposer.py
-REJECTION_SAMPLE_METHODS = ("standard", "block")  # as engine/spec/verify.py
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # as executor/speculative/proposer.py
+REJECTION_SAMPLE_METHODS = ("standard", "block")  # as executor/speculative/verify.py
 DRAFT_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
 DEFAULT_DRAFT_SUBDIR = "dspark"
+
+
+
+class CostTable:
+    """Step time (any unit) at B verify tokens: piecewise linear through the points, linear past the last two."""
+
+    def __init__(self, points: Seq[Seq[float]]):
+        pts = sorted((float(b), float(t)) for b, t in points)
+        if len(pts) < 2 or any(t <= 0 for _, t in pts) or len({b for b, _ in pts}) != len(pts):
+            raise ValueError(f"cost table {points!r}: needs >= 2 points [tokens, time] with distinct tokens, time > 0")
+        self.tokens, self.times = [b for b, _ in pts], [t for _, t in pts]
+
+    def __call__(self, tokens: float) -> float:
+        b, t = self.tokens, self.times
+        if tokens <= b[0]:
+            return t[0]
+        i = min(bisect.bisect_left(b, tokens), len(b) - 1)
+        slope = (t[i] - t[i - 1]) / (b[i] - b[i - 1])
+        return max(min(t), t[i - 1] + slope * (tokens - b[i - 1]))
 
 
 @dataclass
@@ -87,7 +109,6 @@ class SpeculativeConfig:
             bad("confidence_cost_table", "confidence_scheduling needs the step-cost table measured on this machine "
                 "(benchmarks/bench_spec.py prints one)")
         if table is not None:
-            from m3serve.engine.spec.confidence import CostTable
             try:
                 if not all(isinstance(p, (list, tuple)) and len(p) == 2 and not any(isinstance(v, bool) for v in p)
                            for p in table):

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.engine.spec.draft_cache import DraftKVCache
-from m3serve.engine.spec.probs import draw, sampling_probs
-from m3serve.engine.step import SamplingInput
+from m3serve.executor.speculative.draft_cache import DraftKVCache
+from m3serve.executor.speculative.probs import draw, sampling_probs
+from m3serve.step_io import SamplingInput
 from m3serve.model.dspark import DSparkDraft
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
 

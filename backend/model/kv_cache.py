@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from m3serve.config import CACHE_DTYPES, KV_BYTES_PER_ELEMENT, ConfigError, ModelConfig
-from m3serve.engine.step import StepInput
+from m3serve.step_io import StepInput
 from m3serve.model.kv_codec import KVCodec
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from m3serve.engine.step import SamplingInput
+from m3serve.step_io import SamplingInput
 from m3serve.executor.sampler import filter_logits
 
 

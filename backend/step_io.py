@@ -2,6 +2,7 @@
 
 Plain tensors, lists and scalars only, so a step can be pickled, broadcast to tensor-parallel ranks
 (`torch.distributed.broadcast_object_list`) or copied into a CUDA graph's persistent buffers field by field.
+Every layer shares these types, so this module sits below all of them and imports none.
 The engine builds it on the host (`engine/step_builder.py`); the worker moves it to its device once
 (`StepInput.to`) and every layer reads the same fields.
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.engine.sampling_params import GREEDY_TEMPERATURE
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax)
 
 
 def _map_tensors(obj, fn):
@@ -100,9 +101,9 @@ class SamplingInput:
 
 @dataclass
 class SpecInput:
-    """The step's speculating sequences (DSpark, engine/spec/). Each feeds its anchor (its last token, position t)
+    """The step's speculating sequences (DSpark, executor/speculative/). Each feeds its anchor (its last token, position t)
     followed by k placeholders at positions t+1..t+k; the worker drafts K tokens per sequence, writes the first k
-    into the placeholders, runs the target over all of them in one forward and verifies (executor/spec_decode.py).
+    into the placeholders, runs the target over all of them in one forward and verifies (executor/speculative/decoder.py).
     R speculating sequences, D = sum of their k."""
 
     sample_rows: torch.Tensor  # int64 [R]: their rows among the step's sampling rows (logits_indices order)
@@ -117,6 +118,20 @@ class SpecInput:
     @property
     def num_seqs(self) -> int:
         return int(self.sample_rows.shape[0])
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[int, int, int, int]], num_sample_rows: int, K: int) -> SpecInput:
+        """rows: (sampling row, step sequence, anchor token index, drafts k) of each speculating sequence."""
+        draft_rows = [anchor + 1 + j for _, _, anchor, k in rows for j in range(k)]
+        draft_index = [r * K + j for r, (_, _, _, k) in enumerate(rows) for j in range(k)]
+        speculating = {row for row, _, _, _ in rows}
+        i64 = dict(dtype=torch.int64)
+        return cls(
+            sample_rows=torch.tensor([r[0] for r in rows], **i64), seq_index=torch.tensor([r[1] for r in rows], **i64),
+            anchor_rows=torch.tensor([r[2] for r in rows], **i64), num_drafts=torch.tensor([r[3] for r in rows], **i64),
+            draft_rows=torch.tensor(draft_rows, **i64), draft_index=torch.tensor(draft_index, **i64),
+            plain_rows=torch.tensor([r for r in range(num_sample_rows) if r not in speculating], **i64),
+            num_speculative_tokens=K)
 
 
 @dataclass

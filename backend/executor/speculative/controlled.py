@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.spec.probs import one_hot
-from m3serve.engine.spec.proposer import Proposal
-from m3serve.engine.spec.rng import stream_uniforms
+from m3serve.executor.speculative.probs import one_hot
+from m3serve.executor.speculative.proposer import Proposal
+from m3serve.executor.speculative.rng import stream_uniforms
 
-HOOK = 0x60000000  # the hook's own uniform stream (engine/spec/rng.py lists the others)
+HOOK = 0x60000000  # the hook's own uniform stream (executor/speculative/rng.py lists the others)
 
 
 class ControlledProposals:

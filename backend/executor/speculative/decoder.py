@@ -1,4 +1,4 @@
-"""The worker's DSpark speculative step (design/dspark.md section 2; the engine side is engine/spec/scheduling.py).
+"""The worker's DSpark speculative step (design/dspark.md section 2; the engine side is engine/speculative_scheduling.py).
 
 One `execute(step)` per engine step, as five phases on the device (`phases`), no host synchronisation in between:
 1. draft: for the R speculating sequences (`step.spec`), one draft backbone pass over [anchor, mask x (gamma-1)]
@@ -7,12 +7,12 @@ One `execute(step)` per engine step, as five phases on the device (`phases`), no
    CPU every page of the table is gathered, the torch reference) -> base logits U;
 2. markov: K sequential Markov steps: K drafts x_1..x_K per sequence, drawn from the draft distribution Q
    (`probabilistic`, the request's sampling transform) or its argmax (`greedy`), with the DRAFT uniform stream
-   (engine/spec/rng.py); the drafts go into the step's placeholder tokens (positions t+1..t+k of each sequence);
+   (executor/speculative/rng.py); the drafts go into the step's placeholder tokens (positions t+1..t+k of each sequence);
 3. target: ONE forward over the whole step: prefill chunks, plain decodes and the speculating sequences' k+1
    verify positions together (multi-token queries: the prefill attention kernels / the reference attention), its
    tapped layers recorded (`TapRecorder`);
 4. rule: plain rows through the sampler as usual; each speculating row's k+1 verify logits -> the target's
-   distributions T (the same transform), verified against Q by rule "standard" or "block" (engine/spec/verify.py)
+   distributions T (the same transform), verified against Q by rule "standard" or "block" (executor/speculative/verify.py)
    with the ACCEPT / FINAL uniform streams: n accepted drafts and one correction / bonus token;
 5. insert: the tapped features of every row the target computed become draft-cache rows at the target's slots
    (a rejected draft's row, like its target KV row, lies past the accepted length: never read, rewritten when that
@@ -21,7 +21,7 @@ One `execute(step)` per engine step, as five phases on the device (`phases`), no
 It returns up to K+1 tokens per row (`SamplerOutput.num_tokens`) with their raw logprobs; the engine appends them,
 rolls its pages back to the accepted length and applies stop conditions.
 
-Steps where every sequence speculates with K drafts replay one CUDA graph per phase (executor/spec_graph.py);
+Steps where every sequence speculates with K drafts replay one CUDA graph per phase (executor/speculative/graphs.py);
 other steps (prefill chunks, plain decodes, fewer drafts, top-n logprobs) run the phases eagerly.
 
 Launches and host synchronisations of one speculative step (counted by reading the code; launches = torch ops
@@ -49,14 +49,14 @@ from collections.abc import Callable
 import torch
 
 from m3serve.config import ConfigError
-from m3serve.engine.spec.config import SpeculativeConfig
-from m3serve.engine.spec.confidence import confident_prefix_length
-from m3serve.engine.spec.draft_cache import DraftKVCache, draft_kv_dtype
-from m3serve.engine.spec.probs import sampling_probs
-from m3serve.engine.spec.proposer import Proposal, insert_context, sample_block
-from m3serve.engine.spec.rng import ACCEPT, DRAFT, FINAL, MAX_VOCAB, stream_uniforms
-from m3serve.engine.spec.verify import verify
-from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.speculative_config import SpeculativeConfig
+from m3serve.executor.speculative.confidence import confident_prefix_length
+from m3serve.executor.speculative.draft_cache import DraftKVCache, draft_kv_dtype
+from m3serve.executor.speculative.probs import sampling_probs
+from m3serve.executor.speculative.proposer import Proposal, insert_context, sample_block
+from m3serve.executor.speculative.rng import ACCEPT, DRAFT, FINAL, MAX_VOCAB, stream_uniforms
+from m3serve.executor.speculative.verify import verify
+from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.model.dspark_taps import TapRecorder
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class SpeculativeDecoder:
         self.cache: DraftKVCache | None = None
         self.paged = False  # the draft reads its context pages through the kernel (`attach`: on CUDA)
         self.runner = None
-        self.graphs = None  # SpecGraphs (executor/spec_graph.py) once `enable_graphs` ran
+        self.graphs = None  # SpecGraphs (executor/speculative/graphs.py) once `enable_graphs` ran
         self._hook: ProposalHook | None = None
         log.info("speculative decoding: DSpark draft %s (%d layers, taps %s), %d tokens per step, %s drafts, %s "
                  "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft's "
@@ -132,13 +132,13 @@ class SpeculativeDecoder:
 
     def enable_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Speculative steps of decoding sequences only replay CUDA graphs from now on (captured per batch and
-        block-table width bucket at their first step; executor/spec_graph.py)."""
-        from m3serve.executor.spec_graph import SpecGraphs
-        self.graphs = SpecGraphs(self, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
+        block-table width bucket at their first step; executor/speculative/graphs.py)."""
+        from m3serve.executor.speculative.graphs import SpecGraphs
+        self.graphs = SpecGraphs(self, StepState, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
 
     @property
     def proposal_hook(self) -> ProposalHook | None:
-        """A callable that may replace the proposals (benchmarks, tests: engine/spec/controlled.py)."""
+        """A callable that may replace the proposals (benchmarks, tests: executor/speculative/controlled.py)."""
         return self._hook
 
     @proposal_hook.setter
@@ -162,7 +162,7 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> SamplerOutput | None:
-        """The phases of one step already on the device, in order (eagerly; spec_graph.py captures each)."""
+        """The phases of one step already on the device, in order (eagerly; graphs.py captures each)."""
         state = StepState(step)
         for phase in self.phases:
             phase(state)

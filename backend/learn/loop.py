@@ -1,0 +1,81 @@
+"""The training loop's pieces that the target's and the draft's training share (train.py, train_draft.py):
+length-bucketed batches, the planned learning-rate schedule, bf16 autocast."""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator
+
+import torch
+
+
+def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group: int = 256
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless length-bucketed batches (ids [B, S], loss mask [B, S], real-token mask [B, S], task index [B]),
+    right-padded, B * S <= tokens_per_batch (one over-long row makes a batch of its own)."""
+    order = list(range(len(rows)))
+    while True:
+        rng.shuffle(order)
+        cut: list[list[int]] = []
+        for g0 in range(0, len(order), group):
+            chunk = sorted(order[g0:g0 + group], key=lambda i: len(rows[i][0]))
+            cur: list[int] = []
+            for i in chunk:  # ascending lengths: row i is the longest so far
+                if cur and len(rows[i][0]) * (len(cur) + 1) > tokens_per_batch:
+                    cut.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                cut.append(cur)
+        rng.shuffle(cut)
+        for idx in cut:
+            yield (*collate([rows[i] for i in idx], pad_id), torch.tensor([rows[i][2] for i in idx]))
+
+
+def collate(rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), s), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), s, dtype=torch.bool)
+    real = torch.zeros(len(rows), s, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        n = len(r[0])
+        ids[b, :n] = torch.tensor(r[0])
+        mask[b, :n] = torch.tensor(r[1], dtype=torch.bool)
+        real[b, :n] = True
+    return ids, mask, real
+
+
+class Schedule:
+    """Linear warm-up, then cosine decay to `min_ratio` at `total` steps. `tick(step, deadline)` before each step
+    re-plans `total` (at most `cap`) at step `first_plan` and every `every` steps while under 60% of the way, from
+    the mean step time since step 5 (past the first steps' one-off costs), so that the decay ends when the phase's
+    time is up whatever the device's speed."""
+
+    MARK = 5
+
+    def __init__(self, base: float, warmup: int, cap: int, min_ratio: float, first_plan: int = 25, every: int = 100):
+        self.base, self.min_ratio, self.cap, self.first_plan, self.every = base, min_ratio, cap, first_plan, every
+        self.total = cap
+        self.warmup = max(1, min(warmup, cap // 10))
+        self.mark: float | None = None
+
+    def lr(self, step: int) -> float:
+        if step < self.warmup:
+            return self.base * (step + 1) / self.warmup
+        p = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.base * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+    def tick(self, step: int, deadline: float) -> None:
+        if step == self.MARK:
+            self.mark = time.time()
+        elif (self.mark is not None and step >= self.first_plan and step < 0.6 * self.total
+              and (step == self.first_plan or step % self.every == 0)):
+            rate = (time.time() - self.mark) / (step - self.MARK)
+            left = deadline - time.time()
+            fit = self.cap if math.isinf(left) else step + int(left / rate)
+            self.total = max(step + 1, min(self.cap, fit))
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")

@@ -1,0 +1,67 @@
+"""The package graph's contracts (pyproject.toml's [tool.importlinter], run by `./build.sh test` before pytest) hold
+for the tree, and break when a layer imports one above it or two modules import each other."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (requirements-test.txt)")
+
+
+def _tree(tmp_path: Path) -> Path:
+    """m3serve/ as build.sh's lint_imports lays it out (backend/ with kernels/ inside), copied so it can be edited."""
+    pkg = tmp_path / "m3serve"
+    shutil.copytree(ROOT / "backend", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kernels", pkg / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    return pkg
+
+
+def _lint(tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    return subprocess.run([str(LINT), "--config", str(ROOT / "pyproject.toml"), "--no-cache", "--no-logo"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _add_import(path: Path, line: str) -> None:
+    text = path.read_text()
+    head = "from __future__ import annotations\n"
+    assert head in text
+    path.write_text(text.replace(head, head + line + "\n", 1))
+
+
+def test_the_tree_keeps_every_contract(tmp_path):
+    _tree(tmp_path)
+    r = _lint(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Contracts: 4 kept, 0 broken." in r.stdout
+
+
+def test_a_layer_importing_one_above_it_breaks_the_layers(tmp_path):
+    pkg = _tree(tmp_path)
+    _add_import(pkg / "model" / "m3.py", "from m3serve.engine import scheduler  # noqa")  # model -> engine
+    r = _lint(tmp_path)
+    assert r.returncode != 0
+    assert "m3serve.model is not allowed to import m3serve.engine" in r.stdout
+    assert "m3serve.model.m3 -> m3serve.engine.scheduler" in r.stdout
+
+
+def test_the_triton_layer_reaching_the_kernels_breaks_its_contract(tmp_path):
+    pkg = _tree(tmp_path)
+    _add_import(pkg / "triton" / "schema.py", "from m3serve.kernels import dispatch  # noqa")
+    r = _lint(tmp_path)
+    assert r.returncode != 0
+    assert "m3serve.triton is not allowed to import m3serve.kernels" in r.stdout
+
+
+def test_an_import_circle_between_siblings_breaks_the_acyclic_contract(tmp_path):
+    pkg = _tree(tmp_path)  # the circle this tree had: grouped_gemm <-> grouped_gemm_mma
+    _add_import(pkg / "kernels" / "grouped_gemm.py", "from . import grouped_gemm_mma  # noqa")
+    r = _lint(tmp_path)
+    assert r.returncode != 0
+    assert "No cycles are allowed in m3serve.kernels." in r.stdout
