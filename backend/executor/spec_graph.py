@@ -1,12 +1,12 @@
 """CUDA graphs for DSpark speculative steps (executor/spec_decode.py), per (batch bucket, block-table width bucket,
 greedy or sampled), like the decode graphs (cuda_graph.py).
 
-A step is graphed when every sequence in it speculates with all K drafts: S sequences x (K+1) tokens (the anchor,
-then K placeholders), nothing else (no prefill chunk, no plain decode, no top-n logprobs). Such a step has one
-shape per bucket, so its tensors are static: `SpecBuffers` holds them at the largest sizes, each step copies its
-`StepInput` into their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page
-0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, sequences with fewer drafts
-near max_tokens, penalties) runs the same phases eagerly.
+A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
+placeholders), nothing else (no prefill chunk, no plain decode, no top-n logprobs). A sequence near its max_tokens
+verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such a step has one shape per bucket,
+so its tensors are static: `SpecBuffers` holds them at the largest sizes, each step copies its `StepInput` into
+their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page 0 read; greedy;
+their outputs dropped) and replays. Any other step (mixed batches, penalties) runs the same phases eagerly.
 
 Each phase of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
 tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) is one graph; the five replay
@@ -69,13 +69,25 @@ class SpecBuffers(DecodeBuffers):
 
     def fill_spec(self, step: StepInput, view: StepInput) -> None:
         """Copy a speculative step of S <= batch sequences into `view`'s buffers; the rows past S become padding.
-        The view's host lists take the step's (read by host-side reference paths only, never by a graph)."""
-        n, t, w = step.num_seqs, step.num_tokens, step.block_tables.shape[1]
+        A sequence with k < K drafts (near its max_tokens) takes K+1 rows all the same: rows past its k+1 tokens
+        repeat its last token at its position with no slot (nothing written to either cache; the prefill attention
+        is causal by position, so they read only its written keys), and its k in `num_drafts` bounds what the rule
+        verifies, as on the eager path. The view's host lists take the step's (read by host-side reference paths
+        only, never by a graph)."""
+        n, w, k1 = step.num_seqs, step.block_tables.shape[1], self.k + 1
         batch, nb = view.num_seqs, dict(non_blocking=True)
-        for buf, src in ((self.input_ids, step.input_ids), (self.positions, step.positions),
-                         (self.slot_mapping, step.slot_mapping)):
+        ids, pos, slots = step.input_ids, step.positions, step.slot_mapping
+        if step.num_tokens != n * k1:  # host tensors: spread each sequence over its K+1 rows
+            sp, j = step.spec, torch.arange(k1)
+            src = (sp.anchor_rows[:, None] + torch.minimum(j[None, :], sp.num_drafts[:, None])).flatten()
+            ids, pos = ids[src], pos[src]
+            slots = slots[src].masked_fill((j[None, :] > sp.num_drafts[:, None]).flatten(), -1)
+        t = n * k1
+        for buf, src in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots)):
             buf[:t].copy_(src, **nb)
-            buf[t:batch * (self.k + 1)].fill_(-1 if buf is self.slot_mapping else 0)
+            buf[t:batch * k1].fill_(-1 if buf is self.slot_mapping else 0)
+        self.num_drafts[:n].copy_(step.spec.num_drafts, **nb)
+        self.num_drafts[n:batch].fill_(self.k)
         self.seq_lens[:n].copy_(step.seq_lens, **nb)
         self.block_tables[:n, :w].copy_(step.block_tables, **nb)
         s = step.sampling
@@ -108,10 +120,10 @@ class SpecGraphs:
         self._events: list[torch.cuda.Event] | None = None
 
     def supports(self, step: StepInput) -> bool:
-        """Every sequence of the step speculates with K drafts and nothing else is in it (host fields only)."""
+        """Every sequence of the step speculates (k <= K drafts) and nothing else is in it (host fields only)."""
         sp, s, n = step.spec, step.sampling, step.num_seqs
         return (sp is not None and s is not None and sp.num_seqs == n == s.num_rows and n <= self.batches[-1]
-                and step.num_tokens == n * (self.k + 1) and sp.draft_rows.shape[0] == n * self.k
+                and step.num_tokens == n + sp.draft_rows.shape[0] <= n * (self.k + 1)
                 and step.block_tables.shape[1] <= self.widths[-1] and s.max_num_logprobs <= 0
                 and s.repetition_penalty is None and s.frequency_penalty is None and s.presence_penalty is None
                 and s.suppress_token_ids is None)
