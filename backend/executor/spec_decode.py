@@ -55,7 +55,7 @@ from m3serve.engine.spec.draft_cache import DraftKVCache, draft_kv_dtype
 from m3serve.engine.spec.probs import sampling_probs
 from m3serve.engine.spec.proposer import Proposal, insert_context, sample_block
 from m3serve.engine.spec.rng import ACCEPT, DRAFT, FINAL, MAX_VOCAB, stream_uniforms
-from m3serve.engine.spec.verify import verify
+from m3serve.engine.spec.verify import verify, verify_greedy
 from m3serve.engine.step import SamplerOutput, StepInput
 from m3serve.model.dspark_taps import TapRecorder
 
@@ -248,19 +248,27 @@ class SpeculativeDecoder:
         lens = sp.num_drafts
         if self.spec.confidence_threshold > 0:
             lens = torch.minimum(lens, confident_prefix_length(proposal.confidence, self.spec.confidence_threshold))
-        u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
-                       stream_uniforms(st.seeds, st.positions, FINAL)], 1)
         n_top = st.max_num_logprobs
+        greedy = st.all_greedy and n_top <= 0  # argmaxes and log-sum-exps only (verify_greedy)
+        if not greedy:
+            u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
+                           stream_uniforms(st.seeds, st.positions, FINAL)], 1)
         parts = []
         for c in self._chunks(sp.num_seqs):
             logits = model.compute_logits(hidden[rows[c]].flatten(0, 1))  # [c * (K+1), V]
             if logits is None:
                 continue
-            raw = torch.log_softmax(logits, -1).view(-1, k + 1, logits.shape[-1])
-            target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
-            v = verify(proposal.tokens[c], None if proposal.probs is None else proposal.probs[c], target, u[c],
-                       lens[c], self.spec.rejection_sample_method)
-            lp = raw.gather(2, v.tokens.clamp(min=0)[..., None])[..., 0]  # emitted token j comes from verify row j
+            x = logits.float().view(-1, k + 1, logits.shape[-1])
+            if greedy:
+                v = verify_greedy(proposal.tokens[c], x.argmax(-1), lens[c])
+                norm = torch.logsumexp(x, -1)  # [c, K+1]: raw logprob = logit - norm
+            else:
+                raw, norm = torch.log_softmax(x, -1), 0.0
+                target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
+                v = verify(proposal.tokens[c], None if proposal.probs is None else proposal.probs[c], target, u[c],
+                           lens[c], self.spec.rejection_sample_method)
+            # emitted token j comes from verify row j
+            lp = (x if greedy else raw).gather(2, v.tokens.clamp(min=0)[..., None])[..., 0] - norm
             parts.append((v.tokens, v.num_accepted, lp, raw.topk(n_top, -1) if n_top > 0 else None))
         if not parts:
             return None
