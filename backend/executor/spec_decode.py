@@ -57,6 +57,7 @@ from m3serve.engine.spec.proposer import Proposal, insert_context, sample_block
 from m3serve.engine.spec.rng import ACCEPT, DRAFT, FINAL, MAX_VOCAB, stream_uniforms
 from m3serve.engine.spec.verify import verify, verify_greedy
 from m3serve.engine.step import SamplerOutput, StepInput
+from m3serve.kernels.sampling import sample_simple, sample_simple_ref
 from m3serve.model.dspark_taps import TapRecorder
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ class SpeculativeDecoder:
         if self.spec.confidence_threshold > 0:
             lens = torch.minimum(lens, confident_prefix_length(proposal.confidence, self.spec.confidence_threshold))
         n_top = st.max_num_logprobs
-        greedy = st.all_greedy and n_top <= 0  # argmaxes and log-sum-exps only (verify_greedy)
+        greedy = st.all_greedy and n_top <= 0  # argmaxes only (verify_greedy)
         if not greedy:
             u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
                            stream_uniforms(st.seeds, st.positions, FINAL)], 1)
@@ -258,17 +259,16 @@ class SpeculativeDecoder:
             logits = model.compute_logits(hidden[rows[c]].flatten(0, 1))  # [c * (K+1), V]
             if logits is None:
                 continue
-            x = logits.float().view(-1, k + 1, logits.shape[-1])
-            if greedy:
-                v = verify_greedy(proposal.tokens[c], x.argmax(-1), lens[c])
-                norm = torch.logsumexp(x, -1)  # [c, K+1]: raw logprob = logit - norm
-            else:
-                raw, norm = torch.log_softmax(x, -1), 0.0
-                target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
-                v = verify(proposal.tokens[c], None if proposal.probs is None else proposal.probs[c], target, u[c],
-                           lens[c], self.spec.rejection_sample_method)
-            # emitted token j comes from verify row j
-            lp = (x if greedy else raw).gather(2, v.tokens.clamp(min=0)[..., None])[..., 0] - norm
+            if greedy:  # every emitted token j is verify row j's argmax: its logprob is that row's
+                best, lp = _argmax_logprobs(logits)
+                v = verify_greedy(proposal.tokens[c], best.view(-1, k + 1), lens[c])
+                parts.append((v.tokens, v.num_accepted, lp.view(-1, k + 1), None))
+                continue
+            raw = torch.log_softmax(logits, -1).view(-1, k + 1, logits.shape[-1])
+            target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
+            v = verify(proposal.tokens[c], None if proposal.probs is None else proposal.probs[c], target, u[c],
+                       lens[c], self.spec.rejection_sample_method)
+            lp = raw.gather(2, v.tokens.clamp(min=0)[..., None])[..., 0]  # emitted token j comes from verify row j
             parts.append((v.tokens, v.num_accepted, lp, raw.topk(n_top, -1) if n_top > 0 else None))
         if not parts:
             return None
@@ -305,6 +305,14 @@ class SpeculativeDecoder:
         if v.top is not None:
             out.top_logprobs[rows], out.top_token_ids[rows] = v.top
         return out
+
+
+def _argmax_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits [N, V] -> (argmax ids [N], their raw logprobs [N]): the plain decode sampler's greedy path (on
+    CUDA one fused pass over the logits, kernels/sampling.py), so verified and plainly decoded tokens agree."""
+    greedy = torch.zeros(logits.shape[0], device=logits.device)
+    unused = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return (sample_simple if logits.is_cuda else sample_simple_ref)(logits, greedy, unused, unused)
 
 
 @dataclasses.dataclass
