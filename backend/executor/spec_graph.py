@@ -2,8 +2,8 @@
 greedy or sampled), like the decode graphs (cuda_graph.py).
 
 A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
-placeholders), nothing else (no prefill chunk, no plain decode, no top-n logprobs). A sequence near its max_tokens
-verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such a step has one shape per bucket,
+placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
+A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such a step has one shape per bucket,
 so its tensors are static: `SpecBuffers` holds them at the largest sizes, each step copies its `StepInput` into
 their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page 0 read; greedy;
 their outputs dropped) and replays. Any other step (mixed batches, penalties) runs the same phases eagerly.
@@ -74,19 +74,28 @@ class SpecBuffers(DecodeBuffers):
         is causal by position, so they read only its written keys), and its k in `num_drafts` bounds what the rule
         verifies, as on the eager path. The view's host lists take the step's (read by host-side reference paths
         only, never by a graph)."""
-        n, w, k1 = step.num_seqs, step.block_tables.shape[1], self.k + 1
+        n, w, k1, sp = step.num_seqs, step.block_tables.shape[1], self.k + 1, step.spec
         batch, nb = view.num_seqs, dict(non_blocking=True)
         ids, pos, slots = step.input_ids, step.positions, step.slot_mapping
+        if sp is not None and sp.num_seqs == n:
+            drafts = sp.num_drafts
+        else:  # plain decodes of a greedy step (`supports`): 0 drafts
+            drafts = torch.zeros(n, dtype=torch.int64)
+            if sp is not None:
+                drafts.index_copy_(0, sp.seq_index, sp.num_drafts)
         if step.num_tokens != n * k1:  # host tensors: spread each sequence over its K+1 rows
-            sp, j = step.spec, torch.arange(k1)
-            src = (sp.anchor_rows[:, None] + torch.minimum(j[None, :], sp.num_drafts[:, None])).flatten()
+            j = torch.arange(k1)
+            first = torch.tensor(step.query_start_loc_cpu[:n], dtype=torch.int64)
+            src = (first[:, None] + torch.minimum(j[None, :], drafts[:, None])).flatten()
             ids, pos = ids[src], pos[src]
-            slots = slots[src].masked_fill((j[None, :] > sp.num_drafts[:, None]).flatten(), -1)
+            slots = slots[src].masked_fill((j[None, :] > drafts[:, None]).flatten(), -1)
+            if self.input_ids.is_cuda:  # page-locked, as the step's own tensors: copies that do not block
+                ids, pos, slots = ids.pin_memory(), pos.pin_memory(), slots.pin_memory()
         t = n * k1
         for buf, src in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots)):
             buf[:t].copy_(src, **nb)
             buf[t:batch * k1].fill_(-1 if buf is self.slot_mapping else 0)
-        self.num_drafts[:n].copy_(step.spec.num_drafts, **nb)
+        self.num_drafts[:n].copy_(drafts, **nb)
         self.num_drafts[n:batch].fill_(self.k)
         self.seq_lens[:n].copy_(step.seq_lens, **nb)
         self.block_tables[:n, :w].copy_(step.block_tables, **nb)
@@ -120,10 +129,13 @@ class SpecGraphs:
         self._events: list[torch.cuda.Event] | None = None
 
     def supports(self, step: StepInput) -> bool:
-        """Every sequence of the step speculates (k <= K drafts) and nothing else is in it (host fields only)."""
+        """Every sequence of the step speculates (k <= K drafts) and nothing else is in it, or, all greedy, some or
+        all decode plainly (k = 0: verifying no draft emits the target's argmax, the plain decode's token), with no
+        prefill chunk (host fields only)."""
         sp, s, n = step.spec, step.sampling, step.num_seqs
-        return (sp is not None and s is not None and sp.num_seqs == n == s.num_rows and n <= self.batches[-1]
-                and step.num_tokens == n + sp.draft_rows.shape[0] <= n * (self.k + 1)
+        return (s is not None and (s.all_greedy or sp is not None and sp.num_seqs == n) and n == s.num_rows
+                and n <= self.batches[-1]
+                and step.num_tokens == n + (0 if sp is None else sp.draft_rows.shape[0]) <= n * (self.k + 1)
                 and step.block_tables.shape[1] <= self.widths[-1] and s.max_num_logprobs <= 0
                 and s.repetition_penalty is None and s.frequency_penalty is None and s.presence_penalty is None
                 and s.suppress_token_ids is None)
