@@ -35,6 +35,10 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
   after, graphed:  22 small copies / fills into the persistent buffers, then 5 graph replays; ONE host
     synchronisation (the tokens' copy to the host). Eager steps: the same launches as before minus the sync points
     (tile maps from page-locked memory, scales held on the device): one synchronisation too.
+  greedy steps, wave 3b (counted the same way, 8 sequences, 1 draft layer, K = 7): Markov 226 -> 68 (no DRAFT
+    uniforms for greedy drafts, the confidence head only with a threshold, no [S, K, V] logits kept), rule 313-334
+    -> 171 (verify_greedy from the argmaxes; ~120 of the 171 are the CPU sampler's hashing, one fused kernel on
+    CUDA). Greedy steps with sequences near max_tokens (k < K, or k = 0 plain decodes) replay the graphs too.
 
 Memory: the fp32 [rows, K+1, V] tensors of verification (and the draft's [rows, K, V]) are made `CHUNK_ELEMENTS`
 at a time; the draft's U and Q of every speculating row ([R, K, V] fp32 each, Q for `probabilistic` only) live from
@@ -194,9 +198,12 @@ class SpeculativeDecoder:
         k, method = sp.num_speculative_tokens, self.spec.draft_sample_method
         ss = step.sampling.select(sp.sample_rows)
         anchors = step.input_ids[sp.anchor_rows]
-        u = stream_uniforms(ss.seeds, ss.positions, DRAFT, k)
+        u = stream_uniforms(ss.seeds, ss.positions, DRAFT, k) if method == "probabilistic" else None
         d = self.draft
-        parts = [sample_block(d.markov_head, d.confidence_head, h, base, anchors[c], method, ss.select(c), u[c])
+        # the confidence head only where something reads it (ones otherwise)
+        conf = d.confidence_head if self.spec.confidence_threshold > 0 else None
+        parts = [sample_block(d.markov_head, conf, h, base, anchors[c], method, None if u is None else ss.select(c),
+                              None if u is None else u[c], keep_logits=False)
                  for c, (h, base) in zip(self._chunks(sp.num_seqs), st.blocks)]
         probs = None if method == "greedy" else torch.cat([p.probs for p in parts])
         prop = Proposal(torch.cat([p.tokens for p in parts]), probs, torch.cat([p.confidence for p in parts]), None)
