@@ -32,7 +32,7 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
     maps copied from pageable memory, every FP8 draft-cache write and read turning its Python-float scale into a
     device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
     host. 7 for the benchmark's 1-layer draft.
-  after, graphed:  22 small copies / fills into the persistent buffers, then 5 graph replays; ONE host
+  after, graphed:  22 small copies / fills into the persistent buffers, then 1 graph replay (5 when timed); ONE host
     synchronisation (the tokens' copy to the host). Eager steps: the same launches as before minus the sync points
     (tile maps from page-locked memory, scales held on the device): one synchronisation too.
   greedy steps, wave 3b (counted the same way, 8 sequences, 1 draft layer, K = 7): Markov 226 -> 68 (no DRAFT

@@ -8,11 +8,12 @@ so its tensors are static: `SpecBuffers` holds them at the largest sizes, each s
 their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page 0 read; greedy;
 their outputs dropped) and replays. Any other step (mixed batches, penalties) runs the same phases eagerly.
 
-Each phase of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
-tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) is one graph; the five replay
-back to back on the stream and hand each other their tensors (captured in order, into one memory pool, replayed
-in the same order). So a step costs five replays and no synchronisation: the only one is the copy of its tokens to
-the host (`PendingOutput`). With `timing` set, a CUDA event is recorded between the phases (`phase_ms`).
+The phases of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
+tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) are captured as ONE graph, so
+a step costs one replay and no synchronisation: the only one is the copy of its tokens to the host
+(`PendingOutput`). With `timing` set (benchmarks), each phase is a graph of its own instead (captured in order,
+into the same memory pool, handing each other their tensors) and a CUDA event is recorded between them
+(`phase_ms`); the two kinds are kept apart per bucket.
 
 A bucket's graphs are captured at its first step: that step runs its phases eagerly over the buffers (compiling
 the kernels; its result is the step's), then each phase is captured (should a capture fail, the error is logged
@@ -121,7 +122,9 @@ class SpecGraphs:
         self.buffers = SpecBuffers(self.batches[-1], max_pages, r.cache.block_size, self.k, r.device)
         self.capture_graphs = r.device.type == "cuda"
         self.views: dict[tuple[int, int, bool], StepInput] = {}
-        self.graphs: dict[tuple[int, int, bool], tuple[list[torch.cuda.CUDAGraph], object]] = {}
+        # (batch, width, greedy, timing) -> graphs, their StepState: one graph for the whole step, or with `timing`
+        # one per phase (events between them)
+        self.graphs: dict[tuple[int, int, bool, bool], tuple[list[torch.cuda.CUDAGraph], object]] = {}
         self.pool = None
         self.num_steps = 0  # steps it ran (replayed, or eagerly over the buffers)
         self.timing = False  # record CUDA events between the phases of every replay (benchmarks)
@@ -160,15 +163,16 @@ class SpecGraphs:
         view = self._view(key)
         self.buffers.fill_spec(step, view)
         self.num_steps += 1
-        if key in self.graphs:
-            graphs, state = self.graphs[key]
+        gkey = key + (self.timing,)
+        if gkey in self.graphs:
+            graphs, state = self.graphs[gkey]
             self._replay(graphs)
             out = state.out
         else:
             out = self.decoder.run(view)  # eager over the buffers: this step's result, and the warm-up
             if self.capture_graphs:
                 try:
-                    self.graphs[key] = self._capture(view)
+                    self.graphs[gkey] = self._capture(view, split=self.timing)
                 except Exception:  # the step's result stands; later steps run the same phases eagerly
                     log.exception("capturing the speculative step's graphs failed: speculative steps run eagerly")
                     self.capture_graphs = False
@@ -197,22 +201,24 @@ class SpecGraphs:
             self.phase_ms.append([a.elapsed_time(b) for a, b in zip(self._events, self._events[1:])])
             self._events = None
 
-    def _capture(self, view: StepInput):
-        """One graph per phase, captured in order into the shared pool; their StepState links them."""
+    def _capture(self, view: StepInput, split: bool):
+        """One graph for the whole step, or (`split`) one per phase captured in order into the shared pool; their
+        StepState links them."""
         from m3serve.executor.spec_decode import StepState
 
         d, t0 = self.decoder, time.perf_counter()
         torch.cuda.synchronize(d.runner.device)
         state, graphs = StepState(view), []
-        for phase in d.phases:
+        for group in ([p] for p in d.phases) if split else [d.phases]:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):  # mid-serving: other threads
-                phase(state)
+                for phase in group:
+                    phase(state)
             if self.pool is None:
                 self.pool = g.pool()
             graphs.append(g)
         torch.cuda.synchronize(d.runner.device)
-        log.info("captured the speculative step's %d phase graphs for %d sequences, %d table columns, %s in %.2f s",
+        log.info("captured the speculative step as %d graph(s) for %d sequences, %d table columns, %s in %.2f s",
                  len(graphs), view.num_seqs, view.block_tables.shape[1],
                  "greedy" if view.sampling.all_greedy else "sampled", time.perf_counter() - t0)
         return graphs, state
