@@ -25,8 +25,9 @@ tokens each, ignore_eos) run through:
              rejected; speculative steps replay their CUDA graphs (executor/spec_graph.py; --eager: eagerly)
   spec p     for each p in --ps
 Decode tokens/s = tokens generated after every request's first token / wall time of those steps (the prefill
-step is excluded). Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a
-speculative step emits: what a free draft and a verify forward as cheap as a decode step would give).
+step is excluded); with graphs the same run goes once before, so every bucket it reaches is captured beforehand.
+Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a speculative step emits:
+what a free draft and a verify forward as cheap as a decode step would give).
 Efficiency = speedup / tau (goal >= 0.8). "step cost" = mean speculative step time / mean plain step time, in plain
 steps. The split: mean device time of each phase graph of the graphed steps (CUDA events between the replays:
 draft backbone, Markov steps, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
@@ -248,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     drafter.proposal_hook = None
                 graphs = drafter.graphs
-                if graphs is not None:  # warm (capture) this p's graphs
-                    run_batch(eng, warm[:b], min(a.gen_len, 2 * (a.k + 1)), 500)
+                if graphs is not None:  # capture this p's graphs: the same run first (every batch and width bucket
+                    run_batch(eng, prompts[b], a.gen_len, 1000)  # it reaches, captured outside the figures)
                 eng.spec_stats = SpecDecodeStats(a.k)
                 static0 = graphs.num_steps if graphs is not None else 0
                 r = run_batch(eng, prompts[b], a.gen_len, 1000)  # no events: the figures
