@@ -3,10 +3,11 @@ greedy or sampled), like the decode graphs (cuda_graph.py).
 
 A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
 placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
-A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such a step has one shape per bucket,
-so its tensors are static: `SpecBuffers` holds them at the largest sizes, each step copies its `StepInput` into
-their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page 0 read; greedy;
-their outputs dropped) and replays. Any other step (mixed batches, penalties) runs the same phases eagerly.
+A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such
+a step has one shape per bucket, so its tensors are static: `SpecBuffers` holds them at the largest sizes, each
+step copies its `StepInput` into their leading rows (sequences past S are padding: slot -1, nothing written to
+either cache; page 0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, penalties)
+runs the same phases eagerly.
 
 The phases of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
 tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) are captured as ONE graph, so
