@@ -25,12 +25,15 @@ tokens each, ignore_eos) run through:
              rejected; speculative steps replay their CUDA graphs (executor/speculative/graphs.py; --eager: eagerly)
   spec p     for each p in --ps
 Decode tokens/s = tokens generated after every request's first token / wall time of those steps (the prefill
-step is excluded). Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a
-speculative step emits: what a free draft and a verify forward as cheap as a decode step would give).
+step is excluded); with graphs the same run goes once before, so every bucket it reaches is captured beforehand.
+Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (tokens a speculative step emits:
+what a free draft and a verify forward as cheap as a decode step would give).
 Efficiency = speedup / tau (goal >= 0.8). "step cost" = mean speculative step time / mean plain step time, in plain
 steps. The split: mean device time of each phase graph of the graphed steps (CUDA events between the replays:
 draft backbone, Markov steps, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
-and acceptance, insert = the draft-cache rows), and "host" = the step's wall time minus those. "match" = fraction
+and acceptance, insert = the draft-cache rows; measured in a second pass over the same prompts, as the events cost
+time), and "host" = the first pass's step wall time minus those. "eager steps" = decode steps of the first pass that
+ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "match" = fraction
 of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties between the decode and verify
 kernels).
 
@@ -135,9 +138,9 @@ def run_batch(eng: LLMEngine, prompts: list[list[int]], gen: int, seed0: int) ->
             "steps": steps, "tok_s": decoded / dt if dt > 0 else 0.0, "step_ms": 1e3 * dt / max(steps, 1)}
 
 
-def phase_split(r: dict, graphs) -> None:
-    """Mean device time of each phase of the graphed speculative steps (CUDA events between the phase graphs), and
-    the host's share: the step's wall time not covered by them."""
+def phase_split(r: dict, graphs, timed: dict) -> None:
+    """Mean device time of each phase of the graphed speculative steps of the `timed` pass (CUDA events between the
+    phase graphs), and the host's share of `r` (a pass without events): its step's wall time not covered by them."""
     if graphs is None:
         return
     graphs.flush_timing()
@@ -147,6 +150,7 @@ def phase_split(r: dict, graphs) -> None:
         r["phase_ms"] = dict(zip(PHASES, mean))
         r["phase_ms"]["host"] = max(0.0, r["step_ms"] - sum(mean))
         r["graphed_steps"] = len(ms)
+        r["timed_pass_step_ms"] = timed["step_ms"]
     graphs.phase_ms = []
 
 
@@ -247,6 +251,7 @@ def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
             "efficiency": speedup / tau if tau else 0.0, "step_cost": r["step_ms"] / base["step_ms"],
             "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
             "phase_ms": r.get("phase_ms"), "graphed_steps": r.get("graphed_steps", 0),
+            "eager_steps": r["eager_steps"], "steps": r["steps"],
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
         out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
@@ -312,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         eng = LLMEngine(EngineConfig(**{**common, **opts}), model=model)
         drafter = eng.executor.worker.drafter
+        if a.smoke and not a.eager and drafter is not None:  # the graphs' static-buffer path, run eagerly on the CPU
+            drafter.enable_graphs(max(batches), max_len)
         for b in batches:
             if not a.smoke:  # compile / warm every shape first
                 run_batch(eng, warm[:b], min(a.gen_len, 3 * (a.k + 1)), 500)
@@ -330,13 +337,20 @@ def main(argv: list[str] | None = None) -> int:
                     drafter.proposal_hook = ControlledProposals(known, p, cfg.vocab_size, device)
                 else:
                     drafter.proposal_hook = None
-                if drafter.graphs is not None:  # warm (capture) this p's graphs, then time the phases
-                    run_batch(eng, warm[:b], min(a.gen_len, 2 * (a.k + 1)), 500)
-                    drafter.graphs.timing, drafter.graphs.phase_ms = True, []
+                graphs = drafter.graphs
+                if graphs is not None:  # capture this p's graphs: the same run first (every batch and width bucket
+                    run_batch(eng, prompts[b], a.gen_len, 1000)  # it reaches, captured outside the figures)
                 eng.spec_stats = SpecDecodeStats(a.k)
-                r = run_batch(eng, prompts[b], a.gen_len, 1000)
-                phase_split(r, drafter.graphs)
+                static0 = graphs.num_steps if graphs is not None else 0
+                r = run_batch(eng, prompts[b], a.gen_len, 1000)  # no events: the figures
                 r["stats"] = eng.spec_stats.as_dict()
+                # steps that did not replay the graphs (prefill excluded: run_batch times decode steps only)
+                r["eager_steps"] = r["steps"] - (graphs.num_steps - static0 if graphs is not None else 0)
+                if graphs is not None:  # a second pass, CUDA events between the phases: the split
+                    graphs.timing, graphs.phase_ms = True, []
+                    timed = run_batch(eng, prompts[b], a.gen_len, 1000)
+                    graphs.timing = False
+                    phase_split(r, graphs, timed)
                 results[("spec", b, p)] = r
             if drafter is not None:  # this batch's rows now (and the JSON so far: a run cut short keeps them)
                 rows += rows_of(results, b, ps, a.layers)
@@ -348,16 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     dev, geometry = describe(a)
     print(f"\n{dev}, torch {torch.__version__}; {geometry}, {a.layers} layers, draft {a.draft_layers} layer(s), "
           f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, speculative steps "
-          f"{'eager' if a.smoke or a.eager else 'graphed'}\n")
+          f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
-            "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | match |")
+            "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | eager steps | match |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         split = " | ".join("-" if r["phase_ms"] is None else f"{r['phase_ms'][ph]:.2f}" for ph in PHASES + ("host",))
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
-              f"{split} | {r['match']:.2f} |")
+              f"{split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} |")
     print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
           "measured; graphed runs only)\n")
     head = ("| batch | p | plain step ms | spec step ms | step cost (plain steps) | verify ms | speedup | "

@@ -1,8 +1,9 @@
 """DSpark speculative steps on CUDA, replayed from their graphs (executor/speculative/graphs.py) and run eagerly: the same
 tokens with graphs on and off (greedy, and seeded sampling with probabilistic drafts, block verification, FP8 draft
 cache), greedy tokens equal to plain decoding up to near-ties, under in-flight batching with batch sizes between the
-buckets (padded rows) and mixed steps (prefill chunks, sequences near max_tokens with fewer drafts) that run
-eagerly. fp32 tiny model, fp32 caches."""
+buckets (padded rows), sequences near max_tokens with fewer drafts (graphed too), mixed steps (prefill chunks) that
+run eagerly; with the benchmarks' phase timing, one graph per phase and the same tokens. fp32 tiny model, fp32
+caches."""
 import pytest
 import torch
 
@@ -57,8 +58,17 @@ def test_greedy_speculation_equals_plain_decoding_with_graphs_on_and_off(tiny_mo
             assert graphs is None
         else:
             assert graphs.num_steps > 5 and len(graphs.graphs) >= 2  # replayed, several batch buckets
+            assert all(len(g) == 1 for g, _ in graphs.graphs.values())  # one graph per step
         runs[eager] = got
-    assert runs[False] == runs[True]
+    # the same tokens, but where an all-plain greedy step (every sequence one token from max_tokens) ran: graphed it
+    # is a graph row verifying 0 drafts (the prefill kernels), eager a decode step (the decode kernels): a near-tie
+    # may part them there, at a request's last token only
+    for prompt, graphed, eager in zip(_prompts(), runs[False], runs[True]):
+        split = next((i for i, (a, b) in enumerate(zip(graphed, eager)) if a != b), None)
+        if split is not None:
+            assert split == len(eager) - 1, (split, len(eager))
+            _near_tie(llm, prompt + eager[:split], eager[split], graphed[split])
+    assert sum(g != e for g, e in zip(runs[False], runs[True])) <= 1
     parted = 0
     for prompt, want, got in zip(_prompts(), plain, runs[False]):
         split = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
@@ -131,3 +141,23 @@ def test_confidence_scheduled_widths_replay_their_own_graphs(tiny_model_dir):
         if not eager:
             assert {1, K} <= {key[3] for key in drafter.graphs.graphs}
     assert runs[False] == runs[True]
+
+
+def test_phase_timing_splits_the_graph_and_keeps_the_tokens(tiny_model_dir):
+    """bench_spec's split: with `timing` each phase is a graph of its own, CUDA events between them; the tokens are
+    the single graph's."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=300 + i)
+              for i, n in enumerate((24, 31, 17, 28, 20))]
+    known = {300 + i: p for i, p in enumerate(_prompts())}
+    llm = _llm(tiny_model_dir, False, {})
+    drafter = llm.engine.executor.worker.drafter
+    drafter.proposal_hook = ControlledProposals(known, 0.7, drafter.draft.config.vocab_size, "cuda")
+    whole = [o.token_ids for o in llm.generate(_prompts(), params)]
+    graphs = drafter.graphs
+    graphs.timing = True
+    split = [o.token_ids for o in llm.generate(_prompts(), params)]
+    graphs.flush_timing()
+    assert split == whole
+    assert {len(g) for key, (g, _) in graphs.graphs.items() if key[4]} == {5}
+    assert {len(g) for key, (g, _) in graphs.graphs.items() if not key[4]} == {1}
+    assert graphs.phase_ms and all(len(ms) == 5 and min(ms) > 0 for ms in graphs.phase_ms)

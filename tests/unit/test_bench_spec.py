@@ -33,6 +33,8 @@ def test_bench_spec_smoke(tmp_path):
     for r in rows:
         assert r["match"] == 1.0  # greedy, fp32: speculation changes no token
         assert r["efficiency"] == r["speedup"] / r["ideal_speedup"] and r["spec_tok_s"] > 0
+        # every decode step took the graphs' static path, those near max_tokens included (greedy)
+        assert r["eager_steps"] == 0 < r["steps"]
     by_p = {(r["batch"], r["p"]): r for r in rows}
     for b in (1, 2):
         assert by_p[(b, 0.0)]["acceptance_rate"] < 0.2 < 0.4 < by_p[(b, 0.8)]["acceptance_rate"]

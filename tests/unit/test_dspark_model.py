@@ -136,6 +136,13 @@ def test_markov_sequential_loop_equals_teacher_forced(kind):
     assert bool((prop.probs.gather(2, prop.tokens[..., None]) > 0).all())
     # the bias follows the previous token: other previous tokens give other logits
     assert not torch.allclose(head.block(h, prev), head.block(h, (prev + 1) % v))
+    # the engine's step keeps no logits (keep_logits=False): the same draws otherwise
+    g.manual_seed(5)
+    u = torch.rand(s, k, generator=g)
+    kept, lean = (sample_block(head, conf, h, base, anchor, "probabilistic", st, u, keep_logits=keep)
+                  for keep in (True, False))
+    assert lean.logits is None and kept.logits is not None and torch.equal(lean.tokens, kept.tokens)
+    assert torch.equal(lean.probs, kept.probs) and torch.equal(lean.confidence, kept.confidence)
 
 
 @pytest.mark.parametrize("kind", ["gated", "rnn"])

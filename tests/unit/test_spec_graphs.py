@@ -39,10 +39,18 @@ def test_greedy_static_path_equals_plain_decoding_with_padding(make_engine, refe
     sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=1000 + i) for i, n in enumerate(gens)]
     known = {1000 + i: p + reference_greedy(p, n) for i, (p, n) in enumerate(zip(prompts, gens))}
     eng = _engine(make_engine, True)
+    graphs = eng.executor.worker.drafter.graphs
+    drafts = []  # per static step, each speculating sequence's k, and the plain decodes in it
+    execute = graphs.execute
+    graphs.execute = lambda step: (drafts.append(([], step.num_seqs) if step.spec is None else (
+        step.spec.num_drafts.tolist(), step.num_seqs - step.spec.num_seqs)), execute(step))[1]
     got = _run(eng, prompts, sps, known, 0.6)
     assert got == [reference_greedy(p, n) for p, n in zip(prompts, gens)]
-    graphs = eng.executor.worker.drafter.graphs
     assert graphs.num_steps >= 5 and {key[0] for key in graphs.views} >= {4, 2}  # padded buckets ran
+    # sequences near max_tokens (k < K drafts; k = 0: a plain decode) took the static path too, beside others
+    assert any(d and min(d) < K == max(d) for d, _ in drafts) and any(len(d) == 1 and d[0] < K for d, _ in drafts)
+    assert any(d and plain for d, plain in drafts) and any(not d for d, _ in drafts)  # some or all plain decodes
+    assert eng.num_steps - graphs.num_steps <= 2  # the prefill steps
     st = eng.stats()
     assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
 
@@ -90,3 +98,43 @@ def test_buffers_pad_past_the_step():
     assert view.sampling.temperature.tolist()[1:] == [0.0] * 3 and view.sampling.top_p.tolist()[1:] == [1.0] * 3
     assert view.seq_lens_cpu == [50, 3, 3, 3] and view.block_tables[1:, 0].tolist() == [0, 0, 0]
     assert view.spec.draft_rows.tolist() == [1, 2, 4, 5, 7, 8, 10, 11] and view.logits_indices.tolist() == [0, 3, 6, 9]
+
+
+def test_buffers_spread_fewer_drafts_over_k_plus_one_rows():
+    """A sequence with k < K drafts (k = 0: a plain decode) fills K+1 rows: its k+1 tokens, then its last token
+    again at its position with no slot; its k goes into num_drafts (what the rule verifies), padding sequences
+    take K."""
+    from m3serve.step_io import SamplingInput, SpecInput, StepInput
+
+    buf = SpecBuffers(4, 3, 16, 3, torch.device("cpu"))
+    view = buf.spec_step(4, 3, True)
+    ks = [3, 1, 2]  # K = 3: 4 + 2 + 3 tokens
+    qsl = [0, 4, 6, 9]
+    ids = torch.arange(9) + 100
+    pos = torch.tensor([20, 21, 22, 23, 7, 8, 40, 41, 42])
+    slots = pos + 1000
+    rows = [qsl[i] + 1 + j for i, k in enumerate(ks) for j in range(k)]
+    step = StepInput(ids, pos, torch.tensor(qsl, dtype=torch.int32), torch.tensor([24, 9, 43], dtype=torch.int32),
+                     qsl, [24, 9, 43], False, 4, 48, torch.ones(3, 2, dtype=torch.int32), slots,
+                     torch.tensor(qsl[:3]), SamplingInput.full(3, 0.0),
+                     spec=SpecInput(torch.arange(3), torch.arange(3), torch.tensor(qsl[:3]), torch.tensor(ks),
+                                    torch.tensor(rows), torch.tensor([0, 1, 2, 3, 6, 7]),
+                                    torch.zeros(0, dtype=torch.int64), 3))
+    buf.fill_spec(step, view)
+    assert view.input_ids.tolist() == [100, 101, 102, 103, 104, 105, 105, 105, 106, 107, 108, 108] + [0] * 4
+    assert view.positions.tolist() == [20, 21, 22, 23, 7, 8, 8, 8, 40, 41, 42, 42] + [0] * 4
+    assert view.slot_mapping.tolist() == [1020, 1021, 1022, 1023, 1007, 1008, -1, -1, 1040, 1041, 1042, -1] + [-1] * 4
+    assert view.spec.num_drafts.tolist() == [3, 1, 2, 3] and view.seq_lens_cpu == [24, 9, 43, 4]
+    # a greedy step whose second sequence decodes plainly (one token, no spec row): 0 drafts, its token K+1 times
+    qsl = [0, 4, 5, 8]
+    step = StepInput(torch.arange(8) + 100, pos[[0, 1, 2, 3, 4, 6, 7, 8]], torch.tensor(qsl, dtype=torch.int32),
+                     torch.tensor([24, 8, 43], dtype=torch.int32), qsl, [24, 8, 43], False, 4, 48,
+                     torch.ones(3, 2, dtype=torch.int32), slots[[0, 1, 2, 3, 4, 6, 7, 8]], torch.tensor(qsl[:3]),
+                     SamplingInput.full(3, 0.0),
+                     spec=SpecInput(torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([0, 5]),
+                                    torch.tensor([3, 2]), torch.tensor([1, 2, 3, 6, 7]), torch.tensor([0, 1, 2, 3, 4]),
+                                    torch.tensor([1]), 3))
+    buf.fill_spec(step, view)
+    assert view.input_ids.tolist()[:12] == [100, 101, 102, 103, 104, 104, 104, 104, 105, 106, 107, 107]
+    assert view.slot_mapping.tolist()[:12] == [1020, 1021, 1022, 1023, 1007, -1, -1, -1, 1040, 1041, 1042, -1]
+    assert view.positions.tolist()[4:8] == [7] * 4 and view.spec.num_drafts.tolist() == [3, 0, 2, 3]

@@ -211,6 +211,27 @@ def test_greedy_target_accepts_matching_prefix_whatever_the_uniforms(rule):
 
 
 @pytest.mark.parametrize("rule", ["standard", "block"])
+@pytest.mark.parametrize("probabilistic", [False, True])
+def test_verify_greedy_equals_verify_on_one_hot_targets(rule, probabilistic):
+    """The speculative step's greedy shortcut (argmaxes only) gives exactly `verify`'s tokens on the one-hot T, for
+    one-hot and probabilistic Q, any uniforms and verify lengths 0..K (ties in the logits included)."""
+    gen = torch.Generator().manual_seed(3)
+    s, k = 4096, 4
+    logits = torch.randint(0, 3, (s, k + 1, V), generator=gen).float()  # many ties: argmax takes the first
+    t = sampling_probs(logits.flatten(0, 1), SamplingInput.full(s * (k + 1), temperature=0.0)).view(s, k + 1, V)
+    best = logits.argmax(-1)
+    x = torch.where(torch.rand(s, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, V, (s, k), generator=gen))
+    q = torch.softmax(torch.randn(s, k, V, generator=gen), -1) if probabilistic else None
+    lens = torch.randint(0, k + 1, (s,), generator=gen)
+    want = verify(x, q, t, torch.rand(s, k + 1, generator=gen), lens, rule)
+    got = verify_mod.verify_greedy(x, best, lens)
+    assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)
+    assert (want.num_accepted == lens).any() and (want.num_accepted < lens).any() and (lens == 0).any()
+    # the lengths matter: without them the shortcut accepts past L
+    assert not torch.equal(verify_mod.verify_greedy(x, best).num_accepted, want.num_accepted)
+
+
+@pytest.mark.parametrize("rule", ["standard", "block"])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_greedy_speculation_equals_greedy_decoding(rule, k):
     """Toy-level greedy equivalence (test 4): target and draft greedy, any K and any verify lengths: the

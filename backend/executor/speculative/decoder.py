@@ -32,9 +32,13 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
     maps copied from pageable memory, every FP8 draft-cache write and read turning its Python-float scale into a
     device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
     host. 7 for the benchmark's 1-layer draft.
-  after, graphed:  22 small copies / fills into the persistent buffers, then 5 graph replays; ONE host
+  after, graphed:  22 small copies / fills into the persistent buffers, then 1 graph replay (5 when timed); ONE host
     synchronisation (the tokens' copy to the host). Eager steps: the same launches as before minus the sync points
     (tile maps from page-locked memory, scales held on the device): one synchronisation too.
+  greedy steps, wave 3b (counted the same way, 8 sequences, 1 draft layer, K = 7): Markov 226 -> 68 (no DRAFT
+    uniforms for greedy drafts, the confidence head only with a threshold, no [S, K, V] logits kept), rule 313-334
+    -> 171 (verify_greedy from the argmaxes; ~120 of the 171 are the CPU sampler's hashing, one fused kernel on
+    CUDA). Greedy steps with sequences near max_tokens (k < K, or k = 0 plain decodes) replay the graphs too.
 
 Memory: the fp32 [rows, K+1, V] tensors of verification (and the draft's [rows, K, V]) are made `CHUNK_ELEMENTS`
 at a time; the draft's U and Q of every speculating row ([R, K, V] fp32 each, Q for `probabilistic` only) live from
@@ -55,8 +59,9 @@ from m3serve.executor.speculative.draft_cache import DraftKVCache, draft_kv_dtyp
 from m3serve.executor.speculative.probs import sampling_probs
 from m3serve.executor.speculative.proposer import Proposal, insert_context, sample_block
 from m3serve.executor.speculative.rng import ACCEPT, DRAFT, FINAL, MAX_VOCAB, stream_uniforms
-from m3serve.executor.speculative.verify import verify
+from m3serve.executor.speculative.verify import verify, verify_greedy
 from m3serve.step_io import SamplerOutput, StepInput
+from m3serve.kernels.sampling import sample_simple, sample_simple_ref
 from m3serve.model.dspark_taps import TapRecorder
 
 log = logging.getLogger(__name__)
@@ -195,9 +200,12 @@ class SpeculativeDecoder:
         k, method = sp.num_speculative_tokens, self.spec.draft_sample_method
         ss = step.sampling.select(sp.sample_rows)
         anchors = step.input_ids[sp.anchor_rows]
-        u = stream_uniforms(ss.seeds, ss.positions, DRAFT, k)
+        u = stream_uniforms(ss.seeds, ss.positions, DRAFT, k) if method == "probabilistic" else None
         d = self.draft
-        parts = [sample_block(d.markov_head, d.confidence_head, h, base, anchors[c], method, ss.select(c), u[c])
+        # the confidence head only where something reads it (ones otherwise)
+        conf = d.confidence_head if self.spec.confidence_threshold > 0 or self.spec.confidence_scheduling else None
+        parts = [sample_block(d.markov_head, conf, h, base, anchors[c], method, None if u is None else ss.select(c),
+                              None if u is None else u[c], keep_logits=False)
                  for c, (h, base) in zip(self._chunks(sp.num_seqs), st.blocks)]
         probs = None if method == "greedy" else torch.cat([p.probs for p in parts])
         prop = Proposal(torch.cat([p.tokens for p in parts]), probs, torch.cat([p.confidence for p in parts]), None)
@@ -250,13 +258,20 @@ class SpeculativeDecoder:
         lens = sp.num_drafts
         if self.spec.confidence_threshold > 0:
             lens = torch.minimum(lens, confident_prefix_length(proposal.confidence, self.spec.confidence_threshold))
-        u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
-                       stream_uniforms(st.seeds, st.positions, FINAL)], 1)
         n_top = st.max_num_logprobs
+        greedy = st.all_greedy and n_top <= 0  # argmaxes only (verify_greedy)
+        if not greedy:
+            u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
+                           stream_uniforms(st.seeds, st.positions, FINAL)], 1)
         parts = []
         for c in self._chunks(sp.num_seqs):
             logits = model.compute_logits(hidden[rows[c]].flatten(0, 1))  # [c * (K+1), V]
             if logits is None:
+                continue
+            if greedy:  # every emitted token j is verify row j's argmax: its logprob is that row's
+                best, lp = _argmax_logprobs(logits)
+                v = verify_greedy(proposal.tokens[c], best.view(-1, k + 1), lens[c])
+                parts.append((v.tokens, v.num_accepted, lp.view(-1, k + 1), None))
                 continue
             raw = torch.log_softmax(logits, -1).view(-1, k + 1, logits.shape[-1])
             target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
@@ -301,6 +316,14 @@ class SpeculativeDecoder:
         if v.top is not None:
             out.top_logprobs[rows], out.top_token_ids[rows] = v.top
         return out
+
+
+def _argmax_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits [N, V] -> (argmax ids [N], their raw logprobs [N]): the plain decode sampler's greedy path (on
+    CUDA one fused pass over the logits, kernels/sampling.py), so verified and plainly decoded tokens agree."""
+    greedy = torch.zeros(logits.shape[0], device=logits.device)
+    unused = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return (sample_simple if logits.is_cuda else sample_simple_ref)(logits, greedy, unused, unused)
 
 
 @dataclasses.dataclass

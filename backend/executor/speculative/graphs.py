@@ -1,20 +1,22 @@
 """CUDA graphs for DSpark speculative steps (executor/speculative/decoder.py), per (batch bucket, block-table width bucket,
 greedy or sampled), like the decode graphs (cuda_graph.py).
 
-A step is graphed when every sequence in it speculates with the step's K drafts: S sequences x (K+1) tokens (the
-anchor, then K placeholders), nothing else (no prefill chunk, no plain decode, no top-n logprobs). Such a step has one
-shape per bucket, so its tensors are static: `SpecBuffers` holds them at the largest sizes, each step copies its
-`StepInput` into their leading rows (sequences past S are padding: slot -1, nothing written to either cache; page
-0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, sequences with fewer drafts
-near max_tokens, penalties) runs the same phases eagerly. The step's K is the configured one, or, with
-confidence-scheduled verification, the width the engine chose for the step (executor/speculative/confidence.py: one of a
-few), so graphs and buffers are kept per K too.
+A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
+placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
+A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such
+a step has one shape per bucket, so its tensors are static: `SpecBuffers` holds them at the largest sizes, each
+step copies its `StepInput` into their leading rows (sequences past S are padding: slot -1, nothing written to
+either cache; page 0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, penalties)
+runs the same phases eagerly. The step's K is the configured one, or, with confidence-scheduled verification, the
+width the engine chose for the step (executor/speculative/confidence.py: one of a few), so buffers, views and graphs
+are kept per K too.
 
-Each phase of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
-tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) is one graph; the five replay
-back to back on the stream and hand each other their tensors (captured in order, into one memory pool, replayed
-in the same order). So a step costs five replays and no synchronisation: the only one is the copy of its tokens to
-the host (`PendingOutput`). With `timing` set, a CUDA event is recorded between the phases (`phase_ms`).
+The phases of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
+tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) are captured as ONE graph, so
+a step costs one replay and no synchronisation: the only one is the copy of its tokens to the host
+(`PendingOutput`). With `timing` set (benchmarks), each phase is a graph of its own instead (captured in order,
+into the same memory pool, handing each other their tensors) and a CUDA event is recorded between them
+(`phase_ms`); the two kinds are kept apart per bucket.
 
 A bucket's graphs are captured at its first step: that step runs its phases eagerly over the buffers (compiling
 the kernels; its result is the step's), then each phase is captured (should a capture fail, the error is logged
@@ -71,13 +73,34 @@ class SpecBuffers(DecodeBuffers):
 
     def fill_spec(self, step: StepInput, view: StepInput) -> None:
         """Copy a speculative step of S <= batch sequences into `view`'s buffers; the rows past S become padding.
-        The view's host lists take the step's (read by host-side reference paths only, never by a graph)."""
-        n, t, w = step.num_seqs, step.num_tokens, step.block_tables.shape[1]
+        A sequence with k < K drafts (near its max_tokens) takes K+1 rows all the same: rows past its k+1 tokens
+        repeat its last token at its position with no slot (nothing written to either cache; the prefill attention
+        is causal by position, so they read only its written keys), and its k in `num_drafts` bounds what the rule
+        verifies, as on the eager path. The view's host lists take the step's (read by host-side reference paths
+        only, never by a graph)."""
+        n, w, k1, sp = step.num_seqs, step.block_tables.shape[1], self.k + 1, step.spec
         batch, nb = view.num_seqs, dict(non_blocking=True)
-        for buf, src in ((self.input_ids, step.input_ids), (self.positions, step.positions),
-                         (self.slot_mapping, step.slot_mapping)):
+        ids, pos, slots = step.input_ids, step.positions, step.slot_mapping
+        if sp is not None and sp.num_seqs == n:
+            drafts = sp.num_drafts
+        else:  # plain decodes of a greedy step (`supports`): 0 drafts
+            drafts = torch.zeros(n, dtype=torch.int64)
+            if sp is not None:
+                drafts.index_copy_(0, sp.seq_index, sp.num_drafts)
+        if step.num_tokens != n * k1:  # host tensors: spread each sequence over its K+1 rows
+            j = torch.arange(k1)
+            first = torch.tensor(step.query_start_loc_cpu[:n], dtype=torch.int64)
+            src = (first[:, None] + torch.minimum(j[None, :], drafts[:, None])).flatten()
+            ids, pos = ids[src], pos[src]
+            slots = slots[src].masked_fill((j[None, :] > drafts[:, None]).flatten(), -1)
+            if self.input_ids.is_cuda:  # page-locked, as the step's own tensors: copies that do not block
+                ids, pos, slots = ids.pin_memory(), pos.pin_memory(), slots.pin_memory()
+        t = n * k1
+        for buf, src in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots)):
             buf[:t].copy_(src, **nb)
-            buf[t:batch * (self.k + 1)].fill_(-1 if buf is self.slot_mapping else 0)
+            buf[t:batch * k1].fill_(-1 if buf is self.slot_mapping else 0)
+        self.num_drafts[:n].copy_(drafts, **nb)
+        self.num_drafts[n:batch].fill_(self.k)
         self.seq_lens[:n].copy_(step.seq_lens, **nb)
         self.block_tables[:n, :w].copy_(step.block_tables, **nb)
         s = step.sampling
@@ -104,7 +127,9 @@ class SpecGraphs:
         self.buffers: dict[int, SpecBuffers] = {}  # per step K (drafts per sequence)
         self.capture_graphs = r.device.type == "cuda"
         self.views: dict[tuple[int, int, bool, int], StepInput] = {}
-        self.graphs: dict[tuple[int, int, bool, int], tuple[list[torch.cuda.CUDAGraph], object]] = {}
+        # (batch, width, greedy, step K, timing) -> graphs, their StepState: one graph for the whole step, or with
+        # `timing` one per phase (events between them)
+        self.graphs: dict[tuple[int, int, bool, int, bool], tuple[list[torch.cuda.CUDAGraph], object]] = {}
         self.pool = None
         self.num_steps = 0  # steps it ran (replayed, or eagerly over the buffers)
         self.timing = False  # record CUDA events between the phases of every replay (benchmarks)
@@ -112,18 +137,24 @@ class SpecGraphs:
         self._events: list[torch.cuda.Event] | None = None
 
     def supports(self, step: StepInput) -> bool:
-        """Every sequence of the step speculates with the step's K <= the configured K drafts and nothing else is in
-        it (host fields only)."""
-        sp, s, n = step.spec, step.sampling, step.num_seqs
-        k = sp.num_speculative_tokens if sp is not None else 0
-        return (sp is not None and s is not None and sp.num_seqs == n == s.num_rows and n <= self.batches[-1]
-                and 1 <= k <= self.k and step.num_tokens == n * (k + 1) and sp.draft_rows.shape[0] == n * k
+        """Every sequence of the step speculates (k <= K drafts) and nothing else is in it, or, all greedy, some or
+        all decode plainly (k = 0: verifying no draft emits the target's argmax, the plain decode's token), with no
+        prefill chunk (host fields only)."""
+        sp, s, n, k = step.spec, step.sampling, step.num_seqs, self._step_k(step)
+        return (s is not None and (s.all_greedy or sp is not None and sp.num_seqs == n) and n == s.num_rows
+                and n <= self.batches[-1] and 1 <= k <= self.k
+                and step.num_tokens == n + (0 if sp is None else sp.draft_rows.shape[0]) <= n * (k + 1)
                 and step.block_tables.shape[1] <= self.widths[-1] and s.max_num_logprobs <= 0
                 and s.repetition_penalty is None and s.frequency_penalty is None and s.presence_penalty is None
                 and s.suppress_token_ids is None)
 
     def clear(self) -> None:
         self.graphs.clear()
+
+    def _step_k(self, step: StepInput) -> int:
+        """The step's K (rows per sequence - 1): its drafts per sequence, a confidence-scheduled width or the
+        configured K, and the configured K for a step of plain decodes only."""
+        return step.spec.num_speculative_tokens if step.spec is not None else self.k
 
     def _buffers(self, k: int) -> SpecBuffers:
         if k not in self.buffers:
@@ -143,20 +174,21 @@ class SpecGraphs:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput:
-        n, k = step.num_seqs, step.spec.num_speculative_tokens
+        n, k = step.num_seqs, self._step_k(step)
         key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), step.sampling.all_greedy, k)
         view = self._view(key)
         self.buffers[k].fill_spec(step, view)
         self.num_steps += 1
-        if key in self.graphs:
-            graphs, state = self.graphs[key]
+        gkey = key + (self.timing,)
+        if gkey in self.graphs:
+            graphs, state = self.graphs[gkey]
             self._replay(graphs)
             out = state.out
         else:
             out = self.decoder.run(view)  # eager over the buffers: this step's result, and the warm-up
             if self.capture_graphs:
                 try:
-                    self.graphs[key] = self._capture(view)
+                    self.graphs[gkey] = self._capture(view, split=self.timing)
                 except Exception:  # the step's result stands; later steps run the same phases eagerly
                     log.exception("capturing the speculative step's graphs failed: speculative steps run eagerly")
                     self.capture_graphs = False
@@ -185,21 +217,23 @@ class SpecGraphs:
             self.phase_ms.append([a.elapsed_time(b) for a, b in zip(self._events, self._events[1:])])
             self._events = None
 
-    def _capture(self, view: StepInput):
-        """One graph per phase, captured in order into the shared pool; their StepState links them."""
+    def _capture(self, view: StepInput, split: bool):
+        """One graph for the whole step, or (`split`) one per phase captured in order into the shared pool; their
+        StepState links them."""
         d, t0 = self.decoder, time.perf_counter()
         torch.cuda.synchronize(d.runner.device)
         state, graphs = self.new_state(view), []
-        for phase in d.phases:
+        for group in ([p] for p in d.phases) if split else [d.phases]:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):  # mid-serving: other threads
-                phase(state)
+                for phase in group:
+                    phase(state)
             if self.pool is None:
                 self.pool = g.pool()
             graphs.append(g)
         torch.cuda.synchronize(d.runner.device)
-        log.info("captured the speculative step's %d phase graphs for %d sequences x %d drafts, %d table columns, %s "
-                 "in %.2f s", len(graphs), view.num_seqs, view.spec.num_speculative_tokens, view.block_tables.shape[1],
+        log.info("captured the speculative step as %d graph(s) for %d sequences x %d drafts, %d table columns, %s in "
+                 "%.2f s", len(graphs), view.num_seqs, view.spec.num_speculative_tokens, view.block_tables.shape[1],
                  "greedy" if view.sampling.all_greedy else "sampled", time.perf_counter() - t0)
         return graphs, state
 

@@ -39,8 +39,10 @@ class Proposal:
 @torch.inference_mode()
 def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead | None, h: torch.Tensor,
                  base_logits: torch.Tensor, anchor_ids: torch.Tensor, method: str = "probabilistic",
-                 sampling: SamplingInput | None = None, draws: Draws | None = None) -> Proposal:
-    """The sequential Markov loop over K slots: h [S, K, H], base_logits U fp32 [S, K, V], anchors [S]."""
+                 sampling: SamplingInput | None = None, draws: Draws | None = None, keep_logits: bool = True
+                 ) -> Proposal:
+    """The sequential Markov loop over K slots: h [S, K, H], base_logits U fp32 [S, K, V], anchors [S].
+    keep_logits=False: `Proposal.logits` is None (the engine's step: no [S, K, V] copy)."""
     if method not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"draft_sample_method {method!r} is not one of {list(DRAFT_SAMPLE_METHODS)}")
     if method == "probabilistic" and draws is None:
@@ -62,11 +64,13 @@ def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead
             q = sampling_probs(z, sampling)
             x = draws(i, q) if callable(draws) else draw(q, draws[:, i])
             probs.append(q)
-        tokens.append(x), logits.append(z)
+        tokens.append(x)
+        if keep_logits:
+            logits.append(z)
         prev = x
     confidence = torch.stack(conf, 1) if conf else torch.ones(s, k, device=base_logits.device)
     return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, confidence,
-                    torch.stack(logits, 1))
+                    torch.stack(logits, 1) if keep_logits else None)
 
 
 @torch.inference_mode()

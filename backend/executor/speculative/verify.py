@@ -22,7 +22,8 @@ The tests compare u_i < h rather than the spec's u_i <= h: equal in probability 
 with u drawn from [0, 1) a probability of exactly 0 can never pass.
 A residual whose mass is ~0 (only rounding can make one) falls back to T_{n+1}, as DeepSpec does.
 Greedy targets need no branch: with one-hot T the rules accept exactly while x_i = argmax T_i and the
-residual is the one-hot argmax, whatever the uniforms.
+residual is the one-hot argmax, whatever the uniforms. `verify_greedy` computes just that from the argmaxes (the
+speculative step takes it when every row is greedy: no vocabulary-wide tensor).
 """
 from __future__ import annotations
 
@@ -120,8 +121,25 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     residual = (rho_n[:, None] * t_next - q_next).clamp(min=0)
     bonus = (n >= lens) | (residual.sum(-1) <= _RESIDUAL_FLOOR)
     y = draw(torch.where(bonus[:, None], t_next, residual), uniforms[:, k])
-    col = torch.arange(k + 1, device=draft_tokens.device)[None, :]
+    return VerifyOutput(n, _emitted(draft_tokens, n, y))
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
+                  verify_lens: torch.Tensor | None = None) -> VerifyOutput:
+    """`verify` for greedy targets (one-hot T_i at target_argmax [S, K+1]), without any [S, K+1, V] tensor: either
+    rule, with any Q the drafts were drawn from and any uniforms, accepts exactly the leading drafts equal to
+    argmax T_i (up to L) and then emits argmax T_{n+1} (ratios 1 or 0, rho_i 1 or 0 so h_i 1 or 0, a residual
+    that is either zero, falling back to T, or positive at the argmax alone)."""
+    s, k = draft_tokens.shape
+    lens = _lengths(verify_lens, s, k, draft_tokens.device)
+    active = torch.arange(k, device=draft_tokens.device)[None, :] < lens[:, None]
+    n = ((draft_tokens.long() == target_argmax[:, :k]) & active).long().cumprod(-1).sum(-1)
+    return VerifyOutput(n, _emitted(draft_tokens, n, target_argmax.gather(1, n[:, None])[:, 0]))
+
+
+def _emitted(draft_tokens: torch.Tensor, n: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[S, K+1]: x_1..x_n, y, then -1."""
+    col = torch.arange(draft_tokens.shape[1] + 1, device=draft_tokens.device)[None, :]
     padded = torch.cat([draft_tokens.long(), torch.full_like(draft_tokens[:, :1].long(), -1)], 1)
     tokens = torch.where(col < n[:, None], padded, -1)
-    tokens = torch.where(col == n[:, None], y[:, None], tokens)
-    return VerifyOutput(n, tokens)
+    return torch.where(col == n[:, None], y[:, None], tokens)
