@@ -117,7 +117,7 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-weights", type=json.loads,
                    help='train examples per task relative to --train-examples (default \'{"arithmetic": 3}\')')
     p.add_argument("--packed-turns", type=json.loads,
-                   help='problems per training row by task (default \'{"arithmetic": 32, "retrieval": 32}\')')
+                   help='problems per training row by task (default \'{"arithmetic": 8, "retrieval": 32}\')')
     p.add_argument("--init-from", help="start from this checkpoint's weights (to go on with an earlier run; set "
                    "--dense-frac 0 --sparse-ramp-frac 0 to train with the sparse mask from the first step)")
     skip = {"out", "pack", "tasks", "model_overrides", "task_weights", "packed_turns", "init_from"}

@@ -74,7 +74,9 @@ class TrainConfig:
     # training rows of these tasks hold several problems as one chat's turns (eval rows hold one): their prompts are
     # mostly the template's preamble (arithmetic) or one long context (retrieval), so such a row teaches several
     # answers for little more than one row's tokens
-    packed_turns: dict[str, int] = dataclasses.field(default_factory=lambda: {"arithmetic": 32, "retrieval": 32})
+    # (a step's cost grows with tokens x row length: the eager attention's and the indexer's [B, H, S, S] tensors,
+    # so arithmetic, whose answers are short, packs fewer than retrieval, whose one context is long anyway)
+    packed_turns: dict[str, int] = dataclasses.field(default_factory=lambda: {"arithmetic": 8, "retrieval": 32})
     init_from: str | None = None  # start from this checkpoint's weights (a run that goes on in another device call)
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
@@ -98,6 +100,7 @@ class TrainConfig:
     draft_anchors: int = 32  # anchors per sequence
     draft_tokens_per_batch: int = 16384
     log_every: int = 25
+    profile_steps: int = 0  # profile this many target steps (after 10 warm ones): top ops in the log
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -326,6 +329,43 @@ def pick_experts_implementation(model, ids: torch.Tensor, mask: torch.Tensor, de
     return impl
 
 
+class StepProfile:
+    """torch.profiler over `n` training steps from step `first`: where a step's time goes (the first H200 runs were
+    at 127-212K padded tokens/s, far below the device, and the cause was not measured). `result()` lists the ops by
+    self device time (CPU time without CUDA), with their call counts."""
+
+    def __init__(self, n: int, device: torch.device, first: int = 10):
+        self.n, self.first, self.cuda = n, first, device.type == "cuda"
+        self.prof = None
+        self.table: list[dict] = []
+
+    def tick(self, step: int) -> None:
+        if self.n <= 0:
+            return
+        if step == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+        elif step == self.first + self.n and self.prof is not None:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        events = sorted(self.prof.key_averages(), key=lambda e: getattr(e, attr, 0.0), reverse=True)
+        total = sum(getattr(e, attr, 0.0) for e in events) or 1.0
+        self.table = [{"op": e.key, "calls": e.count, "ms_per_step": round(getattr(e, attr, 0.0) / 1e3 / self.n, 3),
+                       "share": round(getattr(e, attr, 0.0) / total, 4)} for e in events[:40]]
+        self.prof = None
+
+    def result(self) -> list[dict]:
+        if self.prof is not None:  # the run ended inside the window
+            self._stop()
+        return self.table
+
+
 class SparseRamp:
     """When the MSA layers run their top-k mask. A hard switch from the dense warm-up to the sparse mask cut off
     blocks the model had learned to read, and on the H200 (2026-12-04) it did not recover (docs/quality.md). So the
@@ -388,8 +428,10 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     model.train()
     step, tokens, real_tokens = 0, 0, 0
     error = None
+    profile = StepProfile(tc.profile_steps, device, first=10)
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
+        profile.tick(step)
         if ramp.start is None and step >= tc.dense_frac * sched.total:
             ramp.begin(step, sched.total)
             ramp.snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -415,12 +457,15 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         h.remove()
     model.eval()
     wall = time.time() - t0
+    top = profile.result()
+    if top:
+        log("target: profile of steps " + json.dumps(top[:12]))
     model.dense_snapshot = ramp.snapshot  # read (and dropped) by keep_better
     return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts,
             "padded_tokens": tokens, "real_tokens": real_tokens,
-            "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve,
+            "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve, "profile": top,
             "stopped_by": error or ("steps" if step >= sched.total else "time")}
 
 

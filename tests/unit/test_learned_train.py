@@ -44,7 +44,8 @@ def trained(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("learned") / "model")
     tc = TrainConfig(out=out, device="cpu", tasks=TASKS, train_examples=4, eval_examples=6, workers=1,
                      tokens_per_batch=4096, max_steps=60, warmup_steps=5, lr=1e-2, dense_frac=0.3, log_every=10,
-                     draft_max_steps=3, draft_tokens_per_batch=1024, draft_anchors=4, model_overrides=MICRO)
+                     draft_max_steps=3, draft_tokens_per_batch=1024, draft_anchors=4, model_overrides=MICRO,
+                     profile_steps=3)
     tok = build_tokenizer(out)
     cfg = learned_config(-(-tok["vocab_size"] // 64) * 64, tok["bos_token_id"], tok["eos_token_id"], **MICRO)
     rows = make_rows(out, TASKS, "train", tc.train_examples, 0)
@@ -68,6 +69,9 @@ def test_training_lowers_the_losses(trained):
     phases = [r["phase"] for r in curve]
     assert phases[:2] == ["dense"] * 2 and phases[3:] == ["sparse"] * 4, phases
     assert all(set(r["task_loss"]) <= set(TASKS) and r["task_loss"] for r in curve)
+    prof = trained["target"]["profile"]  # 3 profiled steps: the ops a step spends its time in
+    assert prof and all(p["calls"] >= 1 and p["ms_per_step"] >= 0 for p in prof)
+    assert any("mm" in p["op"] or "matmul" in p["op"] or "linear" in p["op"] for p in prof)
     first, last = curve[0], curve[-1]
     assert last["loss"] < 0.2 * first["loss"], (first, last)
     assert all(r["indexer_kl"] >= 0 for r in curve)
