@@ -5,7 +5,8 @@
 # benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
 # $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), benchmarks/bench_prefill.py $PREFILL_ARGS
 # ("prefill": MoE layer and quantized linears at prefill sizes, decode kernels vs decode-once-then-cuBLAS, TTFT as a
-# share of the bf16 GEMM rate), and on a multi-GPU kind "tp":
+# share of the bf16 GEMM rate), benchmarks/bench_itl.py $ITL_ARGS ("itl": ITL p50 / p99 of 64 decoding streams alone
+# and while a 32K prompt is prefilled in chunks beside them, per chunk size), and on a multi-GPU kind "tp":
 # benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), "rank": benchmarks/bench_rank.py
 # $RANK_ARGS (rank 0 of TP 4 at 60 layers on one GPU; after "tp": RANK_ARGS="--allreduce $OUT/bench_tp.json"), and "server":
 # benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS (the M3.1-Flash geometry through the real
@@ -60,6 +61,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_moe.log" | grep -v '^{' ;;
     prefill) timeout "${PREFILL_TIMEOUT:-420}" python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.json" \
                ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/bench_prefill.log" | grep -v '^{' ;;
+    itl) timeout "${ITL_TIMEOUT:-300}" python3 benchmarks/bench_itl.py --out "$OUT" ${ITL_ARGS:-} 2>&1 \
+           | tee "$OUT/bench_itl.log" | grep -v "^\[compile\]" ;;
     engine) timeout "${ENGINE_TIMEOUT:-400}" python3 benchmarks/bench_engine.py --out "$OUT" ${ENGINE_ARGS:-} 2>&1 \
            | tee "$OUT/bench_engine.log" | grep -v "^  " ;;
     spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \

@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Inter-token latency (ITL) of decoding streams while a long prompt is prefilled in chunks beside them, on the
+M3.1-Flash geometry cut to a few layers (bench_engine's `build`: random weights in the real formats, NVFP4 KV and
+index keys, CUDA graphs for decode steps, async scheduling).
+
+  python benchmarks/bench_itl.py --out OUT_DIR                      # the H200
+  python benchmarks/bench_itl.py --smoke --out /tmp/itl             # CPU, toy sizes (CI runs this)
+
+Measured, in one run, through `LLMEngine.step()`; a token's arrival time is when the step that sampled it returns:
+  idle      --streams sequences decode at --context tokens (their cache filled with random bytes up front), nothing
+            else runs: ITL p50 / p99 over every stream's gaps between consecutive tokens
+  chunks    the same streams, then one prompt of --long tokens is admitted; each step until its first token carries
+            the 64 decodes and one chunk of the prompt (the scheduler gives decodes the token budget first: a chunk is
+            max_num_batched_tokens - streams tokens). Per chunk size in --chunks (max_num_batched_tokens): ITL p50 /
+            p99 / max of the streams' gaps that end in that window, p99 over idle p99, the prompt's TTFT (from its
+            admission to the step that returns its first token), the steps that carried a chunk (the scheduler's
+            mixed-step count) and, beside it, the TTFT of the same prompt with no streams decoding
+The trade-off: a bigger chunk means fewer, longer steps in the window: the prompt's TTFT falls and every decoding
+stream waits longer for each token. One engine serves every row (built with the largest chunk, so its warm-up
+compiles every token count up to it); each row sets the scheduler's token budget and runs its scenario once untimed
+first (no kernel compiles in the timed window: the count seen there is reported).
+Writes OUT_DIR/bench_itl.json and OUT_DIR/bench_itl.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import geometry  # noqa: E402
+from bench_engine import build, release, start_synthetic, stop_synthetic, sync, time_ttft  # noqa: E402
+
+from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
+
+LONG_ID = "itl-long"
+WARM_STEPS = 3  # decode steps after the streams start, before anything is recorded (graph replays settle)
+BEFORE_STEPS = 8  # recorded decode steps before the long prompt is admitted (each stream's last token before it)
+
+
+def window_steps(long: int, chunk: int, streams: int) -> int:
+    """Steps whose budget carries a piece of the prompt: decodes take one token each of the budget first."""
+    return -(-long // (chunk - streams))
+
+
+def itl_stats(gaps: list[float]) -> dict:
+    a = np.asarray(gaps, dtype=np.float64) * 1e3
+    return {"itl_count": len(gaps), "itl_p50_ms": float(np.percentile(a, 50)),
+            "itl_p99_ms": float(np.percentile(a, 99)), "itl_max_ms": float(a.max())}
+
+
+def run_streams(engine, device, streams: int, context: int, steps: int, long: int, chunk: int, seed: int) -> dict:
+    """`streams` sequences decode at `context` tokens: `steps` recorded steps, then (long > 0) a prompt of `long`
+    tokens is admitted and the steps run until its first token. Returns the streams' ITL over the gaps that end
+    after the admission (all recorded gaps without one), the prompt's TTFT, and the engine's counters over it."""
+    g = torch.Generator().manual_seed(seed)
+    budget = steps + (window_steps(long, chunk, streams) + 8 if long else 0)
+    rids = start_synthetic(engine, streams, context, WARM_STEPS + budget + 4, g)
+    arrivals: dict[str, list[float]] = {rid: [] for rid in rids}
+    sch = engine.scheduler
+    t_admit = t_first = None
+    counts = {}
+    try:
+        for _ in range(WARM_STEPS):
+            engine.step()
+        sync(device)
+
+        def record(outs) -> bool:
+            t = time.perf_counter()
+            for o in outs:
+                if o.request_id in arrivals:
+                    arrivals[o.request_id] += [t] * len(o.new_token_ids)
+            return any(o.request_id == LONG_ID and o.new_token_ids for o in outs)
+
+        for _ in range(steps):
+            record(engine.step())
+        mixed0, chunked0 = sch.num_mixed_steps, sch.num_chunked_prefills
+        if long:
+            vocab = engine.model_config.vocab_size
+            t_admit = time.perf_counter()
+            engine.add_request(LONG_ID, prompt_token_ids=torch.randint(0, vocab, (long,), generator=g).tolist(),
+                               sampling_params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            for _ in range(budget - steps):
+                if record(engine.step()):
+                    t_first = time.perf_counter()
+                    counts = dict(mixed_steps=sch.num_mixed_steps - mixed0,
+                                  chunked_prefills=sch.num_chunked_prefills - chunked0)
+                    break
+            else:
+                raise RuntimeError(f"the {long}-token prompt got no token in {budget - steps} steps (chunk {chunk})")
+    finally:
+        stop_synthetic(engine, rids)
+        sync(device)
+    start = t_admit if long else float("-inf")
+    gaps = [b - a for ts in arrivals.values() for a, b in zip(ts, ts[1:]) if b > start]
+    row = itl_stats(gaps)
+    if long:
+        row.update(ttft_s=t_first - t_admit, **counts,
+                   compiles=sum(1 for t, _, _ in geometry.COMPILES if t_admit <= t <= t_first))
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--streams", type=int, default=64, help="decoding sequences")
+    p.add_argument("--context", type=int, default=4096, help="the streams' context (tokens) when they start")
+    p.add_argument("--long", type=int, default=32768, help="the admitted prompt's tokens")
+    p.add_argument("--chunks", default="512,2048,8192", help="max_num_batched_tokens per row")
+    p.add_argument("--idle-steps", type=int, default=256, help="recorded decode steps with nothing admitted")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (no step queued ahead)")
+    p.add_argument("--smoke", action="store_true", help="CPU, toy geometry (hidden 256, 8 experts, vocab 4K)")
+    a = p.parse_args(argv)
+    a.chunks = sorted(int(x) for x in a.chunks.split(","))
+    if a.smoke:
+        a.streams, a.context, a.long, a.chunks, a.idle_steps = 4, 40, 300, [36, 132], 6
+    if a.chunks[0] <= a.streams:
+        p.error(f"--chunks: {a.chunks[0]} leaves no budget for the prompt beside {a.streams} decodes")
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    if device.type == "cuda":
+        geometry.log_compiles()
+    os.makedirs(a.out, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "commit": os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                                                capture_output=True, cwd=HERE).stdout.strip(),
+           "layers": a.layers, "streams": a.streams, "context": a.context, "long_prompt": a.long,
+           "cuda_graphs": device.type == "cuda" and not a.enforce_eager, "async_scheduling": not a.no_async_scheduling}
+    # the streams' room: every recorded step of the longest row, its untimed run, and slack
+    longest = max(a.idle_steps, BEFORE_STEPS + window_steps(a.long, a.chunks[0], a.streams) + 8) + WARM_STEPS + 8
+    ns = SimpleNamespace(geometry_over=geometry.SMOKE if a.smoke else {}, batches=[a.streams + 1],
+                         enforce_eager=a.enforce_eager, no_async_scheduling=a.no_async_scheduling, chunk=a.chunks[-1])
+    _, model, engine = build(a.layers, 1, device, ns, max(a.context + longest, a.long + 1))
+    run_streams(engine, device, a.streams, a.context, max(2, a.idle_steps // 4), 0, a.chunks[-1], 1)  # warm-up
+    res["idle"] = run_streams(engine, device, a.streams, a.context, a.idle_steps, 0, a.chunks[-1], 2)
+    print(f"idle: {a.streams} streams at {a.context} tokens: ITL p50 {res['idle']['itl_p50_ms']:.2f} ms, "
+          f"p99 {res['idle']['itl_p99_ms']:.2f} ms", flush=True)
+    res["chunks"] = []
+    g = torch.Generator().manual_seed(3)
+    for chunk in a.chunks:
+        engine.scheduler.max_num_batched_tokens = chunk
+        run_streams(engine, device, a.streams, a.context, BEFORE_STEPS, a.long, chunk, 4)  # untimed: compiles
+        row = dict(chunk=chunk, prompt_chunk=chunk - a.streams,
+                   **run_streams(engine, device, a.streams, a.context, BEFORE_STEPS, a.long, chunk, 5))
+        time_ttft(engine, device, a.long, g)  # untimed: the prompt's steps without decodes
+        row["ttft_alone_s"] = time_ttft(engine, device, a.long, g)
+        row["p99_over_idle"] = row["itl_p99_ms"] / res["idle"]["itl_p99_ms"]
+        row["within_2x_idle"] = row["p99_over_idle"] <= 2.0
+        res["chunks"].append(row)
+        print(f"chunk {chunk}: ITL p50 {row['itl_p50_ms']:.2f} ms p99 {row['itl_p99_ms']:.2f} ms "
+              f"({row['p99_over_idle']:.2f}x idle), TTFT {row['ttft_s'] * 1e3:.1f} ms (alone "
+              f"{row['ttft_alone_s'] * 1e3:.1f} ms), {row['mixed_steps']} mixed steps, {row['compiles']} compiles",
+              flush=True)
+        save(res, a.out)
+    res["trade_off"] = trade_off(res)
+    save(res, a.out)
+    with open(os.path.join(a.out, "bench_itl.md"), "w") as f:
+        f.write(table(res))
+    print(table(res))
+    del engine, model
+    release()
+    return 0
+
+
+def save(res: dict, out: str) -> None:
+    """The results so far (a run cut short by its time limit keeps what it measured)."""
+    with open(os.path.join(out, "bench_itl.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def trade_off(res) -> str:
+    """The chunk size trade-off, from this run's smallest and largest chunk."""
+    rows = res["chunks"]
+    lo, hi = rows[0], rows[-1]
+    fits = [r["chunk"] for r in rows if r["within_2x_idle"]]
+    return (f"bigger chunks: fewer, longer steps while the prompt is prefilled. From chunk {lo['chunk']} to "
+            f"{hi['chunk']} the {res['long_prompt']}-token prompt's TTFT went {lo['ttft_s'] * 1e3:.0f} -> "
+            f"{hi['ttft_s'] * 1e3:.0f} ms and the decoding streams' ITL p99 {lo['itl_p99_ms']:.1f} -> "
+            f"{hi['itl_p99_ms']:.1f} ms (idle {res['idle']['itl_p99_ms']:.1f} ms). ITL p99 within 2x of idle at "
+            + (f"chunk {', '.join(map(str, fits))}" if fits else "no chunk measured") + ".")
+
+
+def table(res) -> str:
+    i = res["idle"]
+    lines = [f"{res['device']}, {res['date']}, {res['layers']} layers, {res['streams']} streams decoding at "
+             f"{res['context']} tokens, a {res['long_prompt']}-token prompt admitted, CUDA graphs "
+             f"{res['cuda_graphs']}, async scheduling {res['async_scheduling']}", "",
+             "| chunk (max_num_batched_tokens) | prompt tokens/step | ITL p50 ms | ITL p99 ms | ITL max ms | "
+             "p99 / idle | TTFT ms | TTFT alone ms | mixed steps | compiles |",
+             "|---|---|---|---|---|---|---|---|---|---|",
+             f"| idle (no prompt) | - | {i['itl_p50_ms']:.2f} | {i['itl_p99_ms']:.2f} | {i['itl_max_ms']:.2f} | 1.00 | "
+             "- | - | - | - |"]
+    for r in res["chunks"]:
+        lines.append(f"| {r['chunk']} | {r['prompt_chunk']} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
+                     f"{r['itl_max_ms']:.2f} | {r['p99_over_idle']:.2f} | {r['ttft_s'] * 1e3:.1f} | "
+                     f"{r['ttft_alone_s'] * 1e3:.1f} | {r['mixed_steps']} | {r['compiles']} |")
+    if "trade_off" in res:
+        lines += ["", res["trade_off"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

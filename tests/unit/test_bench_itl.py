@@ -1,0 +1,32 @@
+"""benchmarks/bench_itl.py runs end to end on the CPU at toy sizes (`--smoke`): the code path of the H200 run (idle
+ITL of the decoding streams, then per chunk size a long prompt prefilled in chunks beside them: ITL of the window,
+TTFT with and without the streams, the JSON and the table)."""
+import importlib
+import json
+
+
+def test_bench_itl_smoke(tmp_path):
+    bench = importlib.import_module("bench_itl")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "bench_itl.json").read_text())
+    streams, long = res["streams"], res["long_prompt"]
+    assert (streams, long) == (4, 300)
+    idle = res["idle"]
+    assert idle["itl_count"] == streams * (6 - 1)  # 6 recorded steps: 5 gaps per stream
+    assert 0 < idle["itl_p50_ms"] <= idle["itl_p99_ms"] <= idle["itl_max_ms"]
+    assert [r["chunk"] for r in res["chunks"]] == [36, 132]
+    for r in res["chunks"]:
+        # every step until the prompt's first token carried all the decodes and one chunk of chunk - streams tokens
+        steps = -(-long // (r["chunk"] - streams))
+        assert r["prompt_chunk"] == r["chunk"] - streams
+        assert r["mixed_steps"] == steps and r["chunked_prefills"] == steps - 1
+        # each stream got a token in each of those steps (plus the decode-only step queued ahead at the admission)
+        assert streams * steps <= r["itl_count"] <= streams * (steps + 1)
+        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
+        assert r["ttft_s"] > 0 and r["ttft_alone_s"] > 0
+        assert r["p99_over_idle"] == r["itl_p99_ms"] / idle["itl_p99_ms"]
+        assert r["within_2x_idle"] == (r["p99_over_idle"] <= 2.0)
+    assert res["chunks"][0]["mixed_steps"] > res["chunks"][1]["mixed_steps"]
+    assert "From chunk 36 to 132" in res["trade_off"]
+    table = (tmp_path / "bench_itl.md").read_text()
+    assert "| idle (no prompt) |" in table and "| 132 | 128 |" in table
