@@ -91,6 +91,7 @@ class TrainConfig:
     dense_frac: float = 0.45  # of the planned steps: the dense warm-up
     sparse_ramp_frac: float = 0.15  # then the share of steps run sparse rises from 0 to 1 over this many steps
     bias_rate: float = 1e-2  # router bias step per training step
+    distill_rows: int = 16  # rows of each batch the indexer's KL covers (0: all)
     # draft (train_draft.py)
     draft_frac: float = 0.16  # of the training time
     draft_max_steps: int = 3000
@@ -203,12 +204,17 @@ class IndexerDistill:
     The indexer hook recomputes the index scores with gradients (from its detached input) and keeps the block
     selection it returned; the attention hook then takes the attention probabilities the eager attention returned
     (zero outside the selection) as the teacher. `take(real)` returns the mean KL over index heads and real query
-    positions of every MSA layer of the last forward."""
+    positions of every MSA layer of the last forward. With `rows` > 0 the KL covers that many rows of each batch,
+    drawn at random per forward (the same rows in every layer): its [B, H, S, S] tensors are a large share of a
+    step, and the indexer is small."""
 
-    def __init__(self, model):
+    def __init__(self, model, rows: int = 0, seed: int = 0):
         from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
 
         self.apply_rope = hf.apply_rotary_pos_emb
+        self.rows, self.gen = rows, torch.Generator().manual_seed(seed)
+        self.sel: torch.Tensor | None = None  # the rows of the current forward (None: all)
+        self.last_rows: torch.Tensor | None = None  # those of the last `take`
         self.enabled = False
         self.kls: list[torch.Tensor] = []
         self.pending: dict[int, tuple] = {}
@@ -221,6 +227,13 @@ class IndexerDistill:
         if not self.enabled:
             return
         hidden, (cos, sin), _cache, position_ids = args
+        b = hidden.shape[0]
+        if self.rows and self.sel is None and b > self.rows:
+            self.sel = torch.randperm(b, generator=self.gen)[:self.rows].sort().values.to(hidden.device)
+        if self.sel is not None:
+            hidden, block_indices = hidden[self.sel], block_indices[self.sel]
+            cos, sin = (t[self.sel] if t.shape[0] == b else t for t in (cos, sin))
+            position_ids = position_ids[self.sel] if position_ids.shape[0] == b else position_ids
         h, d = hidden.detach(), indexer.head_dim
         b, s, _ = h.shape
         q = indexer.q_norm(indexer.q_proj(h).view(b, s, -1, d)).transpose(1, 2)
@@ -233,7 +246,8 @@ class IndexerDistill:
         if not self.enabled:
             return
         scores, block_indices, position_ids = self.pending.pop(id(attn.indexer))
-        weights = out[1].detach().float()  # [B, H_q, S, S], zero outside the selected blocks
+        weights = out[1].detach()  # [B, H_q, S, S], zero outside the selected blocks
+        weights = (weights if self.sel is None else weights[self.sel]).float()
         h_idx = scores.shape[1]
         teacher = weights.unflatten(1, (h_idx, -1)).mean(2)
         s = scores.shape[-1]
@@ -246,9 +260,10 @@ class IndexerDistill:
     def take(self, real: torch.Tensor) -> torch.Tensor:
         """Mean KL over the MSA layers, index heads and real query positions (real: bool [B, S])."""
         kls, self.kls = self.kls, []
+        self.last_rows, self.sel = self.sel, None
         if not kls:
             return torch.zeros((), device=real.device)
-        w = real[:, None, :].float()
+        w = (real if self.last_rows is None else real[self.last_rows])[:, None, :].float()
         return sum((kl * w).sum() / (w.sum() * kl.shape[1]) for kl in kls) / len(kls)
 
 
@@ -421,7 +436,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
     sched = Schedule(tc.lr, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
-    distill, balance = IndexerDistill(model), RouterBalance(model, tc.bias_rate)
+    distill, balance = IndexerDistill(model, tc.distill_rows, tc.seed + 11), RouterBalance(model, tc.bias_rate)
     distill.enabled = balance.enabled = True
     curve, t0 = [], time.time()
     ramp = SparseRamp(tc, random.Random(tc.seed + 7))

@@ -81,14 +81,28 @@ def test_training_lowers_the_losses(trained):
     assert len(acc["alpha"]) == 7 and acc["blocks"] > 0
 
 
-def _dense_indexer_kl(model, ids, real) -> float:
-    distill = IndexerDistill(model)
+def _dense_indexer_kl(model, ids, real, rows: int = 0, seed: int = 0) -> tuple[float, torch.Tensor | None]:
+    distill = IndexerDistill(model, rows, seed)
     distill.enabled = True
     with torch.no_grad(), DenseAttention(model):
         model.model(input_ids=ids)
     for h in distill.handles:
         h.remove()
-    return float(distill.take(real))
+    return float(distill.take(real)), distill.last_rows
+
+
+def test_the_indexer_kl_on_a_sample_of_rows_is_the_kl_of_those_rows(trained):
+    """distill_rows: the KL of a forward over the whole batch, taken on 3 random rows, equals the KL of a forward
+    over just those rows (rows are independent), and another seed picks other rows."""
+    ids, _, real = collate(trained["eval_rows"][-8:], trained["pad"])
+    model = trained["model"]
+    kl, rows = _dense_indexer_kl(model, ids, real, rows=3, seed=1)
+    assert rows is not None and len(rows) == 3
+    alone, none = _dense_indexer_kl(model, ids[rows], real[rows])
+    assert none is None and abs(kl - alone) < 1e-4 * max(1.0, alone), (kl, alone)
+    assert not torch.equal(_dense_indexer_kl(model, ids, real, rows=3, seed=2)[1], rows)
+    whole, _ = _dense_indexer_kl(model, ids, real)
+    assert abs(whole - kl) > 1e-6  # the sample is not the whole batch
 
 
 def test_indexer_learns_the_attention(trained):
@@ -99,7 +113,7 @@ def test_indexer_learns_the_attention(trained):
     fresh = build_target(trained["cfg"], torch.device("cpu"), 0)
     untrained.load_state_dict({k: v for k, v in fresh.state_dict().items() if ".indexer." in k}, strict=False)
     ids, _, real = collate(trained["eval_rows"][-8:], trained["pad"])
-    kl_trained, kl_start = _dense_indexer_kl(model, ids, real), _dense_indexer_kl(untrained, ids, real)
+    kl_trained, kl_start = _dense_indexer_kl(model, ids, real)[0], _dense_indexer_kl(untrained, ids, real)[0]
     assert kl_trained < 0.8 * kl_start, (kl_trained, kl_start)
 
 
