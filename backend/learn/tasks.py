@@ -104,6 +104,7 @@ def _arithmetic(rng: random.Random):
 # ---------------------------------------------------------------- retrieval
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_CODE_QUESTION = "What is the code for {}?"
 
 
 def _retrieval(rng: random.Random):
@@ -115,7 +116,7 @@ def _retrieval(rng: random.Random):
     values = [str(rng.randint(1000, 9999)) for _ in keys]
     q = rng.randrange(len(keys))
     lines = "".join(f"{k}: {v}\n" for k, v in zip(keys, values))
-    text = f"Here is a list of codes.\n{lines}What is the code for {keys[q]}?"
+    text = f"Here is a list of codes.\n{lines}" + _CODE_QUESTION.format(keys[q])
     messages = [{"role": "user", "content": text}]
     return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": values[q]}, values[q])
 
@@ -127,7 +128,7 @@ def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[t
     pairs = [line.split(": ") for line in text.split("\n")[1:-1]]
     asked = text.rsplit(" ", 1)[-1].rstrip("?")
     others = [(k, v) for k, v in pairs if k != asked]
-    return [(f"What is the code for {k}?", v) for k, v in rng.sample(others, min(n, len(others)))]
+    return [(_CODE_QUESTION.format(k), v) for k, v in rng.sample(others, min(n, len(others)))]
 
 
 # ---------------------------------------------------------------- tool_call

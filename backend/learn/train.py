@@ -622,7 +622,10 @@ def run(tc: TrainConfig) -> dict:
         log(f"target: choosing the weights failed: {e}\n" + traceback.format_exc())
     save_target(model, cfg, tc.out)
     try:
-        result["eval_target"] = exact_match(model, eval_rows, device, pad_id, tc.tokens_per_batch)
+        selection = result["target"]["selection"]  # keep_better scored the kept weights already
+        kept = selection.get(selection.get("kept"))
+        result["eval_target"] = kept if kept is not None else exact_match(model, eval_rows, device, pad_id,
+                                                                          tc.tokens_per_batch)
         retrieval = [r for r in eval_rows if TASKS[r[2]] == "retrieval"]
         if retrieval:
             result["eval_target_dense_retrieval"] = exact_match(model, retrieval, device, pad_id, tc.tokens_per_batch,
