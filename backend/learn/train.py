@@ -212,6 +212,8 @@ class IndexerDistill:
         from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
 
         self.apply_rope = hf.apply_rotary_pos_emb
+        if rows < 0:
+            raise ValueError(f"distill_rows must be 0 (every row) or more, got {rows}")
         self.rows, self.gen = rows, torch.Generator().manual_seed(seed)
         self.sel: torch.Tensor | None = None  # the rows of the current forward (None: all)
         self.last_rows: torch.Tensor | None = None  # those of the last `take`

@@ -103,6 +103,8 @@ def test_the_indexer_kl_on_a_sample_of_rows_is_the_kl_of_those_rows(trained):
     assert not torch.equal(_dense_indexer_kl(model, ids, real, rows=3, seed=2)[1], rows)
     whole, _ = _dense_indexer_kl(model, ids, real)
     assert abs(whole - kl) > 1e-6  # the sample is not the whole batch
+    with pytest.raises(ValueError, match="distill_rows"):
+        IndexerDistill(model, rows=-1)
 
 
 def test_indexer_learns_the_attention(trained):
