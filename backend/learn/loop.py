@@ -3,7 +3,9 @@ length-bucketed batches, the planned learning-rate schedule, bf16 autocast."""
 from __future__ import annotations
 
 import math
+import queue
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -31,6 +33,27 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group:
         rng.shuffle(cut)
         for idx in cut:
             yield (*collate([rows[i] for i in idx], pad_id), torch.tensor([rows[i][2] for i in idx]))
+
+
+def prefetch(it: Iterator, depth: int = 4, pin: bool = False) -> Iterator:
+    """`it`'s items made ahead in a daemon thread (`depth` at most waiting; tensors pinned if `pin`, so that the
+    step's non-blocking copies overlap): the host builds the next batches while the device runs this one. An error
+    in `it` is raised here, at the item where it happened."""
+    q: queue.Queue = queue.Queue(depth)
+
+    def fill():
+        try:
+            for item in it:
+                q.put((True, tuple(t.pin_memory() for t in item) if pin else item))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((False, e))
+
+    threading.Thread(target=fill, daemon=True, name="batch-prefetch").start()
+    while True:
+        ok, item = q.get()
+        if not ok:
+            raise item
+        yield item
 
 
 def collate(rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

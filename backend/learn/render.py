@@ -25,9 +25,38 @@ def render(example: Example, tokenizer) -> tuple[list[int], list[int]]:
 def render_turns(first: Example, turns: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of a chat that goes on after `first`'s answer with more (user text, answer) turns of
     the same task (training rows with several problems: the loss on every answer). Each turn's prompt is the chat
-    template over the conversation so far; a turn whose prompt does not extend the row token for token ends it
-    there (a template that re-renders history), so every prompt in a row is exactly what the engine would build.
-    Only for tasks whose answer is the reply's content (thinking disabled)."""
+    template over the conversation so far; a turn whose prompt does not extend the row ends it there (a template
+    that re-renders history), so every prompt in a row is exactly what the engine would build. Only for tasks whose
+    answer is the reply's content (thinking disabled).
+
+    A turn's prompt is the row so far plus its new text tokenized alone: the row ends on the end-of-turn token, a
+    special token, which the tokenizer splits off before anything merges. One tokenization of the whole last prompt
+    checks that; where the row's text is not what this predicts, it is built again tokenizing every prompt whole (which
+    costs the row's length per turn)."""
+    ids, mask = render(first, tokenizer)
+    kwargs = dict(tools=first.tools, add_generation_prompt=True, **first.chat_template_kwargs)
+    messages = list(first.messages) + [{"role": "assistant", "content": first.answer}]
+    text = tokenizer.apply_chat_template(first.messages, **kwargs) + first.answer + tokenizer.eos_token
+    whole = None  # the last prompt's text
+    for user, answer in turns:
+        messages.append({"role": "user", "content": user})
+        prompt_text = tokenizer.apply_chat_template(messages, **kwargs)
+        if not prompt_text.startswith(text):  # a template that re-renders history, or a text we mispredicted
+            return _render_turns_whole(first, turns, tokenizer)
+        prompt = ids + tokenizer.encode(prompt_text[len(text):])
+        target = tokenizer.encode(answer) + [tokenizer.eos_token_id]
+        mask = mask + [0] * (len(prompt) - len(ids)) + [1] * len(target)
+        ids, whole = prompt + target, (prompt_text, len(prompt))
+        text = prompt_text + answer + tokenizer.eos_token
+        messages.append({"role": "assistant", "content": answer})
+    if whole is not None and tokenizer.encode(whole[0]) != ids[:whole[1]]:
+        return _render_turns_whole(first, turns, tokenizer)
+    return ids, mask
+
+
+def _render_turns_whole(first: Example, turns: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[int]]:
+    """render_turns with every prompt tokenized whole (a template or tokenizer where the row's text does not split
+    at the end-of-turn token)."""
     ids, mask = render(first, tokenizer)
     messages = list(first.messages) + [{"role": "assistant", "content": first.answer}]
     for user, answer in turns:

@@ -3,11 +3,12 @@
 Five tasks, each a chat in M3's template with one exact answer:
 
 - `arithmetic`: "What is A op B?" with op in + - *; A and B have 1-3 digits for + and - (A >= B for -, so no
-  negative results) and 1-2 digits for *. Sizes a ~15M-parameter model reads digit by digit (the tokenizer splits
-  digits) and learns in minutes: at most 4 answer digits, carries over at most 3 positions.
+  negative results); * multiplies a 1-2 digit number by a digit. Sizes a ~12M-parameter model reads digit by digit
+  (the tokenizer splits digits) and can learn in minutes: at most 4 answer digits, carries over at most 3 positions.
 - `retrieval`: RETRIEVAL_PAIRS random `key: value` lines (4-letter keys, 4-digit values), then a question about one
   key. The prompt is about 710 tokens with the learned tokenizer, over 5x the span MSA selects (top-4 blocks of 32 =
-  128 tokens), so the indexer has to find the block that holds the key.
+  128 tokens), so the indexer has to find the block that holds the key. Training contexts hold
+  RETRIEVAL_TRAIN_MIN_PAIRS to RETRIEVAL_PAIRS pairs; the eval split always RETRIEVAL_PAIRS.
 - `tool_call`: 1-3 tools given as JSON schemas (`tools=`), the answer one call in M3's tool-call markup with the
   arguments the user's message names.
 - `reasoning`: a two-step word problem; thinking enabled, the answer is a short trace inside M3's think tags, then
@@ -40,7 +41,8 @@ from m3serve.text.tool_parser import parse_tool_calls
 TASKS = ("arithmetic", "retrieval", "tool_call", "reasoning", "multi_turn")
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 8  # 1 in 8 problems is held out for eval
-RETRIEVAL_PAIRS = 64
+RETRIEVAL_PAIRS = 64  # eval contexts: over 5x the span MSA selects
+RETRIEVAL_TRAIN_MIN_PAIRS = 8  # training contexts hold 8-64 pairs: an induction circuit forms sooner among fewer keys
 END_OF_TURN = EOS_TOKEN + "\n"  # what the template writes after an assistant reply
 
 THINK_OFF = {"thinking_mode": "disabled"}
@@ -90,8 +92,12 @@ def _example(task, messages, reply, expected, tools=None, kwargs=THINK_OFF) -> E
 
 def _arithmetic(rng: random.Random):
     op = rng.choice("+-*")
-    digits = 2 if op == "*" else 3
-    a, b = (rng.randint(0, 10 ** rng.randint(1, digits) - 1) for _ in range(2))
+    if op == "*":  # a 1-2 digit number times a digit, in either order
+        a, b = rng.randint(0, 10 ** rng.randint(1, 2) - 1), rng.randint(0, 9)
+        if rng.random() < 0.5:
+            a, b = b, a
+    else:
+        a, b = (rng.randint(0, 10 ** rng.randint(1, 3) - 1) for _ in range(2))
     if op == "-" and a < b:
         a, b = b, a
     result = {"+": a + b, "-": a - b, "*": a * b}[op]
@@ -107,9 +113,9 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _CODE_QUESTION = "What is the code for {}?"
 
 
-def _retrieval(rng: random.Random):
+def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
     keys: list[str] = []
-    while len(keys) < RETRIEVAL_PAIRS:
+    while len(keys) < pairs:
         k = "".join(rng.choice(_LETTERS) for _ in range(4))
         if k not in keys:
             keys.append(k)
@@ -268,7 +274,10 @@ def make_examples(task: str, split: str, n: int, seed: int = 0) -> list[Example]
     rng = random.Random(f"m3serve-learn|{task}|{split}|{seed}")
     out: list[Example] = []
     while len(out) < n:
-        key, build = _GENERATORS[task](rng)
+        if task == "retrieval" and split == "train":  # contexts of every length up to the eval's
+            key, build = _retrieval(rng, rng.randint(RETRIEVAL_TRAIN_MIN_PAIRS, RETRIEVAL_PAIRS))
+        else:
+            key, build = _GENERATORS[task](rng)
         if split_of(task, key) == split:
             out.append(dataclasses.replace(build(), key=str(key)))
     return out

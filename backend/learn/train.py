@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from m3serve.learn.loop import Schedule, autocast, batches, collate
+from m3serve.learn.loop import Schedule, autocast, batches, collate, prefetch
 from m3serve.learn.tasks import TASKS
 
 PART_BYTES = 15 << 20
@@ -70,7 +70,8 @@ class TrainConfig:
     reserve_s: float = 40.0  # kept for the checks, saving and packing
     tasks: tuple[str, ...] = TASKS
     train_examples: int = 16000  # per task (the pool is cycled through), times the task's weight
-    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 3.0})  # short rows
+    # arithmetic rows pack 8 problems, so weight 12 gives it as many rows as a task of weight 1.5 unpacked
+    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 12.0})
     # training rows of these tasks hold several problems as one chat's turns (eval rows hold one): their prompts are
     # mostly the template's preamble (arithmetic) or one long context (retrieval), so such a row teaches several
     # answers for little more than one row's tokens
@@ -303,7 +304,7 @@ class RouterBalance:
 def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits; with `task`
-    (each row's task index) also the mean loss per task, detached."""
+    (each row's task index) also the answer tokens' loss sum and count per task index, detached."""
     hidden = model.model(input_ids=ids).last_hidden_state
     sel = mask[:, 1:]
     logits = model.lm_head(hidden[:, :-1][sel]).float()
@@ -312,8 +313,10 @@ def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor
     if task is None:
         return losses.mean(), logits.argmax(-1) == gold
     token_task = task.to(ids.device)[:, None].expand_as(sel)[sel]
-    per_task = {int(t): losses.detach()[token_task == t].mean() for t in token_task.unique()}
-    return losses.mean(), logits.argmax(-1) == gold, per_task
+    n = len(TASKS)  # per-task sums by scatter: no host sync (the step's log record reads them only when it logs)
+    sums = torch.zeros(n, device=ids.device).index_add_(0, token_task, losses.detach())
+    counts = torch.zeros(n, device=ids.device).index_add_(0, token_task, torch.ones_like(losses))
+    return losses.mean(), logits.argmax(-1) == gold, {"sum": sums, "count": counts}
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -355,6 +358,7 @@ class StepProfile:
         self.n, self.first, self.cuda = n, first, device.type == "cuda"
         self.prof = None
         self.table: list[dict] = []
+        self.step_ms: dict[str, float] = {}
 
     def tick(self, step: int) -> None:
         if self.n <= 0:
@@ -363,16 +367,22 @@ class StepProfile:
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
+            self.t0 = time.perf_counter()
         elif step == self.first + self.n and self.prof is not None:
             self._stop()
 
     def _stop(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
         attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         events = sorted(self.prof.key_averages(), key=lambda e: getattr(e, attr, 0.0), reverse=True)
         total = sum(getattr(e, attr, 0.0) for e in events) or 1.0
+        # busy time per step against the wall's: far below it, the device waits on the host (launches, syncs)
+        kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        busy = sum(getattr(e, attr, 0.0) for e in kernels) if kernels else total
+        self.step_ms = {"wall": round(wall * 1e3 / self.n, 2), "busy": round(busy / 1e3 / self.n, 2)}
         self.table = [{"op": e.key, "calls": e.count, "ms_per_step": round(getattr(e, attr, 0.0) / 1e3 / self.n, 3),
                        "share": round(getattr(e, attr, 0.0) / total, 4)} for e in events[:40]]
         self.prof = None
@@ -431,7 +441,7 @@ def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_
 
 def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
                  log) -> dict:
-    data = batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id)
+    data = prefetch(batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id), pin=device.type == "cuda")
     ids, mask, _, _ = next(data)
     experts = pick_experts_implementation(model, ids.to(device), mask.to(device), device, log)
     groups = _param_groups(model, tc.weight_decay)
@@ -467,7 +477,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         real_tokens += rec.pop("real_tokens")
         step += 1
         if step % tc.log_every == 0 or step == 1:
-            rec = {"step": step, **rec, "elapsed_s": round(time.time() - t0, 1), "planned_steps": sched.total}
+            rec = {"step": step, **log_record(rec), "elapsed_s": round(time.time() - t0, 1),
+                   "planned_steps": sched.total}
             curve.append(rec)
             log("target " + json.dumps(rec))
     for h in distill.handles + balance.handles:
@@ -476,18 +487,20 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     wall = time.time() - t0
     top = profile.result()
     if top:
-        log("target: profile of steps " + json.dumps(top[:12]))
+        log(f"target: profile of steps (ms per step {profile.step_ms}) " + json.dumps(top[:20]))
     model.dense_snapshot = ramp.snapshot  # read (and dropped) by keep_better
     return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts,
             "padded_tokens": tokens, "real_tokens": real_tokens,
-            "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve, "profile": top,
+            "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve, "profile": top, "profile_step_ms": profile.step_ms,
             "stopped_by": error or ("steps" if step >= sched.total else "time")}
 
 
 def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: bool, device) -> dict:
-    """One optimizer step on `batch` (the main attention unmasked if `dense`); returns its log record."""
+    """One optimizer step on `batch` (the main attention unmasked if `dense`); returns its log record, of device
+    tensors (`log_record` reads them: the host syncs only on the steps that log)."""
+    real_tokens = int(batch[2].sum())  # on the host copy
     ids, mask, real, task = (t.to(device, non_blocking=True) for t in batch)
     for g in opt.param_groups:
         g["lr"] = lr
@@ -500,11 +513,20 @@ def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: 
     opt.step()
     opt.zero_grad(set_to_none=True)
     worst_load = balance.update()
-    return {"phase": "dense" if dense else "sparse", "loss": round(float(lm.detach()), 4),
-            "task_loss": {TASKS[t]: round(float(v), 4) for t, v in per_task.items()},
-            "answer_token_acc": round(float(hits.float().mean()), 4), "indexer_kl": round(float(kl.detach()), 4),
-            "lr": round(lr, 6), "grad_norm": round(float(gnorm), 3), "max_expert_load_ratio": round(float(worst_load), 2),
-            "padded_tokens": ids.numel(), "real_tokens": int(real.sum())}
+    return {"phase": "dense" if dense else "sparse", "loss": lm.detach(), "task_loss": per_task,
+            "answer_token_acc": hits.float().mean(), "indexer_kl": kl.detach(), "lr": lr, "grad_norm": gnorm,
+            "max_expert_load_ratio": worst_load, "padded_tokens": ids.numel(), "real_tokens": real_tokens}
+
+
+def log_record(rec: dict) -> dict:
+    """A step record's device tensors as rounded numbers (one host sync)."""
+    per_task = rec["task_loss"]
+    sums, counts = per_task["sum"].tolist(), per_task["count"].tolist()
+    return {**rec, "loss": round(float(rec["loss"]), 4),
+            "task_loss": {TASKS[t]: round(sums[t] / counts[t], 4) for t in range(len(TASKS)) if counts[t]},
+            "answer_token_acc": round(float(rec["answer_token_acc"]), 4), "indexer_kl": round(float(rec["indexer_kl"]), 4),
+            "lr": round(rec["lr"], 6), "grad_norm": round(float(rec["grad_norm"]), 3),
+            "max_expert_load_ratio": round(float(rec["max_expert_load_ratio"]), 2)}
 
 
 @torch.no_grad()

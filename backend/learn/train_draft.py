@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from m3serve.learn.loop import Schedule, autocast, batches, collate
+from m3serve.learn.loop import Schedule, autocast, batches, collate, prefetch
 from m3serve.learn.tasks import TASKS
 from m3serve.model.dspark import DSparkDraft, SharedTargetParts
 from m3serve.model.dspark_taps import TapRecorder
@@ -165,13 +165,14 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
     sched = Schedule(tc.draft_lr, 20, tc.draft_max_steps, 0.1, first_plan=20, every=50)
     rng = random.Random(tc.seed + 1)
     train_rows = [r for r in rows if sum(r[1]) >= 2]
-    data = batches(train_rows, tc.draft_tokens_per_batch, random.Random(tc.seed + 2), pad_id)
+    data = prefetch(batches(train_rows, tc.draft_tokens_per_batch, random.Random(tc.seed + 2), pad_id),
+                    pin=device.type == "cuda")
     curve, step = [], 0
     log(f"draft: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, taps {draft.tap_layers}, "
         f"block {draft.block_size}, mask token {mask_id}")
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
-        ids, mask, _, _ = (t.to(device) for t in next(data))
+        ids, mask, _, _ = (t.to(device, non_blocking=True) for t in next(data))
         anchors, valid = sample_anchors(mask, tc.draft_anchors, rng)
         for grp in opt.param_groups:
             grp["lr"] = sched.lr(step)

@@ -9,7 +9,7 @@ import pytest
 
 from m3serve.learn.config import learned_config, make_learned, selected_span
 from m3serve.learn.render import prompt_ids, render
-from m3serve.learn.tasks import TASKS, Example, make_examples, split_of
+from m3serve.learn.tasks import RETRIEVAL_PAIRS, TASKS, Example, make_examples, split_of
 from m3serve.learn.tokenizer import build_tokenizer
 from m3serve.text.reasoning import THINK_END
 from m3serve.text.tokenizer import Tokenizer
@@ -97,7 +97,10 @@ def test_arithmetic_answers_are_right():
         a, op, b = re.fullmatch(r"(?:What is |Compute )?(\d+) ([-+*]) (\d+)(?:\?|\.| = \?)", q).groups()
         want = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         assert ex.answer == str(want) and want >= 0
-        assert len(a) <= (2 if op == "*" else 3) and len(b) <= (2 if op == "*" else 3)
+        if op == "*":
+            assert sorted([len(a), len(b)])[0] == 1 and max(len(a), len(b)) <= 2
+        else:
+            assert len(a) <= 3 and len(b) <= 3
 
 
 def test_reasoning_answer_is_a_think_block_then_the_number():
@@ -191,6 +194,11 @@ def test_retrieval_prompts_are_over_4x_the_msa_span(tok):
     cfg = learned_config(2048, 0, 1)
     lens = [len(prompt_ids(ex, tok)) for ex in make_examples("retrieval", "eval", 20)]
     assert min(lens) >= 4 * selected_span(cfg) and max(lens) <= 1024
+    # training contexts vary from a few pairs up to the eval's length
+    pairs = [ex.messages[0]["content"].count("\n") - 1 for ex in make_examples("retrieval", "train", 200)]
+    assert min(pairs) < 16 and max(pairs) == RETRIEVAL_PAIRS and len(set(pairs)) > 20
+    assert {ex.messages[0]["content"].count("\n") - 1 for ex in make_examples("retrieval", "eval", 50)} == {
+        RETRIEVAL_PAIRS}
 
 
 # ------------------------------------------------------------------ the engine's chat path, config

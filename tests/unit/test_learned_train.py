@@ -318,3 +318,22 @@ def test_a_run_can_start_from_an_earlier_checkpoint(trained, tmp_path):
     build_tokenizer(str(other), seed=5)
     with pytest.raises(ValueError, match="tokenizer differs"):
         load_weights(fresh, trained["out"], str(other))
+
+
+def test_packed_rows_fall_back_to_whole_prompts_where_the_text_is_not_as_predicted(tmp_path, monkeypatch):
+    """render_turns tokenizes only each turn's new text; a tokenizer whose row text it mispredicts (here an
+    end-of-turn token whose text is not what the template writes) gets the rows that tokenizing every prompt whole
+    gives."""
+    from m3serve.learn import render as R
+
+    out = str(tmp_path / "tok")
+    build_tokenizer(out)
+    tok = Tokenizer.from_pretrained(out)
+    problems = make_examples("arithmetic", "train", 4, seed=0)
+    turns = [(e.messages[-1]["content"], e.answer) for e in problems[1:]]
+    whole = R._render_turns_whole(problems[0], turns, tok)
+    assert R.render_turns(problems[0], turns, tok) == whole and sum(whole[1]) > 3 * len(turns)
+    tok.eos_token = tok.eos_token + " "  # mispredicted: the fast path's text no longer prefixes the next prompt
+    calls, real = [], R._render_turns_whole
+    monkeypatch.setattr(R, "_render_turns_whole", lambda *a: calls.append(1) or real(*a))
+    assert R.render_turns(problems[0], turns, tok) == whole and calls == [1]
