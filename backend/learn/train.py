@@ -153,16 +153,22 @@ def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, worke
 
 # ---------------------------------------------------------------------------------------------- the target
 
-def build_target(cfg, device: torch.device, seed: int):
+def build_target(cfg, device: torch.device, seed: int, fast: bool = True):
     """transformers' MiniMaxM3VLForCausalLM from our ModelConfig (`to_hf_dict` is the config.json transformers
-    reads), seeded random init (transformers' own init), eager attention (the indexer distillation reads the
-    attention probabilities it returns), fp32 master weights."""
+    reads), seeded random init (transformers' own init), fp32 master weights; with `fast` its attention, experts and
+    indexer selection swapped for the same math at a fraction of the time (learn/fast_paths.py), else transformers'
+    eager path as it is."""
     from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
+    from m3serve.learn.fast_paths import install
 
     hf_cfg = MiniMaxM3VLTextConfig(**cfg.to_hf_dict())
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    return MiniMaxM3VLForCausalLM(hf_cfg).to(device)
+    model = MiniMaxM3VLForCausalLM(hf_cfg).to(device)
+    if fast:
+        install(model)
+    return model
 
 
 def load_weights(model, init_from: str, tokenizer_dir: str) -> None:
@@ -203,11 +209,11 @@ class IndexerDistill:
     """Forward hooks on the MSA layers: the indexer's KL to the main attention (module docstring, item 3).
 
     The indexer hook recomputes the index scores with gradients (from its detached input) and keeps the block
-    selection it returned; the attention hook then takes the attention probabilities the eager attention returned
-    (zero outside the selection) as the teacher. `take(real)` returns the mean KL over index heads and real query
-    positions of every MSA layer of the last forward. With `rows` > 0 the KL covers that many rows of each batch,
-    drawn at random per forward (the same rows in every layer): its [B, H, S, S] tensors are a large share of a
-    step, and the indexer is small."""
+    selection it returned; the attention hands over the teacher, the main attention's probabilities on the same rows
+    (`fast_paths.attention` calls `teacher_sink`; under transformers' eager attention the hook takes the probabilities
+    it returns). `take(real)` returns the mean KL over index heads and real query positions of every MSA layer of the
+    last forward. With `rows` > 0 the KL covers that many rows of each batch, drawn at random per forward (the same
+    rows in every layer): its [B, H, S, S] tensors would be a large share of a step, and the indexer is small."""
 
     def __init__(self, model, rows: int = 0, seed: int = 0):
         from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
@@ -221,10 +227,19 @@ class IndexerDistill:
         self.enabled = False
         self.kls: list[torch.Tensor] = []
         self.pending: dict[int, tuple] = {}
+        self.teachers: dict[int, torch.Tensor] = {}
         self.handles = []
-        for attn in sparse_attentions(model):
+        self.attentions = sparse_attentions(model)
+        for attn in self.attentions:
             self.handles.append(attn.indexer.register_forward_hook(self._on_indexer))
             self.handles.append(attn.register_forward_hook(self._on_attention))
+            attn.teacher_sink = self._on_teacher
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for attn in self.attentions:
+            del attn.teacher_sink
 
     def _on_indexer(self, indexer, args, block_indices):
         if not self.enabled:
@@ -245,17 +260,27 @@ class IndexerDistill:
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * d ** -0.5  # [B, H_idx, S, S]
         self.pending[id(indexer)] = (scores, block_indices, position_ids)
 
+    def _on_teacher(self, attn, query, key, block_indices, scaling: float) -> None:
+        if self.enabled:
+            from m3serve.learn.fast_paths import teacher_probs
+
+            self.teachers[id(attn)] = teacher_probs(attn, query, key, block_indices, scaling, self.sel)
+
     def _on_attention(self, attn, args, out):
         if not self.enabled:
             return
+        from m3serve.learn.fast_paths import block_keep
+
         scores, block_indices, position_ids = self.pending.pop(id(attn.indexer))
-        weights = out[1].detach()  # [B, H_q, S, S], zero outside the selected blocks
-        weights = (weights if self.sel is None else weights[self.sel]).float()
+        teacher = self.teachers.pop(id(attn), None)
         h_idx = scores.shape[1]
-        teacher = weights.unflatten(1, (h_idx, -1)).mean(2)
+        if teacher is None:  # transformers' eager attention: its probabilities, zero outside the selected blocks
+            weights = out[1].detach()  # [B, H_q, S, S]
+            weights = (weights if self.sel is None else weights[self.sel]).float()
+            teacher = weights.unflatten(1, (h_idx, -1)).mean(2)
         s = scores.shape[-1]
-        allowed = attn.indexer.build_block_mask(block_indices, None, s, torch.float32, scores.device,
-                                                position_ids)[:, ::weights.shape[1] // h_idx] == 0
+        allowed = block_keep(block_indices, s, attn.indexer.block_size,
+                             position_ids.expand(scores.shape[0], -1))
         log_student = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
         kl = (torch.xlogy(teacher, teacher) - teacher * log_student.masked_fill(~allowed, 0.0)).sum(-1)
         self.kls.append(kl)  # [B, H_idx, S]
@@ -443,7 +468,10 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                  log) -> dict:
     data = prefetch(batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id), pin=device.type == "cuda")
     ids, mask, _, _ = next(data)
-    experts = pick_experts_implementation(model, ids.to(device), mask.to(device), device, log)
+    from m3serve.learn.fast_paths import ATTENTION
+
+    experts = ("every expert, router-weighted (fast_paths)" if model.config._attn_implementation == ATTENTION else
+               pick_experts_implementation(model, ids.to(device), mask.to(device), device, log))
     groups = _param_groups(model, tc.weight_decay)
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
@@ -481,7 +509,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                    "planned_steps": sched.total}
             curve.append(rec)
             log("target " + json.dumps(rec))
-    for h in distill.handles + balance.handles:
+    distill.remove()
+    for h in balance.handles:
         h.remove()
     model.eval()
     wall = time.time() - t0

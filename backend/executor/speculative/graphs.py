@@ -87,13 +87,15 @@ class SpecBuffers(DecodeBuffers):
             drafts = torch.zeros(n, dtype=torch.int64)
             if sp is not None:
                 drafts.index_copy_(0, sp.seq_index, sp.num_drafts)
-        if step.num_tokens != n * k1:  # host tensors: spread each sequence over its K+1 rows
+        if step.num_tokens != n * k1:  # spread each sequence over its K+1 rows (where the step's tensors are)
             j = torch.arange(k1)
             first = torch.tensor(step.query_start_loc_cpu[:n], dtype=torch.int64)
             src = (first[:, None] + torch.minimum(j[None, :], drafts[:, None])).flatten()
-            ids, pos = ids[src], pos[src]
-            slots = slots[src].masked_fill((j[None, :] > drafts[:, None]).flatten(), -1)
-            if self.input_ids.is_cuda:  # page-locked, as the step's own tensors: copies that do not block
+            past = (j[None, :] > drafts[:, None]).flatten()
+            src, past = src.to(ids.device, **nb), past.to(ids.device, **nb)
+            ids, pos = ids[src], pos[src.to(pos.device)]
+            slots = slots[src.to(slots.device)].masked_fill(past.to(slots.device), -1)
+            if self.input_ids.is_cuda and not ids.is_cuda:  # page-locked: copies that do not block
                 ids, pos, slots = ids.pin_memory(), pos.pin_memory(), slots.pin_memory()
         t = n * k1
         for buf, src in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots)):
