@@ -70,8 +70,10 @@ class TrainConfig:
     reserve_s: float = 40.0  # kept for the checks, saving and packing
     tasks: tuple[str, ...] = TASKS
     train_examples: int = 16000  # per task (the pool is cycled through), times the task's weight
-    # arithmetic rows pack 8 problems, so weight 12 gives it as many rows as a task of weight 1.5 unpacked
-    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 12.0})
+    # arithmetic rows pack 8 problems, so weight 12 gives it as many rows as a task of weight 1.5 unpacked;
+    # retrieval rows are long and ask ~30 questions each, and rendering one costs ~30 chat-template passes (the
+    # data step's largest share), so half the rows do
+    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"arithmetic": 12.0, "retrieval": 0.5})
     # training rows of these tasks hold several problems as one chat's turns (eval rows hold one): their prompts are
     # mostly the template's preamble (arithmetic) or one long context (retrieval), so such a row teaches several
     # answers for little more than one row's tokens
