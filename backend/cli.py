@@ -115,7 +115,8 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", nargs="+", type=str)
     p.add_argument("--model-overrides", type=json.loads, help='learned_config fields, e.g. \'{"hidden_size": 128}\'')
     p.add_argument("--task-weights", type=json.loads,
-                   help='train examples per task relative to --train-examples (default \'{"arithmetic": 12, "retrieval": 0.5}\')')
+                   help="train examples per task relative to --train-examples "
+                   '(default \'{"arithmetic": 12, "retrieval": 0.5}\')')
     p.add_argument("--packed-turns", type=json.loads,
                    help='problems per training row by task (default \'{"arithmetic": 8, "retrieval": 32}\')')
     p.add_argument("--init-from", help="start from this checkpoint's weights (to go on with an earlier run; set "
