@@ -95,6 +95,7 @@ class TrainConfig:
     sparse_ramp_frac: float = 0.15  # then the share of steps run sparse rises from 0 to 1 over this many steps
     bias_rate: float = 1e-2  # router bias step per training step
     distill_rows: int = 16  # rows of each batch the indexer's KL covers (0: all)
+    prompt_loss_weight: float = 0.25  # the other real tokens' cross-entropy, this much of it added (answer_loss)
     # draft (train_draft.py)
     draft_frac: float = 0.16  # of the training time
     draft_max_steps: int = 3000
@@ -328,10 +329,14 @@ class RouterBalance:
         return worst
 
 
-def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor | None = None,
+                real: torch.Tensor | None = None, prompt_weight: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits; with `task`
-    (each row's task index) also the answer tokens' loss sum and count per task index, detached."""
+    (each row's task index) also the answer tokens' loss sum and count per task index, detached. With
+    `prompt_weight` > 0 the loss adds that share of the mean cross-entropy of the other real tokens (`real`): the
+    prompts' keys, arguments and facts that recur in the row teach the model to copy from its context (an answer-only
+    loss left every copying task flat on the H200 runs of 2026-12-04); the answer loss alone is in "answer"."""
     hidden = model.model(input_ids=ids).last_hidden_state
     sel = mask[:, 1:]
     logits = model.lm_head(hidden[:, :-1][sel]).float()
@@ -343,7 +348,14 @@ def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor
     n = len(TASKS)  # per-task sums by scatter: no host sync (the step's log record reads them only when it logs)
     sums = torch.zeros(n, device=ids.device).index_add_(0, token_task, losses.detach())
     counts = torch.zeros(n, device=ids.device).index_add_(0, token_task, torch.ones_like(losses))
-    return losses.mean(), logits.argmax(-1) == gold, {"sum": sums, "count": counts}
+    stats = {"sum": sums, "count": counts, "answer": losses.mean().detach()}
+    total = losses.mean()
+    if prompt_weight > 0 and real is not None:
+        other = real[:, 1:] & ~sel
+        prompt = F.cross_entropy(model.lm_head(hidden[:, :-1][other]).float(), ids[:, 1:][other])
+        stats["prompt"] = prompt.detach()
+        total = total + prompt_weight * prompt
+    return total, logits.argmax(-1) == gold, stats
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -496,7 +508,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                 "blocks); the dense phase's weights are kept aside")
         dense = ramp.dense(step)
         try:
-            rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device)
+            rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device,
+                               tc.prompt_loss_weight)
         except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
             error = f"{type(e).__name__}: {e}"
             log(f"target: step {step} failed ({error}); stopping here with the last good step's weights\n"
@@ -528,7 +541,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             "stopped_by": error or ("steps" if step >= sched.total else "time")}
 
 
-def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: bool, device) -> dict:
+def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: bool, device,
+                 prompt_weight: float = 0.0) -> dict:
     """One optimizer step on `batch` (the main attention unmasked if `dense`); returns its log record, of device
     tensors (`log_record` reads them: the host syncs only on the steps that log)."""
     real_tokens = int(batch[2].sum())  # on the host copy
@@ -536,7 +550,7 @@ def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: 
     for g in opt.param_groups:
         g["lr"] = lr
     with DenseAttention(model, dense), autocast(device):
-        lm, hits, per_task = answer_loss(model, ids, mask, task)
+        lm, hits, per_task = answer_loss(model, ids, mask, task, real, prompt_weight)
     kl = distill.take(real)
     (lm + kl).backward()
     gnorm = torch.nn.utils.clip_grad_norm_(groups[0]["params"] + groups[1]["params"], 1.0)
@@ -553,7 +567,8 @@ def log_record(rec: dict) -> dict:
     """A step record's device tensors as rounded numbers (one host sync)."""
     per_task = rec["task_loss"]
     sums, counts = per_task["sum"].tolist(), per_task["count"].tolist()
-    return {**rec, "loss": round(float(rec["loss"]), 4),
+    prompt = {"prompt_loss": round(float(per_task["prompt"]), 4)} if "prompt" in per_task else {}
+    return {**rec, **prompt, "loss": round(float(per_task.get("answer", rec["loss"])), 4),
             "task_loss": {TASKS[t]: round(sums[t] / counts[t], 4) for t in range(len(TASKS)) if counts[t]},
             "answer_token_acc": round(float(rec["answer_token_acc"]), 4), "indexer_kl": round(float(rec["indexer_kl"]), 4),
             "lr": round(rec["lr"], 6), "grad_norm": round(float(rec["grad_norm"]), 3),

@@ -13,6 +13,7 @@ import tarfile
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from support.required import require
 
@@ -336,3 +337,23 @@ def test_packed_rows_fall_back_to_whole_prompts_where_the_text_is_not_as_predict
     calls, real = [], R._render_turns_whole
     monkeypatch.setattr(R, "_render_turns_whole", lambda *a: calls.append(1) or real(*a))
     assert R.render_turns(problems[0], turns, tok) == whole and calls == [1]
+
+
+def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
+    """prompt_weight w: the loss is the answers' mean cross-entropy plus w x the mean over the other real tokens
+    (padding and answers excluded); w = 0 leaves the answer loss alone."""
+    model = trained["model"]
+    ids, mask, real = collate(trained["eval_rows"][:4], trained["pad"])
+    task = torch.zeros(len(ids), dtype=torch.long)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        ans, other = mask[:, 1:], real[:, 1:] & ~mask[:, 1:]
+        assert 0 < other.sum() < real.sum() - ans.sum()
+        total, _, stats = answer_loss(model, ids, mask, task, real, prompt_weight=0.25)
+        alone, _, stats0 = answer_loss(model, ids, mask, task, real, prompt_weight=0.0)
+    torch.testing.assert_close(stats["answer"], ce[ans].mean())
+    torch.testing.assert_close(stats["prompt"], ce[other].mean())
+    torch.testing.assert_close(total, ce[ans].mean() + 0.25 * ce[other].mean())
+    torch.testing.assert_close(alone, ce[ans].mean())
+    assert "prompt" not in stats0

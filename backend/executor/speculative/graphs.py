@@ -84,15 +84,15 @@ class SpecBuffers(DecodeBuffers):
         if sp is not None and sp.num_seqs == n:
             drafts = sp.num_drafts
         else:  # plain decodes of a greedy step (`supports`): 0 drafts
-            drafts = torch.zeros(n, dtype=torch.int64)
+            drafts = torch.zeros(n, dtype=torch.int64, device=ids.device if sp is None else sp.num_drafts.device)
             if sp is not None:
                 drafts.index_copy_(0, sp.seq_index, sp.num_drafts)
         if step.num_tokens != n * k1:  # spread each sequence over its K+1 rows (where the step's tensors are)
-            j = torch.arange(k1)
-            first = torch.tensor(step.query_start_loc_cpu[:n], dtype=torch.int64)
-            src = (first[:, None] + torch.minimum(j[None, :], drafts[:, None])).flatten()
-            past = (j[None, :] > drafts[:, None]).flatten()
-            src, past = src.to(ids.device, **nb), past.to(ids.device, **nb)
+            dev = ids.device
+            j, d = torch.arange(k1, device=dev), drafts.to(dev)
+            first = torch.tensor(step.query_start_loc_cpu[:n], dtype=torch.int64, device=dev)
+            src = (first[:, None] + torch.minimum(j[None, :], d[:, None])).flatten()
+            past = (j[None, :] > d[:, None]).flatten()
             ids, pos = ids[src], pos[src.to(pos.device)]
             slots = slots[src.to(slots.device)].masked_fill(past.to(slots.device), -1)
             if self.input_ids.is_cuda and not ids.is_cuda:  # page-locked: copies that do not block
