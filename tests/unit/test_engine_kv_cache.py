@@ -76,9 +76,9 @@ def test_store_load_through_scattered_pages(tiny_loaded, kv):
                          max(ends), block_tables=tables, slot_mapping=torch.tensor(slots))
         for s, (lo, hi) in enumerate(lo_hi):
             k, v, ik = (t[lo:hi] for t in hist[s])
-            c.store(layer, s, step, k, v, ik)
+            c.layers[layer].store(s, step, k, v, ik)
         for s, (lo, hi) in enumerate(lo_hi):
-            K, V, IK = c.load(layer, s, step)
+            K, V, IK = c.layers[layer].load(s, step)
             k, v, ik = (t[:hi] for t in hist[s])
             assert K.shape == (hi, H, D) and IK.shape == (hi, Di)
             torch.testing.assert_close(K, KVCodec(kv, 0.7).roundtrip(k), rtol=0, atol=0)
