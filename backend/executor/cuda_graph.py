@@ -122,7 +122,8 @@ class DecodeBuffers:
 
 
 class CudaGraphRunner:
-    """Captures and replays the decode graphs of one `ModelRunner` (its model, backend, sampler, cache)."""
+    """Captures and replays the decode graphs of one `ModelRunner` (its model, whose attention layers read the pages
+    of the cache bound to them: the graphs capture those pointers; its sampler)."""
 
     def __init__(self, runner, max_num_seqs: int, max_pages: int):
         self.runner = runner

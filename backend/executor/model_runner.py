@@ -1,5 +1,6 @@
-"""One step on the device: the step input copied in once, the model run over the worker's paged cache, the logits of
-the sampled rows (a finished prefill chunk or a decode), sampling on the device."""
+"""One step on the device: the step input copied in once, the model run (its layers bound to the worker's paged cache
+when the runner is made), the logits of the sampled rows (a finished prefill chunk or a decode), sampling on the
+device."""
 from __future__ import annotations
 
 import logging
@@ -9,30 +10,18 @@ import torch
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.model.kv_cache import PagedKVCache
 from m3serve.executor.sampler import Sampler
-from m3serve.model.layers.attention import TorchAttention
 
 log = logging.getLogger(__name__)
 
 
-def select_attention_backend(model, cache: PagedKVCache, device: torch.device):
-    """The Triton kernel backend on CUDA when it imports; else the torch reference attention."""
-    if device.type == "cuda":
-        try:
-            from m3serve.model.layers.triton_attention import TritonAttention
-        except ImportError as e:
-            log.warning("Triton attention backend unavailable (%s); using the torch reference attention", e)
-        else:
-            log.info("attention backend: Triton kernels (block-sparse MSA over the paged cache)")
-            cfg, par = model.config, model.parallel  # this rank's heads
-            h0, h1 = par.split_heads(cfg.index_n_heads, "index_n_heads")
-            return TritonAttention(model.attention_spec, cache, cfg.num_attention_heads // par.size, h1 - h0)
-    return TorchAttention(model.attention_spec, cache)
-
-
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, device: torch.device, backend=None):
+    def __init__(self, model, cache: PagedKVCache, device: torch.device, attention: str = "auto"):
+        """Binds each of the model's attention layers to its page-pool layer (`M3ForCausalLM.bind_kv_cache`; the
+        Triton kernels on CUDA, the torch reference elsewhere, or as `attention` says): the runner never hands
+        the cache to the model again."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
-        self.backend = backend if backend is not None else select_attention_backend(model, cache, self.device)
+        model.bind_kv_cache(cache, attention)
+        self.attention = model.attention_backends()  # this runner's binding (a model may be shared: tests)
         self.sampler = Sampler()
         self.graphs = None  # a CudaGraphRunner once `capture_graphs` ran
         self.spec = None  # a SpeculativeDecoder (executor/speculative/decoder.py) runs every step when set
@@ -44,14 +33,23 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
+    def bind_attention(self, backends) -> None:
+        """Run the model's layers through `backends` (one per layer, each over that layer's cache: a test's shadow
+        or reference) from now on. Not once graphs are captured: they replay the backends bound at capture."""
+        if self.graphs is not None or getattr(self.spec, "graphs", None) is not None:
+            raise RuntimeError("the CUDA graphs were captured with the attention bound before: build the runner "
+                               "with the backends instead, or run with enforce_eager")
+        self.model.bind_attention(backends)
+        self.attention = self.model.attention_backends()
+
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
-        """Final hidden states [T, H] of a step already on the device (its tile maps planned here unless a CUDA
-        graph's static step already carries them)."""
-        plan = getattr(self.backend, "plan", None)
-        if plan is not None and step.attn_tiles is None:
-            plan(step)
-        return self.model(step, self.backend)
+        """Final hidden states [T, H] of a step already on the device (the model plans its tile maps once, unless
+        a CUDA graph's static step already carries them). A model another runner bound since (several engines
+        over one model, in tests) is bound back to this runner's cache first: one identity check a step."""
+        if self.model.attention_backends() is not self.attention:
+            self.model.bind_attention(self.attention)
+        return self.model(step)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:

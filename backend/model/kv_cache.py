@@ -7,8 +7,9 @@ Layout (the kernels depend on it; architecture.md "Paged cache layout"), P pages
   index                 [P, B, D_idx] | uint8 [P, B, D_idx/2]; index_scale_blocks, index_scale
                         (None on full-attention layers)
 A token at position p of a sequence lives at slot `page_table[p // B] * B + p % B`.
-`PagedKVCache` is also an `AttentionCache` (the reference attention's): `store` writes through the step's
-slot mapping, `load` gathers the sequence's pages through its block table and dequantizes.
+Each `LayerKVCache` is bound to its layer's attention once, when the pool is allocated
+(`M3ForCausalLM.bind_kv_cache`); it is also an `AttentionCache` (the reference attention's): `store` writes
+through the step's slot mapping, `load` gathers the sequence's pages through its block table and dequantizes.
 """
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ def _alloc(dtype: str, lead: tuple[int, ...], dim: int, device: torch.device):
 
 @dataclass
 class LayerKVCache:
-    """One layer's pages. Kernels take this object (or its named tensors); the torch path goes through
-    `write` / `gather`."""
+    """One layer's pages (K/V, and the MSA indexer's keys on sparse layers). Kernels take this object (or its named
+    tensors); the torch path goes through `write` / `gather` (`store` / `load` per step sequence)."""
 
     kv_dtype: str
     k: torch.Tensor
@@ -175,6 +176,16 @@ class LayerKVCache:
             ik = ic.decode(tuple(parts))
         return kv(self.k, self.k_scale_blocks, kc), kv(self.v, self.v_scale_blocks, vc), ik
 
+    # ---- the AttentionCache protocol (the reference attention) -------------------------------------
+    def store(self, seq: int, step: StepInput, k, v, ik) -> None:
+        qsl = step.query_start_loc_cpu
+        self.write(step.slot_mapping[qsl[seq]:qsl[seq + 1]], k, v, ik)
+
+    def load(self, seq: int, step: StepInput):
+        length = step.seq_lens_cpu[seq]
+        pages = step.block_tables[seq, :-(-length // self.block_size)].long()
+        return self.gather(pages, length)
+
 
 class PagedKVCache:
     """The pool: `layers[l]` is layer l's `LayerKVCache`; all layers share the page ids."""
@@ -201,13 +212,3 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
-
-    # ---- the AttentionCache protocol (the reference attention) -------------------------------------
-    def store(self, layer: int, seq: int, step: StepInput, k, v, ik) -> None:
-        qsl = step.query_start_loc_cpu
-        self.layers[layer].write(step.slot_mapping[qsl[seq]:qsl[seq + 1]], k, v, ik)
-
-    def load(self, layer: int, seq: int, step: StepInput):
-        length = step.seq_lens_cpu[seq]
-        pages = step.block_tables[seq, :-(-length // self.block_size)].long()
-        return self.layers[layer].gather(pages, length)

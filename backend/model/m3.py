@@ -2,14 +2,18 @@
 against (numerics of transformers 5.25 `MiniMaxM3VLForCausalLM`), written over an explicit cache.
 
 Tokens of all sequences of a step are flattened to `[T, hidden]`; the `StepInput` says which belong to
-which sequence, and an attention backend (model/layers/attention.py) owns the cache. Module names follow
-the transformers layout so the loader's map stays short.
+which sequence. Each attention layer owns its cache: `bind_kv_cache` binds it, once when the cache is
+allocated (again after any re-allocation), to an attention backend (model/layers/attention.py) over that
+layer's pages, which the layer calls at every step. Module names follow the transformers layout so the
+loader's map stays short.
 
 Built with a `Parallel` of size N, each rank holds its shard (model/sharding.py has the rules): its
 attention heads, its part of each FFN (or its experts), its vocab rows; the layers sum partial outputs over the
 ranks where a split ends (o_proj, the MLP down projections, the MoE layer, the embedding).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +22,12 @@ from torch import nn
 from m3serve.config import ModelConfig
 from m3serve.distributed.parallel import Parallel
 from m3serve.step_io import StepInput
-from m3serve.model.layers.attention import AttentionSpec
+from m3serve.model.layers.attention import AttentionSpec, TorchAttention
 from m3serve.model.layers.embedding import VocabParallelEmbedding
 from m3serve.model.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from m3serve.model.layers.moe import DenseMLP, SparseMoE
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -107,6 +113,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.indexer = Indexer(cfg, dtype, parallel) if cfg.is_sparse_attention(layer) else None
         self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections()
+        self.backend = None  # the attention backend over this layer's cache (M3ForCausalLM.bind_kv_cache)
+
+    @property
+    def kv_cache(self):
+        """This layer's cache (K/V pages and, on sparse layers, the indexer's key pages), as bound."""
+        return None if self.backend is None else self.backend.cache
 
     def _projections(self) -> list[Linear]:
         ix = self.indexer
@@ -154,13 +166,15 @@ class Attention(nn.Module):
             iq, ik = self.indexer.finish(parts[3], parts[4], cos, sin)
         return q, k, v, iq, ik
 
-    def forward(self, x: torch.Tensor, cos, sin, step: StepInput, backend) -> torch.Tensor:
-        t = x.shape[0]
+    def forward(self, x: torch.Tensor, cos, sin, step: StepInput) -> torch.Tensor:
+        t, backend = x.shape[0], self.backend
+        if backend is None:
+            raise RuntimeError(f"attention layer {self.layer} has no KV cache: bind_kv_cache() binds one")
         if self.qkv_weight is not None and getattr(backend, "packed_qkv", False):
             # the backend norms, rotates and caches straight from the one GEMM's output
-            out = backend.forward_packed(self.layer, F.linear(x, self.qkv_weight), self, cos, sin, step)
+            out = backend.forward_packed(F.linear(x, self.qkv_weight), self, cos, sin, step)
         else:
-            out = backend.forward(self.layer, *self.finish(self.project(x), cos, sin), step)
+            out = backend.forward(*self.finish(self.project(x), cos, sin), step)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -176,8 +190,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, step: StepInput, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, backend)
+    def forward(self, x, cos, sin, step: StepInput):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,7 +207,8 @@ class M3Model(nn.Module):
 
 
 class M3ForCausalLM(nn.Module):
-    """forward(step, backend) -> final hidden states [T, H]; compute_logits(h) -> fp32 [N, V] (on rank 0)."""
+    """bind_kv_cache(cache) once, then forward(step) -> final hidden states [T, H]; compute_logits(h) -> fp32
+    [N, V] (on rank 0)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  formats: dict[int, dict[str, str]] | None = None, parallel: Parallel | None = None):
@@ -204,14 +219,68 @@ class M3ForCausalLM(nn.Module):
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, self.parallel, dtype=dtype)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.attention_spec = AttentionSpec.of(cfg)
+        self._attention: tuple = ()  # every layer's bound attention backend, in layer order (bind_attention)
+
+    def bind_kv_cache(self, cache, attention: str = "auto") -> None:
+        """Bind each attention layer to its cache: layer l to `cache.layers[l]` (a `PagedKVCache`'s
+        `LayerKVCache`; or `cache` a list of per-layer `AttentionCache`s). Called once when the cache is
+        allocated, and again after any re-allocation (CUDA graphs captured before read the old pages).
+        `attention`: "triton" (the kernels over the paged cache), "torch" (the reference attention), "auto"
+        (the kernels on CUDA when they import, else the reference)."""
+        layers = list(getattr(cache, "layers", cache))
+        if len(layers) != len(self.model.layers):
+            raise ValueError(f"{len(layers)} layer caches for a model of {len(self.model.layers)} layers")
+        if attention == "auto":
+            attention = "torch"
+            if self.model.embed_tokens.weight.device.type == "cuda":
+                try:
+                    import m3serve.model.layers.triton_attention  # noqa: F401
+                    attention = "triton"
+                except ImportError as e:
+                    log.warning("Triton attention backend unavailable (%s); using the torch reference attention", e)
+        if attention == "triton":
+            from m3serve.model.layers.triton_attention import TritonAttention
+            cfg, par = self.config, self.parallel  # this rank's heads
+            h0, h1 = par.split_heads(cfg.index_n_heads, "index_n_heads")
+            backends = [TritonAttention(self.attention_spec, c, cfg.num_attention_heads // par.size, h1 - h0)
+                        for c in layers]
+            log.info("attention backend: Triton kernels (block-sparse MSA over the paged cache)")
+        elif attention == "torch":
+            backends = [TorchAttention(self.attention_spec, c) for c in layers]
+        else:
+            raise ValueError(f"attention {attention!r} is not one of 'auto', 'triton', 'torch'")
+        self.bind_attention(backends)
+
+    def bind_attention(self, backends) -> None:
+        """Bind layer l's attention to `backends[l]` (each over that layer's cache); `bind_kv_cache` builds them.
+        The tuple `attention_backends()` returned may be bound again as it is (a caller restoring a binding)."""
+        backends = backends if isinstance(backends, tuple) else tuple(backends)
+        if len(backends) != len(self.model.layers):
+            raise ValueError(f"{len(backends)} attention backends for a model of {len(self.model.layers)} layers")
+        for layer, backend in zip(self.model.layers, backends):
+            layer.self_attn.backend = backend
+        self._attention = backends
+
+    def attention_backends(self) -> tuple:
+        """Every layer's bound attention backend, in layer order (empty before `bind_kv_cache`); the same tuple
+        object until the next binding."""
+        return self._attention
+
+    def plan(self, step: StepInput) -> None:
+        """The step's per-step attention metadata (prefill tile maps), made once for every layer, unless the
+        step already carries it (a CUDA graph's static step, planned at capture)."""
+        plan = getattr(self._attention[0], "plan", None) if self._attention else None
+        if plan is not None and step.attn_tiles is None:
+            plan(step)
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, backend) -> torch.Tensor:
-        """`backend`: an attention backend over the cache the step's tokens go into."""
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """The step's tokens go into each layer's bound cache; final hidden states [T, H]."""
+        self.plan(step)
         x = self.model.embed_tokens(step.input_ids)
         cos, sin = self.rotary(step.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, step, backend)
+            x = layer(x, cos, sin, step)
         return self.model.norm(x)
 
     def prepare_for_inference(self) -> None:

@@ -1,6 +1,6 @@
-"""A contiguous per-sequence cache (no paging): what the reference tests and the simple generation
-loop use. Values are stored through the KV codec (quantized and read back), so its numerics equal a
-quantized cache's. Sequence s of every step is the cache's sequence s."""
+"""A contiguous per-sequence cache of one layer (no paging): what the reference tests use (one per layer, bound
+to the model's attention layers). Values are stored through the KV codec (quantized and read back), so its
+numerics equal a quantized cache's. Sequence s of every step is the cache's sequence s."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +12,9 @@ from m3serve.model.kv_codec import KVCodec
 class ContiguousCache:
     def __init__(self, kv_codec: KVCodec, index_codec: KVCodec | None = None):
         self.kv_codec, self.index_codec = kv_codec, index_codec or kv_codec
-        self.k: dict[tuple[int, int], torch.Tensor] = {}
-        self.v: dict[tuple[int, int], torch.Tensor] = {}
-        self.ik: dict[tuple[int, int], torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.ik: dict[int, torch.Tensor] = {}
 
     def _append(self, store: dict, key, x: torch.Tensor, pos: torch.Tensor) -> None:
         old = store.get(key)
@@ -24,13 +24,13 @@ class ContiguousCache:
                              f"the {start} cached tokens")
         store[key] = x if old is None else torch.cat([old, x], 0)
 
-    def store(self, layer, seq, step: StepInput, k, v, ik) -> None:
+    def store(self, seq, step: StepInput, k, v, ik) -> None:
         qsl = step.query_start_loc_cpu
         pos = step.positions[qsl[seq]:qsl[seq + 1]]
-        self._append(self.k, (layer, seq), self.kv_codec.roundtrip(k), pos)
-        self._append(self.v, (layer, seq), self.kv_codec.roundtrip(v), pos)
+        self._append(self.k, seq, self.kv_codec.roundtrip(k), pos)
+        self._append(self.v, seq, self.kv_codec.roundtrip(v), pos)
         if ik is not None:
-            self._append(self.ik, (layer, seq), self.index_codec.roundtrip(ik), pos)
+            self._append(self.ik, seq, self.index_codec.roundtrip(ik), pos)
 
-    def load(self, layer, seq, step: StepInput):
-        return self.k[(layer, seq)], self.v[(layer, seq)], self.ik.get((layer, seq))
+    def load(self, seq, step: StepInput):
+        return self.k[seq], self.v[seq], self.ik.get(seq)

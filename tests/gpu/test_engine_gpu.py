@@ -26,9 +26,10 @@ def _run(tiny_model_dir, kv_cache_dtype, reference: bool, **kw):
               max_model_len=512, num_gpu_blocks_override=64, enforce_eager=True, **kw)  # backends swapped below
     runner = llm.engine.executor.worker.runner
     if reference:
-        runner.backend = TorchAttention(runner.model.attention_spec, runner.cache)  # over the same PagedKVCache
+        runner.bind_attention([TorchAttention(runner.model.attention_spec, c)  # over the same PagedKVCache
+                               for c in runner.cache.layers])
     else:
-        assert isinstance(runner.backend, TritonAttention), "the engine did not pick the kernels on CUDA"
+        assert all(isinstance(b, TritonAttention) for b in runner.attention), "the engine did not pick the kernels"
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
     return llm.generate(PROMPTS, sp)
 
@@ -56,9 +57,8 @@ def test_engine_kernels_shadow(tiny_model_dir, kv, budget):
     llm = LLM(model=tiny_model_dir, device="cuda", dtype="float32", kv_cache_dtype=kv, max_model_len=512,
               num_gpu_blocks_override=64, max_num_batched_tokens=budget, enforce_eager=True)
     runner = llm.engine.executor.worker.runner
-    assert isinstance(runner.backend, TritonAttention)
-    shadow = shadow_of(runner.backend, tol=0.05)
-    runner.backend = shadow
+    assert all(isinstance(b, TritonAttention) for b in runner.attention)
+    shadow = shadow_of(runner, tol=0.05)
     llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     print(f"{kv} budget={budget}: {shadow.calls} layer calls, {shadow.tokens} token rows, "
           f"{shadow.flips} near-tie flips, max error {shadow.max_err:.3g}")

@@ -29,9 +29,8 @@ def test_learned_shape_kernels_shadow(learned_random, kv):
     llm = LLM(model=learned_random, device="cuda", dtype="float32", kv_cache_dtype=kv, max_model_len=1024,
               num_gpu_blocks_override=256, enforce_eager=True)
     runner = llm.engine.executor.worker.runner
-    assert isinstance(runner.backend, TritonAttention)
-    shadow = shadow_of(runner.backend, tol=0.05)
-    runner.backend = shadow
+    assert all(isinstance(b, TritonAttention) for b in runner.attention)
+    shadow = shadow_of(runner, tol=0.05)
     tok = llm.tokenizer
     prompts = [prompt_ids(ex, tok) for ex in make_examples("retrieval", "eval", 3)]
     assert min(map(len, prompts)) > 5 * 32 * 4

@@ -123,13 +123,12 @@ def test_engine_uses_the_mma_kernels_and_matches_the_reference(tmp_path):
     llm = LLM(model=str(tmp_path), device="cuda", dtype="float32", kv_cache_dtype="nvfp4", max_model_len=4096,
               num_gpu_blocks_override=64, enforce_eager=True)  # the shadow backend checks on the host
     runner = llm.engine.executor.worker.runner
-    assert isinstance(runner.backend, TritonAttention)
+    assert all(isinstance(b, TritonAttention) for b in runner.attention)
     cache = runner.cache
     lc = cache.layers[1]
     assert dispatch.use_mma_index_scan(torch.zeros(1, 1, 128, device=DEV), lc)
     assert dispatch.use_mma_decode_attention(torch.zeros(1, 16, 128, device=DEV), lc)
-    shadow = shadow_of(runner.backend, tol=0.05)
-    runner.backend = shadow
+    shadow = shadow_of(runner, tol=0.05)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, tiny.vocab_size - 1, (n,), generator=g).tolist() for n in (2300, 2600, 700)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

@@ -40,7 +40,6 @@ def _padded_and_eager(tiny_model_dir, fill=DecodeBuffers.fill):
                                  max_model_len=256, num_gpu_blocks_override=24,
                                  async_scheduling=False))  # this test schedules the next step itself
     worker = eng.executor.worker
-    cfg = worker.model.config
     g = torch.Generator().manual_seed(5)
     for i, n in enumerate((70, 20, 45)):  # prefill three sequences (torch reference), then look at one decode step
         eng.add_request(f"r{i}", prompt_token_ids=torch.randint(3, 400, (n,), generator=g).tolist(),
@@ -50,8 +49,8 @@ def _padded_and_eager(tiny_model_dir, fill=DecodeBuffers.fill):
     batch = eng.scheduler.schedule()
     step, _ = eng.step_builder.build(batch)
     assert step.is_decode and step.num_seqs == 3
-    backend = TritonAttention(worker.model.attention_spec, worker.cache, cfg.num_attention_heads, cfg.index_n_heads)
-    runner = ModelRunner(worker.model, worker.cache, worker.device, backend)  # the kernels (interpreter)
+    runner = ModelRunner(worker.model, worker.cache, worker.device, "triton")  # the kernels (interpreter)
+    assert all(isinstance(b, TritonAttention) for b in runner.attention)
     cache = [t for layer in worker.cache.layers for t in layer.tensors()]
     # the same step twice over the same pages: undo the first run's K/V by restoring the cache bytes
     saved = [t.clone() for t in cache]

@@ -124,7 +124,8 @@ def run_attention_scenario(kv_dtype, index_dtype, device="cpu", h_q=8, h_kv=2, d
     caches = [PagedKVCache(cfg, n_pages, kv_dtype, index_dtype, device=device, kv_scales=scales,
                            index_scales=iscales) for _ in range(2)]
     spec = AttentionSpec(b, topk, 1, d ** -0.5)
-    backends = [TorchAttention(spec, caches[0]), TritonAttention(spec, caches[1], h_q, h_kv)]
+    backends = [[TorchAttention(spec, c) for c in caches[0].layers],  # per layer, each over its layer's pages
+                [TritonAttention(spec, c, h_q, h_kv) for c in caches[1].layers]]
     free = torch.randperm(n_pages, generator=g).tolist()
     pages = {s: [] for s in seqs_all}
     done = {s: 0 for s in seqs_all}
@@ -148,14 +149,14 @@ def run_attention_scenario(kv_dtype, index_dtype, device="cpu", h_q=8, h_kv=2, d
                             torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), qsl, lens,
                             all(step[s] == 1 for s in seqs), max(step.values()), max(lens), block_tables=tables,
                             slot_mapping=torch.tensor(slots, dtype=torch.int64)).to(device)
-        backends[1].plan(step_in)
+        backends[1][0].plan(step_in)  # once per step, for every layer
         for layer in range(2):
             rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, torch.bfloat16)  # noqa: E731
             q, k, v = rnd(T, h_q, d), rnd(T, h_kv, d), rnd(T, h_kv, d)
             iq = ik = None
             if cfg.is_sparse_attention(layer):
                 iq, ik = rnd(T, h_kv, di), rnd(T, di)
-            outs = [backend.forward(layer, q, k, v, iq, ik, step_in) for backend in backends]
+            outs = [backend[layer].forward(q, k, v, iq, ik, step_in) for backend in backends]
             assert outs[1].shape == q.shape and outs[1].dtype == q.dtype
             err = rel_err(outs[1], outs[0])
             assert err < tol, (step, layer, err)

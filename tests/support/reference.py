@@ -1,4 +1,4 @@
-"""The reference forward: the model over a contiguous (unpaged) cache with the torch attention."""
+"""The reference forward: the model over a contiguous (unpaged) cache per layer with the torch attention."""
 from __future__ import annotations
 
 import torch
@@ -10,11 +10,14 @@ from m3serve.model.simple_cache import ContiguousCache
 
 
 class ReferenceRunner:
-    """One sequence fed chunk by chunk through `model` over its own ContiguousCache (kv_dtype codec)."""
+    """One sequence fed chunk by chunk through `model` over its own ContiguousCaches (kv_dtype codec), one per
+    layer; the model (maybe an engine's too) is bound to them for each call and then bound back as it was."""
 
     def __init__(self, model, kv_dtype: str = "float32"):
         self.model = model
-        self.backend = TorchAttention(model.attention_spec, ContiguousCache(KVCodec(kv_dtype), KVCodec(kv_dtype)))
+        codec = KVCodec(kv_dtype)
+        self.backends = tuple(TorchAttention(model.attention_spec, ContiguousCache(codec, codec))
+                              for _ in model.model.layers)
         self.done = 0
 
     def hidden(self, ids: list[int]) -> torch.Tensor:
@@ -22,7 +25,13 @@ class ReferenceRunner:
         device = self.model.model.embed_tokens.weight.device
         step = StepInput.contiguous([list(ids)], [self.done], device)
         self.done += len(ids)
-        return self.model(step, self.backend)
+        bound = self.model.attention_backends()
+        self.model.bind_attention(self.backends)
+        try:
+            return self.model(step)
+        finally:
+            if bound:
+                self.model.bind_attention(bound)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(ids), V] after each of the next `ids`."""

@@ -31,39 +31,58 @@ def _block_scores(iq_t, keys, pos, B):
     return s.view(s.shape[0], nb, B).amax(-1)
 
 
-def shadow_of(kernel, tol: float, reference=None) -> "ShadowAttention":
-    """A shadow over `kernel`'s cache: the reference (default `TorchAttention` of the same spec and cache)."""
-    return ShadowAttention(kernel, reference or TorchAttention(kernel.spec, kernel.cache), tol)
+def shadow_of(runner, tol: float, kernels=None, references=None) -> "ShadowAttention":
+    """Shadow every layer of `runner` (a `ModelRunner`, its graphs not captured) and bind the shadows to it: the
+    kernels (default: the backends bound now) against the references (default: a `TorchAttention` of the same
+    spec over each layer's cache)."""
+    kernels = list(kernels or runner.attention)
+    references = list(references or [TorchAttention(k.spec, k.cache) for k in kernels])
+    shadow = ShadowAttention(kernels, references, tol)
+    runner.bind_attention(shadow.layers)
+    return shadow
 
 
-class ShadowAttention:
-    def __init__(self, kernel, reference, tol: float, tie_rtol: float = 1e-2):
-        self.kernel, self.reference, self.tol, self.tie_rtol = kernel, reference, tol, tie_rtol
-        self.calls = self.tokens = self.flips = self.packed_calls = 0
-        self.max_err = 0.0  # over tokens that needed no explanation
+class _LayerShadow:
+    """One layer's backend: its kernel and its reference on the same inputs over the same layer cache."""
+
+    def __init__(self, hub: "ShadowAttention", layer: int, kernel, reference):
+        self.hub, self.layer, self.kernel, self.reference = hub, layer, kernel, reference
+        self.cache = kernel.cache
 
     @property
     def packed_qkv(self) -> bool:
         return getattr(self.kernel, "packed_qkv", False)
 
     def plan(self, step):
-        self.kernel.plan(step)
+        plan = getattr(self.kernel, "plan", None)
+        if plan is not None:
+            plan(step)
 
-    def forward(self, layer, q, k, v, iq, ik, step):
-        out_k = self.kernel.forward(layer, q, k, v, iq, ik, step)  # inserts the new K/V/index keys
-        out_r = self.reference.forward(layer, q, k, v, iq, ik, step)  # stores the same bytes, reads them back
-        return self._compare(layer, q, out_k, out_r, iq, step)
+    def forward(self, q, k, v, iq, ik, step):
+        out_k = self.kernel.forward(q, k, v, iq, ik, step)  # inserts the new K/V/index keys
+        out_r = self.reference.forward(q, k, v, iq, ik, step)  # stores the same bytes, reads them back
+        return self.hub._compare(self, q, out_k, out_r, iq, step)
 
-    def forward_packed(self, layer, qkv, attn, cos, sin, step):
+    def forward_packed(self, qkv, attn, cos, sin, step):
         """The kernels from the fused projection output; the reference from the model's own unfused math on it
         (which rounds between norm and RoPE, so its stored bytes may differ on rare rounding ties)."""
-        self.packed_calls += 1
-        out_k = self.kernel.forward_packed(layer, qkv, attn, cos, sin, step)
+        self.hub.packed_calls += 1
+        out_k = self.kernel.forward_packed(qkv, attn, cos, sin, step)
         q, k, v, iq, ik = attn.finish(torch.split(qkv, attn.qkv_sizes, dim=-1), cos, sin)
-        out_r = self.reference.forward(layer, q, k, v, iq, ik, step)
-        return self._compare(layer, q, out_k, out_r, iq, step)
+        out_r = self.reference.forward(q, k, v, iq, ik, step)
+        return self.hub._compare(self, q, out_k, out_r, iq, step)
 
-    def _compare(self, layer, q, out_k, out_r, iq, step):
+
+class ShadowAttention:
+    """The counters of every layer's check; `layers[l]` is layer l's backend (bound by `shadow_of`)."""
+
+    def __init__(self, kernels, references, tol: float, tie_rtol: float = 1e-2):
+        self.tol, self.tie_rtol = tol, tie_rtol
+        self.layers = [_LayerShadow(self, i, k, r) for i, (k, r) in enumerate(zip(kernels, references, strict=True))]
+        self.calls = self.tokens = self.flips = self.packed_calls = 0
+        self.max_err = 0.0  # over tokens that needed no explanation
+
+    def _compare(self, shadow: _LayerShadow, q, out_k, out_r, iq, step):
         ref = out_r.float()
         err = (out_k.float() - ref).abs().amax(dim=2) / ref.abs().amax().clamp_min(1e-6)  # [tokens, heads]
         bad = (err > self.tol).any(1).nonzero().flatten().tolist()
@@ -73,14 +92,14 @@ class ShadowAttention:
         ok[err > self.tol] = 0
         self.max_err = max(self.max_err, float(ok.max()) if ok.numel() else 0.0)
         if bad:
-            self._explain(layer, iq, step, bad, err)
+            self._explain(shadow, iq, step, bad, err)
         return out_r
 
-    def _explain(self, layer, iq, step, bad, err):
-        cache = self.kernel.cache.layers[layer]
+    def _explain(self, shadow: _LayerShadow, iq, step, bad, err):
+        layer, cache = shadow.layer, shadow.cache
         assert iq is not None and cache.has_index, (
             f"layer {layer} (dense) tokens {bad}: kernel vs reference error {err[bad].amax(1).tolist()} > {self.tol}")
-        qsl, pos, sp = step.query_start_loc_cpu, step.positions, self.kernel.spec
+        qsl, pos, sp = step.query_start_loc_cpu, step.positions, shadow.kernel.spec
         bt, topk, local, B = step.block_tables, sp.topk, sp.local_blocks, sp.block_size
         if step.is_decode:  # what TritonAttention ran
             sel_k = indexer_decode(iq.contiguous(), cache, bt, step.seq_lens, topk, local)

@@ -76,14 +76,36 @@ def test_store_load_through_scattered_pages(tiny_loaded, kv):
                          max(ends), block_tables=tables, slot_mapping=torch.tensor(slots))
         for s, (lo, hi) in enumerate(lo_hi):
             k, v, ik = (t[lo:hi] for t in hist[s])
-            c.store(layer, s, step, k, v, ik)
+            c.layers[layer].store(s, step, k, v, ik)
         for s, (lo, hi) in enumerate(lo_hi):
-            K, V, IK = c.load(layer, s, step)
+            K, V, IK = c.layers[layer].load(s, step)
             k, v, ik = (t[:hi] for t in hist[s])
             assert K.shape == (hi, H, D) and IK.shape == (hi, Di)
             torch.testing.assert_close(K, KVCodec(kv, 0.7).roundtrip(k), rtol=0, atol=0)
             torch.testing.assert_close(V, KVCodec(kv, 1.3).roundtrip(v), rtol=0, atol=0)
             torch.testing.assert_close(IK, KVCodec(kv).roundtrip(ik), rtol=0, atol=0)
+
+
+def test_each_attention_layer_is_bound_to_its_cache(tiny_loaded):
+    """`bind_kv_cache` binds layer l's attention to the pool's layer l (the reference on the CPU); a model without a
+    binding, or a binding of the wrong length, is a clear error, not a wrong cache."""
+    from m3serve.model.layers.attention import TorchAttention
+    from m3serve.model.m3 import M3ForCausalLM
+
+    cfg = tiny_loaded[0].config
+    model = M3ForCausalLM(cfg)
+    step = StepInput.contiguous([[3, 4, 5]], [0], "cpu")
+    with pytest.raises(RuntimeError, match="attention layer 0 has no KV cache"):
+        model(step)
+    pool = PagedKVCache(cfg, 4, "float32", "float32", "cpu")
+    with pytest.raises(ValueError, match=f"{cfg.num_hidden_layers - 1} layer caches for a model of"):
+        model.bind_kv_cache(pool.layers[1:])
+    with pytest.raises(ValueError, match="'cuda' is not one of"):
+        model.bind_kv_cache(pool, "cuda")
+    model.bind_kv_cache(pool)
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert all(isinstance(a.backend, TorchAttention) for a in attns)
+    assert [a.kv_cache for a in attns] == pool.layers and model.attention_backends() == tuple(a.backend for a in attns)
 
 
 def _teacher_forced(eng, tokens, prompt_len, chunk=32):

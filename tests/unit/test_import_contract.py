@@ -39,7 +39,7 @@ def test_the_tree_keeps_every_contract(tmp_path):
     _tree(tmp_path)
     r = _lint(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "Contracts: 4 kept, 0 broken." in r.stdout
+    assert "Contracts: 5 kept, 0 broken." in r.stdout
 
 
 def test_a_layer_importing_one_above_it_breaks_the_layers(tmp_path):
@@ -57,6 +57,14 @@ def test_the_triton_layer_reaching_the_kernels_breaks_its_contract(tmp_path):
     r = _lint(tmp_path)
     assert r.returncode != 0
     assert "m3serve.triton is not allowed to import m3serve.kernels" in r.stdout
+
+
+def test_the_runner_choosing_an_attention_backend_breaks_the_layers_own_their_caches(tmp_path):
+    pkg = _tree(tmp_path)  # what model_runner.py did before the layers were bound to their caches
+    _add_import(pkg / "executor" / "model_runner.py", "from m3serve.model.layers import attention  # noqa")
+    r = _lint(tmp_path)
+    assert r.returncode != 0
+    assert "m3serve.executor is not allowed to import m3serve.model.layers" in r.stdout
 
 
 def test_an_import_circle_between_siblings_breaks_the_acyclic_contract(tmp_path):

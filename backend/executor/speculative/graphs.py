@@ -117,7 +117,7 @@ class SpecBuffers(DecodeBuffers):
 
 
 class SpecGraphs:
-    """The speculative steps' graphs of one `SpeculativeDecoder` (its runner's model, backend, cache)."""
+    """The speculative steps' graphs of one `SpeculativeDecoder` (its runner's model, bound to its cache)."""
 
     def __init__(self, decoder, new_state, max_num_seqs: int, max_pages: int):
         """new_state(step): what the decoder's phases hand each other (its `StepState`)."""
@@ -168,9 +168,7 @@ class SpecGraphs:
         """The bucket's static step, its attention tile maps planned once (a graph may not copy them in)."""
         if key not in self.views:
             view = self._buffers(key[3]).spec_step(*key[:3])
-            plan = getattr(self.decoder.runner.backend, "plan", None)
-            if plan is not None:
-                plan(view)
+            self.decoder.runner.model.plan(view)
             self.views[key] = view
         return self.views[key]
 

@@ -1,21 +1,23 @@
-"""The Triton kernel attention backend over the paged cache (the worker selects it on CUDA).
+"""The Triton kernel attention backend over one layer's pages (`M3ForCausalLM.bind_kv_cache` binds one to each
+layer on CUDA, once, when the page pool is allocated).
 
-Same protocol as `attention.TorchAttention`: `forward(layer, q, k, v, iq, ik, step)`, and
-`forward_packed(layer, qkv, attn, cos, sin, step)`, which the model calls instead once its projections are
+Same protocol as `attention.TorchAttention`: `forward(q, k, v, iq, ik, step)`, and
+`forward_packed(qkv, attn, cos, sin, step)`, which the model calls instead once its projections are
 fused (`packed_qkv`): from the one QKV GEMM's output, one launch norms and rotates q / k / index q / index key
-and quantizes K, V and the index key into their pages (`qkv_insert`). `forward` does the insert alone
-(`kv_insert`). Then on sparse layers the indexer (block scores + top-k), then block-sparse attention. Decode
-steps (every sequence has exactly one new token) use the decode kernels (split-K); any other step uses the
-prefill kernels (query tiles, causal by position), which also cover decode sequences mixed into a prefill
-step. `plan(step)` makes the prefill tile maps once per step (every layer shares them). Which kernel runs, and
-its launch parameters, is the kernels' own choice (`m3serve.kernels.dispatch`).
+and quantizes K, V and the index key into the layer's pages (`qkv_insert`). `forward` does the insert alone
+(`kv_insert`). Then on sparse layers the indexer (block scores + top-k over the layer's index pages), then
+block-sparse attention. Decode steps (every sequence has exactly one new token) use the decode kernels
+(split-K); any other step uses the prefill kernels (query tiles, causal by position), which also cover decode
+sequences mixed into a prefill step. `plan(step)` makes the prefill tile maps once per step (every layer shares
+them: the model calls it before the layers). Which kernel runs, and its launch parameters, is the kernels' own
+choice (`m3serve.kernels.dispatch`).
 """
 from __future__ import annotations
 
 import torch
 
 from m3serve.step_io import StepInput
-from m3serve.model.kv_cache import LayerKVCache, PagedKVCache
+from m3serve.model.kv_cache import LayerKVCache
 from m3serve.kernels.dispatch import attention_block_t, index_block_t, prefill_tiles
 from m3serve.kernels.indexer import indexer_decode, indexer_prefill
 from m3serve.kernels.kv_insert import kv_insert
@@ -27,11 +29,11 @@ from m3serve.model.layers.attention import AttentionSpec
 class TritonAttention:
     packed_qkv = True  # takes the fused projection output (forward_packed)
 
-    def __init__(self, spec: AttentionSpec, cache: PagedKVCache, num_q_heads: int, num_index_heads: int):
+    def __init__(self, spec: AttentionSpec, cache: LayerKVCache, num_q_heads: int, num_index_heads: int):
         if cache.block_size != spec.block_size:
             raise ValueError(f"cache pages hold {cache.block_size} tokens, the indexer block is {spec.block_size}")
         self.spec, self.cache = spec, cache
-        self.group = num_q_heads // cache.layers[0].k.shape[1]  # query heads per KV head
+        self.group = num_q_heads // cache.k.shape[1]  # query heads per KV head
         self.index_heads = num_index_heads
 
     def plan(self, step: StepInput) -> None:
@@ -43,21 +45,18 @@ class TritonAttention:
         if self.index_heads:
             step.index_tiles = prefill_tiles(qsl, index_block_t(self.index_heads), dev)
 
-    def _layer(self, layer: int, has_indexer: bool) -> tuple[LayerKVCache, bool]:
-        c = self.cache.layers[layer]
-        return c, has_indexer and c.has_index
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                iq: torch.Tensor | None, ik: torch.Tensor | None, step: StepInput) -> torch.Tensor:
-        c, sparse = self._layer(layer, iq is not None)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
+                ik: torch.Tensor | None, step: StepInput) -> torch.Tensor:
+        c = self.cache
+        sparse = iq is not None and c.has_index
         kv_insert(k, v, step.slot_mapping, c, ik=ik if sparse else None)
         return self._attend(c, q, iq if sparse else None, step)
 
-    def forward_packed(self, layer: int, qkv: torch.Tensor, attn, cos: torch.Tensor, sin: torch.Tensor,
+    def forward_packed(self, qkv: torch.Tensor, attn, cos: torch.Tensor, sin: torch.Tensor,
                        step: StepInput) -> torch.Tensor:
         """qkv: the fused projection output of `attn` (an `m3.Attention`); cos/sin ``[T, rotary_dim]``."""
-        ix = attn.indexer
-        c, sparse = self._layer(layer, ix is not None)
+        ix, c = attn.indexer, self.cache
+        sparse = ix is not None and c.has_index
         layout = QKVLayout(attn.n_heads, attn.n_kv, attn.head_dim, attn.rotary_dim,
                            ix.n_heads if sparse else 0, ix.head_dim if sparse else 0)
         if not sparse and ix is not None:
