@@ -48,7 +48,9 @@ x 512 prompt tokens runs 4 mixed steps (the scheduler's count, on the CPU) and i
 accepted length of 2.23; batches 1 and 8 prefill in one step and measured 5.5-5.6.) "mixed" and
 "preempted" count the measured pass's mixed steps and preemptions (a preempted request is recomputed by a
 prefill: the same effect); "captures" the graphs captured during it (each costs a capture's time: the warm pass
-before should have made them).
+before should have made them); "repeat" the fraction of requests whose tokens equal those of the pass before it
+(the same prompts, the same p: below 1.0, the device's arithmetic differed between two identical runs, and
+"recorded" cannot hold either).
 
 Caveat, to read the figures: the cut model has few layers while the draft keeps its full width, so the draft's
 share of a step is larger than on the 60-layer model. Hence the projection to 60 layers (graphed runs): the
@@ -274,7 +276,7 @@ def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
             "eager_steps": r["eager_steps"], "steps": r["steps"],
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b,
             "recorded": sum(x == y for x, y in zip(r["tokens"], results[("spec", b, 0.0)]["tokens"])) / b,
-            "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"]})
+            "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"], "repeat": r["repeat"]})
         out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
 
@@ -363,14 +365,16 @@ def main(argv: list[str] | None = None) -> int:
                     drafter.proposal_hook = ControlledProposals(known, p, cfg.vocab_size, device)
                 else:
                     drafter.proposal_hook = None
-                graphs = drafter.graphs
+                graphs, first = drafter.graphs, None
                 if graphs is not None:  # capture this p's graphs: the same run first (every batch and width bucket
-                    run_batch(eng, prompts[b], a.gen_len, 1000)  # it reaches, captured outside the figures)
+                    first = run_batch(eng, prompts[b], a.gen_len, 1000)  # it reaches, captured outside the figures)
                 eng.spec_stats = SpecDecodeStats(a.k)
                 static0 = graphs.num_steps if graphs is not None else 0
                 before = engine_counts(eng)
                 r = run_batch(eng, prompts[b], a.gen_len, 1000)  # no events: the figures
                 r.update({name: n - before[name] for name, n in engine_counts(eng).items()})
+                r["repeat"] = None if first is None else \
+                    sum(x == y for x, y in zip(r["tokens"], first["tokens"])) / b
                 r["stats"] = eng.spec_stats.as_dict()
                 # steps that did not replay the graphs (prefill excluded: run_batch times decode steps only)
                 r["eager_steps"] = r["steps"] - (graphs.num_steps - static0 if graphs is not None else 0)
@@ -393,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
             "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | eager steps | match | recorded | "
-            "mixed | preempted | captures |")
+            "mixed | preempted | captures | repeat |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
@@ -401,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
               f"{split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
-              f"{r['preempted']} | {r['captures']} |")
+              f"{r['preempted']} | {r['captures']} | {'-' if r['repeat'] is None else format(r['repeat'], '.2f')} |")
     print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
           "measured; graphed runs only)\n")
     head = ("| batch | p | plain step ms | spec step ms | step cost (plain steps) | verify ms | speedup | "

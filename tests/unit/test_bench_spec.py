@@ -33,7 +33,7 @@ def test_bench_spec_smoke(tmp_path):
     for r in rows:
         assert r["match"] == 1.0  # greedy, fp32: speculation changes no token
         # the controlled runs followed the recording; the prompts prefilled in one step, nothing preempted
-        assert r["recorded"] == 1.0 and r["mixed"] == r["preempted"] == 0
+        assert r["recorded"] == r["repeat"] == 1.0 and r["mixed"] == r["preempted"] == r["captures"] == 0
         assert r["efficiency"] == r["speedup"] / r["ideal_speedup"] and r["spec_tok_s"] > 0
         # every decode step took the graphs' static path, those near max_tokens included (greedy)
         assert r["eager_steps"] == 0 < r["steps"]
