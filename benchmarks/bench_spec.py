@@ -39,11 +39,11 @@ kernels).
 "recorded" = fraction of requests whose tokens equal the p = 0 recording: controlled acceptance means what it says
 only at 1.0. With random bf16 weights the logits are near-ties everywhere, so a position computed by other kernels
 than in the recording run (another rounding) can change the target's greedy token; from there on the recording no
-longer predicts the target, that request's drafts are the random draft's, and its acceptance falls to ~0. The
-recording and the p runs compute the same positions with the same kernels when every decode step is graphed; a
-decode verified inside a mixed step (beside a prefill chunk: the prefill-sized attention and MoE paths) is not.
-So the token budget (--max-num-batched-tokens) defaults to the whole batch's prompts: they prefill in one step and
-no decode shares a step with a prefill chunk. (2026-12-04 on the H200, under the old budget of 4096 tokens: batch 32
+longer predicts the target, that request's drafts are the random draft's, and its acceptance falls to ~0. One
+such cause is a decode verified inside a mixed step (beside a prefill chunk: the prefill-sized attention and MoE
+paths), which the recording run and a p run do at different positions (the p run's accepted drafts included). So
+the token budget (--max-num-batched-tokens) defaults to the whole batch's prompts: they prefill in one step and no
+decode shares a step with a prefill chunk; the columns below tell whether another cause remains. (2026-12-04 on the H200, under the old budget of 4096 tokens: batch 32
 x 512 prompt tokens runs 4 mixed steps (the scheduler's count, on the CPU) and its p = 0.9 run measured a mean
 accepted length of 2.23; batches 1 and 8 prefill in one step and measured 5.5-5.6.) "mixed" and
 "preempted" count the measured pass's mixed steps and preemptions (a preempted request is recomputed by a
