@@ -33,7 +33,8 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
     device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
     host. 7 for the benchmark's 1-layer draft.
   after, graphed:  22 small copies / fills into the persistent buffers, then 1 graph replay (5 when timed); ONE host
-    synchronisation (the tokens' copy to the host). Eager steps: the same launches as before minus the sync points
+    synchronisation (the tokens' copy to the host). Since: 2 copies (graphs.py's packed buffers: the step's
+    per-row and per-sequence inputs in one, the block table's rows in the other), written on the host first. Eager steps: the same launches as before minus the sync points
     (tile maps from page-locked memory, scales held on the device): one synchronisation too.
   greedy steps, wave 3b (counted the same way, 8 sequences, 1 draft layer, K = 7): Markov 226 -> 68 (no DRAFT
     uniforms for greedy drafts, the confidence head only with a threshold, no [S, K, V] logits kept), rule 313-334
