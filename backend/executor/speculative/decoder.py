@@ -253,14 +253,14 @@ class SpeculativeDecoder:
     def _verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> _Verified | None:
         """Rank 0: the verified runs; the other ranks (their logits' share gathered to rank 0): None."""
         sp, k, model = step.spec, step.spec.num_speculative_tokens, self.runner.model
-        st = step.sampling.select(sp.sample_rows)
+        n_top = step.sampling.max_num_logprobs
+        greedy = step.sampling.all_greedy and n_top <= 0  # argmaxes only (verify_greedy): no sampling options read
+        st = None if greedy else step.sampling.select(sp.sample_rows)
         cols = torch.arange(k + 1, device=hidden.device)[None, :]
         rows = sp.anchor_rows[:, None] + torch.minimum(cols, sp.num_drafts[:, None])  # [R, K+1], padded: repeats
         lens = sp.num_drafts
         if self.spec.confidence_threshold > 0:
             lens = torch.minimum(lens, confident_prefix_length(proposal.confidence, self.spec.confidence_threshold))
-        n_top = st.max_num_logprobs
-        greedy = st.all_greedy and n_top <= 0  # argmaxes only (verify_greedy)
         if not greedy:
             u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
                            stream_uniforms(st.seeds, st.positions, FINAL)], 1)
@@ -299,6 +299,11 @@ class SpeculativeDecoder:
         v = self._verify(step, hidden, proposal)
         if v is None:  # a tensor-parallel rank other than 0
             return None
+        if not plain.numel():  # every row speculates: the rule's tensors are the output, in row order (the step
+            # builder numbers the speculating rows in order, the graphs' views are 0..S-1), nothing to scatter
+            return SamplerOutput(v.tokens, v.logprobs, *(v.top[::-1] if v.top is not None else (None, None)),
+                                 num_tokens=v.num_accepted + 1, num_draft_tokens=v.num_verified,
+                                 draft_confidence=proposal.confidence.float())
         out = SamplerOutput(torch.full((n, width), -1, dtype=torch.int64, device=dev),
                             torch.zeros(n, width, device=dev), num_tokens=torch.ones(n, dtype=torch.int64, device=dev),
                             num_draft_tokens=torch.zeros(n, dtype=torch.int64, device=dev),

@@ -1,5 +1,5 @@
 """CUDA graphs for DSpark speculative steps (executor/speculative/decoder.py), per (batch bucket, block-table width bucket,
-greedy or sampled), like the decode graphs (cuda_graph.py).
+greedy or sampled with the sampling filters some row needs), like the decode graphs (cuda_graph.py).
 
 A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
 placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
@@ -103,12 +103,14 @@ class SpecBuffers(DecodeBuffers):
         self.draft_index = torch.arange(max_seqs * k, dtype=i64, **z)
         self.no_rows = torch.zeros(0, dtype=i64, **z)
 
-    def spec_step(self, batch: int, width: int, greedy: bool) -> StepInput:
-        """A speculative StepInput over the buffers' leading rows (`batch` sequences, `width` table columns)."""
+    def spec_step(self, batch: int, width: int, greedy: bool, filters: tuple[bool, bool, bool] = (True,) * 3
+                  ) -> StepInput:
+        """A speculative StepInput over the buffers' leading rows (`batch` sequences, `width` table columns);
+        `filters`: a sampled step's (needs_top_k, needs_top_p, needs_min_p)."""
         w, k = self.k + 1, self.k
         s = self.sampling(batch)
         s.all_greedy = greedy
-        s.needs_top_k = s.needs_top_p = s.needs_min_p = not greedy
+        s.needs_top_k, s.needs_top_p, s.needs_min_p = (False,) * 3 if greedy else filters
         spec = SpecInput(self.seq_index[:batch], self.seq_index[:batch], self.logits_indices[:batch],
                          self.num_drafts[:batch], self.draft_rows[:batch * k], self.draft_index[:batch * k],
                          self.no_rows, k)
@@ -169,10 +171,12 @@ class SpecGraphs:
         self.max_pages = max_pages
         self.buffers: dict[int, SpecBuffers] = {}  # per step K (drafts per sequence)
         self.capture_graphs = r.device.type == "cuda"
-        self.views: dict[tuple[int, int, bool, int], StepInput] = {}
-        # (batch, width, greedy, step K, timing) -> graphs, their StepState: one graph for the whole step, or with
-        # `timing` one per phase (events between them)
-        self.graphs: dict[tuple[int, int, bool, int, bool], tuple[list[torch.cuda.CUDAGraph], object]] = {}
+        # (batch, width, greedy, step K, filters: a sampled step's needs_top_k / top_p / min_p, only the sampling
+        # transform's passes it needs) -> the bucket's static step
+        self.views: dict[tuple[int, int, bool, int, tuple[bool, ...]], StepInput] = {}
+        # the views' keys + (timing,) -> graphs, their StepState: one graph for the whole step, or with `timing` one
+        # per phase (events between them)
+        self.graphs: dict[tuple, tuple[list[torch.cuda.CUDAGraph], object]] = {}
         self.pool = None
         self.num_steps = 0  # steps it ran (replayed, or eagerly over the buffers)
         self.timing = False  # record CUDA events between the phases of every replay (benchmarks)
@@ -205,10 +209,10 @@ class SpecGraphs:
             self.buffers[k] = SpecBuffers(self.batches[-1], self.max_pages, r.cache.block_size, k, r.device)
         return self.buffers[k]
 
-    def _view(self, key: tuple[int, int, bool, int]) -> StepInput:
+    def _view(self, key: tuple[int, int, bool, int, tuple[bool, ...]]) -> StepInput:
         """The bucket's static step, its attention tile maps planned once (a graph may not copy them in)."""
         if key not in self.views:
-            view = self._buffers(key[3]).spec_step(*key[:3])
+            view = self._buffers(key[3]).spec_step(*key[:3], key[4])
             plan = getattr(self.decoder.runner.backend, "plan", None)
             if plan is not None:
                 plan(view)
@@ -217,8 +221,9 @@ class SpecGraphs:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput:
-        n, k = step.num_seqs, self._step_k(step)
-        key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), step.sampling.all_greedy, k)
+        n, k, s = step.num_seqs, self._step_k(step), step.sampling
+        filters = () if s.all_greedy else (s.needs_top_k, s.needs_top_p, s.needs_min_p)
+        key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), s.all_greedy, k, filters)
         view = self._view(key)
         self.buffers[k].fill_spec(step, view)
         self.num_steps += 1
