@@ -129,6 +129,8 @@ class SpecBuffers(DecodeBuffers):
         prefill attention is causal by position, so they read only its written keys), and its k in `num_drafts`
         bounds what the rule verifies, as on the eager path. Two copies to the device: the arena and the table's
         rows. The view's host lists take the step's (read by host-side reference paths only, never by a graph)."""
+        if step.input_ids.device.type != "cpu":  # the warm-up's dummy steps are made on the device
+            step = step.to("cpu")
         n, w, k1, sp = step.num_seqs, step.block_tables.shape[1], self.k + 1, step.spec
         batch, t = view.num_seqs, n * k1
         ids, pos, slots = step.input_ids.numpy(), step.positions.numpy(), step.slot_mapping.numpy()
