@@ -176,8 +176,8 @@ class SpecGraphs:
         # (batch, width, greedy, step K, filters: a sampled step's needs_top_k / top_p / min_p, only the sampling
         # transform's passes it needs) -> the bucket's static step
         self.views: dict[tuple[int, int, bool, int, tuple[bool, ...]], StepInput] = {}
-        # the views' keys + (timing,) -> graphs, their StepState: one graph for the whole step, or with `timing` one
-        # per phase (events between them)
+        # (batch, width, greedy, step K, timing, filters) -> graphs, their StepState: one graph for the whole step,
+        # or with `timing` one per phase (events between them)
         self.graphs: dict[tuple, tuple[list[torch.cuda.CUDAGraph], object]] = {}
         self.pool = None
         self.num_steps = 0  # steps it ran (replayed, or eagerly over the buffers)
@@ -229,7 +229,7 @@ class SpecGraphs:
         view = self._view(key)
         self.buffers[k].fill_spec(step, view)
         self.num_steps += 1
-        gkey = key + (self.timing,)
+        gkey = key[:4] + (self.timing,) + key[4:]
         if gkey in self.graphs:
             graphs, state = self.graphs[gkey]
             self._replay(graphs)
