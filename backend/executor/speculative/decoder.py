@@ -33,13 +33,18 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
     device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
     host. 7 for the benchmark's 1-layer draft.
   after, graphed:  22 small copies / fills into the persistent buffers, then 1 graph replay (5 when timed); ONE host
-    synchronisation (the tokens' copy to the host). Since: 2 copies (graphs.py's packed buffers: the step's
-    per-row and per-sequence inputs in one, the block table's rows in the other), written on the host first. Eager steps: the same launches as before minus the sync points
-    (tile maps from page-locked memory, scales held on the device): one synchronisation too.
+    synchronisation (the tokens' copy to the host); since, 2 copies instead of the 22 (graphs.py's packed
+    buffers: the step's per-row and per-sequence inputs in one, the block table's rows in the other). Eager steps:
+    the same launches as before minus the sync points (tile maps from page-locked memory, scales held on the
+    device): one synchronisation too.
   greedy steps, wave 3b (counted the same way, 8 sequences, 1 draft layer, K = 7): Markov 226 -> 68 (no DRAFT
     uniforms for greedy drafts, the confidence head only with a threshold, no [S, K, V] logits kept), rule 313-334
     -> 171 (verify_greedy from the argmaxes; ~120 of the 171 are the CPU sampler's hashing, one fused kernel on
     CUDA). Greedy steps with sequences near max_tokens (k < K, or k = 0 plain decodes) replay the graphs too.
+  since (the tiny model's graphed path, 8 sequences, K = 7): rule 141 -> 125 (greedy steps select no sampling
+    options; a step whose every row speculates returns the rule's tensors, no [N, K+1] buffers filled and scattered
+    into); sampled steps run only the filters some row needs (no vocabulary sort for temperature-only requests) and
+    rule "standard" with greedy drafts builds no [S, K, V] one-hot Q.
 
 Memory: the fp32 [rows, K+1, V] tensors of verification (and the draft's [rows, K, V]) are made `CHUNK_ELEMENTS`
 at a time; the draft's U and Q of every speculating row ([R, K, V] fp32 each, Q for `probabilistic` only) live from
