@@ -67,3 +67,20 @@ def test_mixed_steps_are_counted(tmp_path):
     assert rows[(1, 0.8)]["mixed"] == 0  # 20 prompt tokens: one step
     assert rows[(2, 0.0)]["mixed"] > 0 and rows[(2, 0.8)]["mixed"] > 0
     assert rows[(2, 0.8)]["recorded"] == 1.0 and rows[(2, 0.8)]["preempted"] == 0
+
+
+def test_bench_spec_host_runs(tmp_path):
+    """benchmarks/bench_spec_host.py: every part timed per decode step, the host's share positive and below the step,
+    the controlled runs' tokens those of the recording (the harness checks it)."""
+    spec = importlib.util.spec_from_file_location("bench_spec_host",
+                                                  os.path.join(ROOT, "benchmarks", "bench_spec_host.py"))
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    out = tmp_path / "host.json"
+    assert host.main(["--batches", "1,3", "--gen-len", "12", "--prompt-len", "8", "--repeats", "1",
+                      "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["steps"] > 0 and all(r[n] > 0 for n in ("schedule", "build", "fill", "complete", "phases"))
+        assert 0 < r["host"] and r["fill"] + r["build"] + r["schedule"] < r["host"]
