@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax)
@@ -122,16 +123,17 @@ class SpecInput:
     @classmethod
     def from_rows(cls, rows: list[tuple[int, int, int, int]], num_sample_rows: int, K: int) -> SpecInput:
         """rows: (sampling row, step sequence, anchor token index, drafts k) of each speculating sequence."""
-        draft_rows = [anchor + 1 + j for _, _, anchor, k in rows for j in range(k)]
-        draft_index = [r * K + j for r, (_, _, _, k) in enumerate(rows) for j in range(k)]
-        speculating = {row for row, _, _, _ in rows}
-        i64 = dict(dtype=torch.int64)
-        return cls(
-            sample_rows=torch.tensor([r[0] for r in rows], **i64), seq_index=torch.tensor([r[1] for r in rows], **i64),
-            anchor_rows=torch.tensor([r[2] for r in rows], **i64), num_drafts=torch.tensor([r[3] for r in rows], **i64),
-            draft_rows=torch.tensor(draft_rows, **i64), draft_index=torch.tensor(draft_index, **i64),
-            plain_rows=torch.tensor([r for r in range(num_sample_rows) if r not in speculating], **i64),
-            num_speculative_tokens=K)
+        r = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        k = r[:, 3]
+        first = np.cumsum(k) - k  # each sequence's first entry among the D drafts
+        j = np.arange(int(k.sum())) - np.repeat(first, k)  # slot of each draft in its sequence's block
+        plain = np.ones(num_sample_rows, dtype=bool)
+        plain[r[:, 0]] = False
+        t = torch.from_numpy
+        return cls(sample_rows=t(r[:, 0].copy()), seq_index=t(r[:, 1].copy()), anchor_rows=t(r[:, 2].copy()),
+                   num_drafts=t(k.copy()), draft_rows=t(np.repeat(r[:, 2] + 1, k) + j),
+                   draft_index=t(np.repeat(np.arange(len(r)) * K, k) + j), plain_rows=t(np.flatnonzero(plain)),
+                   num_speculative_tokens=K)
 
 
 @dataclass

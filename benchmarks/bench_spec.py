@@ -36,6 +36,21 @@ time), and "host" = the first pass's step wall time minus those. "eager steps" =
 ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "match" = fraction
 of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties between the decode and verify
 kernels).
+"recorded" = fraction of requests whose tokens equal the p = 0 recording: controlled acceptance means what it says
+only at 1.0. With random bf16 weights the logits are near-ties everywhere, so a position computed by other kernels
+than in the recording run (another rounding) can change the target's greedy token; from there on the recording no
+longer predicts the target, that request's drafts are the random draft's, and its acceptance falls to ~0. One
+such cause is a decode verified inside a mixed step (beside a prefill chunk: the prefill-sized attention and MoE
+paths), which the recording run and a p run do at different positions (the p run's accepted drafts included). So
+the token budget (--max-num-batched-tokens) defaults to the whole batch's prompts: they prefill in one step and no
+decode shares a step with a prefill chunk; the columns below tell whether another cause remains. (2026-12-04 on the H200, under the old budget of 4096 tokens: batch 32
+x 512 prompt tokens runs 4 mixed steps (the scheduler's count, on the CPU) and its p = 0.9 run measured a mean
+accepted length of 2.23; batches 1 and 8 prefill in one step and measured 5.5-5.6.) "mixed" and
+"preempted" count the measured pass's mixed steps and preemptions (a preempted request is recomputed by a
+prefill: the same effect); "captures" the graphs captured during it (each costs a capture's time: the warm pass
+before should have made them); "repeat" the fraction of requests whose tokens equal those of the pass before it
+(the same prompts, the same p: below 1.0, the device's arithmetic differed between two identical runs, and
+"recorded" cannot hold either).
 
 Caveat, to read the figures: the cut model has few layers while the draft keeps its full width, so the draft's
 share of a step is larger than on the 60-layer model. Hence the projection to 60 layers (graphed runs): the
@@ -136,6 +151,13 @@ def run_batch(eng: LLMEngine, prompts: list[list[int]], gen: int, seed0: int) ->
     decoded = sum(len(v) for v in outs.values()) - first
     return {"tokens": [outs[f"b{i}"] for i in range(len(prompts))], "decode_tokens": decoded, "seconds": dt,
             "steps": steps, "tok_s": decoded / dt if dt > 0 else 0.0, "step_ms": 1e3 * dt / max(steps, 1)}
+
+
+def engine_counts(eng: LLMEngine) -> dict:
+    """Counters whose change over a run says what else ran besides graphed decode steps (see 'recorded')."""
+    st, graphs = eng.stats(), eng.executor.worker.drafter.graphs
+    return {"mixed": st["num_mixed_steps"], "preempted": st["num_preemptions"],
+            "captures": 0 if graphs is None else len(graphs.graphs)}
 
 
 def phase_split(r: dict, graphs, timed: dict) -> None:
@@ -252,7 +274,9 @@ def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
             "baseline_step_ms": base["step_ms"], "spec_step_ms": r["step_ms"],
             "phase_ms": r.get("phase_ms"), "graphed_steps": r.get("graphed_steps", 0),
             "eager_steps": r["eager_steps"], "steps": r["steps"],
-            "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b})
+            "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b,
+            "recorded": sum(x == y for x, y in zip(r["tokens"], results[("spec", b, 0.0)]["tokens"])) / b,
+            "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"], "repeat": r["repeat"]})
         out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
 
@@ -270,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-len", type=int, default=96)
     ap.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
     ap.add_argument("--draft-kv-cache-dtype", default="fp8")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="token budget per step (default: the largest batch's prompts, at least 4096: one prefill "
+                         "step, no mixed steps; see 'recorded')")
     ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
     ap.add_argument("--confidence-scheduling", action="store_true",
                     help="also confidence-scheduled verification, with the cost table these runs measured")
@@ -297,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = a.prompt_len + a.gen_len + a.k + 1
     pages = max(batches) * -(-max_len // bs) + 8
     common = dict(model=tmp, device=device, dtype=str(model.dtype).split(".")[1], max_model_len=max_len,
-                  max_num_seqs=max(batches), max_num_batched_tokens=max(4096, max(batches) * (a.k + 1)),
+                  max_num_seqs=max(batches), max_num_batched_tokens=a.max_num_batched_tokens or max(
+                      4096, max(batches) * max(a.prompt_len, a.k + 1)),
                   num_gpu_blocks_override=pages, enable_prefix_caching=False, enforce_eager=a.smoke, **kv)
     spec_cfg = {"method": "dspark", "num_speculative_tokens": a.k, "draft_sample_method": a.draft_sample_method,
                 "kv_cache_dtype": a.draft_kv_cache_dtype}
@@ -337,12 +365,16 @@ def main(argv: list[str] | None = None) -> int:
                     drafter.proposal_hook = ControlledProposals(known, p, cfg.vocab_size, device)
                 else:
                     drafter.proposal_hook = None
-                graphs = drafter.graphs
+                graphs, first = drafter.graphs, None
                 if graphs is not None:  # capture this p's graphs: the same run first (every batch and width bucket
-                    run_batch(eng, prompts[b], a.gen_len, 1000)  # it reaches, captured outside the figures)
+                    first = run_batch(eng, prompts[b], a.gen_len, 1000)  # it reaches, captured outside the figures)
                 eng.spec_stats = SpecDecodeStats(a.k)
                 static0 = graphs.num_steps if graphs is not None else 0
+                before = engine_counts(eng)
                 r = run_batch(eng, prompts[b], a.gen_len, 1000)  # no events: the figures
+                r.update({name: n - before[name] for name, n in engine_counts(eng).items()})
+                r["repeat"] = None if first is None else \
+                    sum(x == y for x, y in zip(r["tokens"], first["tokens"])) / b
                 r["stats"] = eng.spec_stats.as_dict()
                 # steps that did not replay the graphs (prefill excluded: run_batch times decode steps only)
                 r["eager_steps"] = r["steps"] - (graphs.num_steps - static0 if graphs is not None else 0)
@@ -364,14 +396,16 @@ def main(argv: list[str] | None = None) -> int:
           f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, speculative steps "
           f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
-            "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | eager steps | match |")
+            "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | eager steps | match | recorded | "
+            "mixed | preempted | captures | repeat |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         split = " | ".join("-" if r["phase_ms"] is None else f"{r['phase_ms'][ph]:.2f}" for ph in PHASES + ("host",))
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
-              f"{split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} |")
+              f"{split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
+              f"{r['preempted']} | {r['captures']} | {'-' if r['repeat'] is None else format(r['repeat'], '.2f')} |")
     print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
           "measured; graphed runs only)\n")
     head = ("| batch | p | plain step ms | spec step ms | step cost (plain steps) | verify ms | speedup | "

@@ -131,6 +131,8 @@ class BlockManager:
         """Return the pages past the sequence's tokens (lookahead pages of rejected drafts). They were taken for
         this sequence alone and never hashed (only blocks of accepted, computed tokens are)."""
         keep = self._pages_needed(seq.num_tokens)
+        if len(seq.pages) <= keep:  # the usual case: no lookahead page left empty (reading the table costs O(pages))
+            return
         for pid in reversed(seq.pages[keep:]):
             assert self.pages[pid].ref_count == 1 and self.pages[pid].hash is None, f"page {pid} is shared"
             self._release(pid)

@@ -97,22 +97,28 @@ class StepBuilder:
             needs_top_p=any(sp.top_p < 1.0 and not g for sp, g in zip(sps, greedy)),
             needs_min_p=any(sp.min_p > 0.0 and not g for sp, g in zip(sps, greedy)),
             max_num_logprobs=max(-1 if sp.logprobs is None else sp.logprobs for sp in sps))
+        if any(sp.has_penalties for sp in sps):
+            self._penalties(s, seqs)
+        suppress = [self._suppressed(s, ahead) for s in seqs]
+        if any(suppress):
+            s.suppress_token_ids = _padded(suppress)
+        return s
+
+    @staticmethod
+    def _penalties(s: SamplingInput, seqs: list[Sequence]) -> None:
+        """The penalty fields of `s` (some request has a penalty)."""
+        sps, f32 = [seq.sampling_params for seq in seqs], torch.float32
         rep = [sp.repetition_penalty for sp in sps]
         freq = [sp.frequency_penalty for sp in sps]
         pres = [sp.presence_penalty for sp in sps]
         if any(r != 1.0 for r in rep):
             s.repetition_penalty = torch.tensor(rep, dtype=f32)
-            s.prompt_token_ids = _padded([s.prompt_token_ids for s in seqs])
+            s.prompt_token_ids = _padded([seq.prompt_token_ids for seq in seqs])
         if any(f != 0.0 for f in freq):
             s.frequency_penalty = torch.tensor(freq, dtype=f32)
         if any(p != 0.0 for p in pres):
             s.presence_penalty = torch.tensor(pres, dtype=f32)
-        if s.repetition_penalty is not None or s.frequency_penalty is not None or s.presence_penalty is not None:
-            s.output_token_ids = _padded([s.output_token_ids for s in seqs])
-        suppress = [self._suppressed(s, ahead) for s in seqs]
-        if any(suppress):
-            s.suppress_token_ids = _padded(suppress)
-        return s
+        s.output_token_ids = _padded([seq.output_token_ids for seq in seqs])
 
     def _suppressed(self, seq: Sequence, ahead: int = 0) -> list[int]:
         """Token ids the sequence may not produce yet: its stop ids and EOS until min_tokens outputs."""

@@ -41,7 +41,9 @@ class UniprocExecutor(Executor):
         w = self.worker
         self.num_pages = w.determine_num_pages(max_model_len)
         w.init_cache(self.num_pages, max_model_len)
-        self.pin_memory = w.device.type == "cuda"
+        # speculative steps that replay graphs read the step on the host into their own page-locked buffers
+        # (executor/speculative/graphs.py): pinning the step's tensors first would only add a host copy of each
+        self.pin_memory = w.device.type == "cuda" and not w.use_spec_graphs
         self.supports_async_scheduling = True
 
     def execute(self, step: StepInput) -> SamplerOutput | None:

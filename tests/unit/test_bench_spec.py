@@ -32,6 +32,8 @@ def test_bench_spec_smoke(tmp_path):
     assert [(r["batch"], r["p"]) for r in rows] == [(1, 0.0), (1, 0.8), (2, 0.0), (2, 0.8)]
     for r in rows:
         assert r["match"] == 1.0  # greedy, fp32: speculation changes no token
+        # the controlled runs followed the recording; the prompts prefilled in one step, nothing preempted
+        assert r["recorded"] == r["repeat"] == 1.0 and r["mixed"] == r["preempted"] == r["captures"] == 0
         assert r["efficiency"] == r["speedup"] / r["ideal_speedup"] and r["spec_tok_s"] > 0
         # every decode step took the graphs' static path, those near max_tokens included (greedy)
         assert r["eager_steps"] == 0 < r["steps"]
@@ -52,3 +54,33 @@ def test_projection_to_60_layers():
     assert pr["verify_ms"] == 30.0 and pr["step_cost"] == 33.0 / 15.5
     assert pr["speedup"] == 4.0 * 15.5 / 33.0 and pr["efficiency"] == 15.5 / 33.0
     assert bench.project({**row, "phase_ms": None}, 4, 1.0) is None and bench.project(row, 4, None) is None
+
+
+def test_mixed_steps_are_counted(tmp_path):
+    """A token budget below the batch's prompts chunks the prefill: the decodes of the sequences prefilled first
+    share steps with the others' chunks, and the table says so (on the CPU, in fp32, the tokens stay the
+    recording's)."""
+    bench = _bench()
+    out = tmp_path / "bench_spec.json"
+    assert bench.main(["--smoke", "--out", str(out), "--max-num-batched-tokens", "24"]) == 0
+    rows = {(r["batch"], r["p"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows[(1, 0.8)]["mixed"] == 0  # 20 prompt tokens: one step
+    assert rows[(2, 0.0)]["mixed"] > 0 and rows[(2, 0.8)]["mixed"] > 0
+    assert rows[(2, 0.8)]["recorded"] == 1.0 and rows[(2, 0.8)]["preempted"] == 0
+
+
+def test_bench_spec_host_runs(tmp_path):
+    """benchmarks/bench_spec_host.py: every part timed per decode step, the host's share positive and below the step,
+    the controlled runs' tokens those of the recording (the harness checks it)."""
+    spec = importlib.util.spec_from_file_location("bench_spec_host",
+                                                  os.path.join(ROOT, "benchmarks", "bench_spec_host.py"))
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    out = tmp_path / "host.json"
+    assert host.main(["--batches", "1,3", "--gen-len", "12", "--prompt-len", "8", "--repeats", "1",
+                      "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["steps"] > 0 and all(r[n] > 0 for n in ("schedule", "build", "fill", "complete", "phases"))
+        assert 0 < r["host"] and r["fill"] + r["build"] + r["schedule"] < r["host"]

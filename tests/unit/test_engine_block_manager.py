@@ -178,3 +178,21 @@ def test_page_table_reads_like_a_list():
     seq = Sequence("s", 0, [1], SamplingParams(), 4)
     seq.pages = [4, 2]
     assert isinstance(seq.pages, PageTable) and seq.pages == [4, 2] and type(seq.pages[1]) is int
+
+
+def test_trim_reads_the_page_table_only_when_pages_are_left_empty(monkeypatch):
+    """A speculative step's rollback (`trim`) runs for every speculating sequence every step: with no lookahead
+    page left empty it returns at once, without listing the sequence's pages (O(pages): 13 us per sequence at
+    1,024 pages on the dev host); with some, it returns exactly those."""
+    bm = BlockManager(40, 4, enable_prefix_caching=False)
+    seq = Sequence("a", 0, list(range(10)), SamplingParams(), 20)
+    bm.allocate(seq)  # 3 pages for 10 tokens
+    calls = []
+    orig = PageTable.tolist
+    monkeypatch.setattr(PageTable, "tolist", lambda self: calls.append(1) or orig(self))
+    bm.trim(seq)
+    assert calls == [] and len(seq.pages) == 3
+    bm.append_slot(seq, 5)  # lookahead to position 15: a 4th page
+    assert len(seq.pages) == 4 and bm.num_free_pages == 36
+    bm.trim(seq)  # no token reached it: returned
+    assert calls and len(seq.pages) == 3 and bm.num_free_pages == 37

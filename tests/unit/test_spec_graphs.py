@@ -138,3 +138,38 @@ def test_buffers_spread_fewer_drafts_over_k_plus_one_rows():
     assert view.input_ids.tolist()[:12] == [100, 101, 102, 103, 104, 104, 104, 104, 105, 106, 107, 107]
     assert view.slot_mapping.tolist()[:12] == [1020, 1021, 1022, 1023, 1007, -1, -1, -1, 1040, 1041, 1042, -1]
     assert view.positions.tolist()[4:8] == [7] * 4 and view.spec.num_drafts.tolist() == [3, 0, 2, 3]
+
+
+def test_fill_is_two_copies():
+    """A step goes into the buffers by two copies (the packed per-row and per-sequence inputs, the block table's
+    rows): on CUDA two transfers before the replay, where a copy and a fill per field were ~24 launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from m3serve.step_io import SamplingInput, SpecInput, StepInput
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("slice", "view", "alias", "select", "as_strided", "detach"):
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    buf = SpecBuffers(4, 3, 16, 3, torch.device("cpu"))
+    view = buf.spec_step(4, 3, True)
+    qsl = [0, 4, 6]  # two sequences, k = 3 and k = 1: the second spread over K + 1 rows
+    pos = torch.tensor([20, 21, 22, 23, 7, 8])
+    step = StepInput(torch.arange(6) + 100, pos, torch.tensor(qsl, dtype=torch.int32),
+                     torch.tensor([24, 9], dtype=torch.int32), qsl, [24, 9], False, 4, 48,
+                     torch.ones(2, 2, dtype=torch.int32), pos + 1000, torch.tensor(qsl[:2]), SamplingInput.full(2, 0.0),
+                     spec=SpecInput(torch.arange(2), torch.arange(2), torch.tensor(qsl[:2]), torch.tensor([3, 1]),
+                                    torch.tensor([1, 2, 3, 5]), torch.tensor([0, 1, 2, 3]),
+                                    torch.zeros(0, dtype=torch.int64), 3))
+    with Ops() as ops:
+        buf.fill_spec(step, view)
+    assert ops.names == ["copy_", "copy_"]
+    assert view.input_ids.tolist()[:8] == [100, 101, 102, 103, 104, 105, 105, 105]
+    assert view.slot_mapping.tolist() == [1020, 1021, 1022, 1023, 1007, 1008, -1, -1] + [-1] * 8
+    assert view.seq_lens.tolist() == [24, 9, 4, 4] and view.spec.num_drafts.tolist() == [3, 1, 3, 3]

@@ -1,5 +1,5 @@
-"""The branch-free sampling transform (every filter on, neutral values where a row has none) equals the engine
-sampler's per-row branches, and inverse-CDF draws are exact."""
+"""The batched sampling transform (each filter on where some row needs it, neutral values where a row has none)
+equals the engine sampler's per-row branches, runs no filter no row needs, and inverse-CDF draws are exact."""
 import torch
 
 from m3serve.executor.speculative.probs import draw, one_hot, sampling_probs
@@ -17,6 +17,7 @@ def test_sampling_probs_equal_the_samplers_transform_row_by_row():
     st.top_k = torch.randint(0, 12, (s,), generator=g).to(torch.int32)
     st.top_p = half(1.0, torch.rand(s, generator=g) * 0.9 + 0.05)
     st.min_p = half(0.0, torch.rand(s, generator=g) * 0.2)
+    st.needs_top_k = st.needs_top_p = st.needs_min_p = True  # as the step builder sets them: some row needs each
     got = sampling_probs(logits, st)
     for row in range(s):  # one row at a time: the sampler runs only the filters that row asks for
         one = SamplingInput.full(1, float(st.temperature[row]), int(st.top_k[row]), float(st.top_p[row]),
@@ -24,6 +25,29 @@ def test_sampling_probs_equal_the_samplers_transform_row_by_row():
         want = torch.softmax(filter_logits(logits[row:row + 1], one), -1)
         assert torch.allclose(got[row:row + 1], want, atol=1e-6), row
     assert torch.allclose(got.sum(-1), torch.ones(s))
+
+
+def test_temperature_only_rows_sort_nothing():
+    """No row asks for top-k / top-p / min-p: the transform is softmax(x / T), with no sort of the vocabulary (the
+    speculative rule's sampled steps ran one per verify row before)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(8, 40, generator=g) * 2
+    st = SamplingInput.full(8, temperature=0.7)
+    with Ops() as ops:
+        p = sampling_probs(logits, st)
+    assert not {"sort", "cumsum", "topk"} & ops.names
+    assert torch.allclose(p, torch.softmax(logits / 0.7, -1), atol=1e-6)
 
 
 def test_greedy_rows_are_one_hot_argmax_and_none_is_softmax():

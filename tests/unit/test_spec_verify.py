@@ -297,3 +297,30 @@ def test_greedy_draft_without_q_is_the_one_hot_draft(rule):
     u = torch.rand(s, k + 1, generator=gen)
     implicit, explicit = verify(x, None, t, u, rule=rule), verify(x, one_hot(x, V), t, u, rule=rule)
     assert torch.equal(implicit.tokens, explicit.tokens) and 0 < float(implicit.num_accepted.float().mean()) < k
+
+
+def test_greedy_draft_standard_rule_builds_no_vocabulary_wide_q():
+    """Rule "standard" with a greedy draft reads Q_i(x_i) = 1 and one [S, V] residual row: no [S, K, V] one-hot
+    (at M3's vocabulary, batch 32 and K = 7: 180 MB written per step before). Rule "block" still builds it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not func.is_view:  # tensors made, not views of the inputs
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    gen = torch.Generator().manual_seed(7)
+    s, k = 16, 3
+    x = torch.randint(0, V, (s, k), generator=gen)
+    t = torch.softmax(torch.randn(s, k + 1, V, generator=gen), -1)
+    u = torch.rand(s, k + 1, generator=gen)
+    for rule, built in (("standard", False), ("block", True)):
+        with Shapes() as mode:
+            verify(x, None, t, u, rule=rule)
+        assert ((s, k, V) in mode.shapes) == built, rule

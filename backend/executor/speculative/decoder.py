@@ -33,12 +33,18 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
     device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
     host. 7 for the benchmark's 1-layer draft.
   after, graphed:  22 small copies / fills into the persistent buffers, then 1 graph replay (5 when timed); ONE host
-    synchronisation (the tokens' copy to the host). Eager steps: the same launches as before minus the sync points
-    (tile maps from page-locked memory, scales held on the device): one synchronisation too.
+    synchronisation (the tokens' copy to the host); since, 2 copies instead of the 22 (graphs.py's packed
+    buffers: the step's per-row and per-sequence inputs in one, the block table's rows in the other). Eager steps:
+    the same launches as before minus the sync points (tile maps from page-locked memory, scales held on the
+    device): one synchronisation too.
   greedy steps, wave 3b (counted the same way, 8 sequences, 1 draft layer, K = 7): Markov 226 -> 68 (no DRAFT
     uniforms for greedy drafts, the confidence head only with a threshold, no [S, K, V] logits kept), rule 313-334
     -> 171 (verify_greedy from the argmaxes; ~120 of the 171 are the CPU sampler's hashing, one fused kernel on
     CUDA). Greedy steps with sequences near max_tokens (k < K, or k = 0 plain decodes) replay the graphs too.
+  since (the tiny model's graphed path, 8 sequences, K = 7): rule 141 -> 125 (greedy steps select no sampling
+    options; a step whose every row speculates returns the rule's tensors, no [N, K+1] buffers filled and scattered
+    into); sampled steps run only the filters some row needs (no vocabulary sort for temperature-only requests) and
+    rule "standard" with greedy drafts builds no [S, K, V] one-hot Q.
 
 Memory: the fp32 [rows, K+1, V] tensors of verification (and the draft's [rows, K, V]) are made `CHUNK_ELEMENTS`
 at a time; the draft's U and Q of every speculating row ([R, K, V] fp32 each, Q for `probabilistic` only) live from
@@ -252,14 +258,14 @@ class SpeculativeDecoder:
     def _verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> _Verified | None:
         """Rank 0: the verified runs; the other ranks (their logits' share gathered to rank 0): None."""
         sp, k, model = step.spec, step.spec.num_speculative_tokens, self.runner.model
-        st = step.sampling.select(sp.sample_rows)
+        n_top = step.sampling.max_num_logprobs
+        greedy = step.sampling.all_greedy and n_top <= 0  # argmaxes only (verify_greedy): no sampling options read
+        st = None if greedy else step.sampling.select(sp.sample_rows)
         cols = torch.arange(k + 1, device=hidden.device)[None, :]
         rows = sp.anchor_rows[:, None] + torch.minimum(cols, sp.num_drafts[:, None])  # [R, K+1], padded: repeats
         lens = sp.num_drafts
         if self.spec.confidence_threshold > 0:
             lens = torch.minimum(lens, confident_prefix_length(proposal.confidence, self.spec.confidence_threshold))
-        n_top = st.max_num_logprobs
-        greedy = st.all_greedy and n_top <= 0  # argmaxes only (verify_greedy)
         if not greedy:
             u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
                            stream_uniforms(st.seeds, st.positions, FINAL)], 1)
@@ -298,6 +304,11 @@ class SpeculativeDecoder:
         v = self._verify(step, hidden, proposal)
         if v is None:  # a tensor-parallel rank other than 0
             return None
+        if not plain.numel():  # every row speculates: the rule's tensors are the output, in row order (the step
+            # builder numbers the speculating rows in order, the graphs' views are 0..S-1), nothing to scatter
+            return SamplerOutput(v.tokens, v.logprobs, *(v.top[::-1] if v.top is not None else (None, None)),
+                                 num_tokens=v.num_accepted + 1, num_draft_tokens=v.num_verified,
+                                 draft_confidence=proposal.confidence.float())
         out = SamplerOutput(torch.full((n, width), -1, dtype=torch.int64, device=dev),
                             torch.zeros(n, width, device=dev), num_tokens=torch.ones(n, dtype=torch.int64, device=dev),
                             num_draft_tokens=torch.zeros(n, dtype=torch.int64, device=dev),

@@ -1,11 +1,12 @@
 """CUDA graphs for DSpark speculative steps (executor/speculative/decoder.py), per (batch bucket, block-table width bucket,
-greedy or sampled), like the decode graphs (cuda_graph.py).
+greedy or sampled with the sampling filters some row needs), like the decode graphs (cuda_graph.py).
 
 A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
 placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
 A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such
 a step has one shape per bucket, so its tensors are static: `SpecBuffers` holds them at the largest sizes, each
-step copies its `StepInput` into their leading rows (sequences past S are padding: slot -1, nothing written to
+step copies its `StepInput` into their leading rows (two copies to the device: its small inputs packed in one
+buffer, `_Arena`, and its block table's rows) (sequences past S are padding: slot -1, nothing written to
 either cache; page 0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, penalties)
 runs the same phases eagerly. The step's K is the configured one, or, with confidence-scheduled verification, the
 width the engine chose for the step (executor/speculative/confidence.py: one of a few), so buffers, views and graphs
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from m3serve.step_io import SamplerOutput, SpecInput, StepInput
@@ -36,30 +38,79 @@ from m3serve.executor.cuda_graph import DecodeBuffers, _bucket, batch_buckets, w
 log = logging.getLogger(__name__)
 
 
+class _Arena:
+    """Small per-row tensors packed in one device byte buffer, with a host twin (page-locked on CUDA) of the same
+    layout: a step writes its values into the host views (numpy, no device work) and `upload` moves them all in
+    ONE copy. The device views are the graphs' persistent inputs (fixed addresses)."""
+
+    def __init__(self, fields: dict[str, tuple[int, torch.dtype]], device: torch.device):
+        offsets, total = {}, 0
+        for name, (n, dtype) in fields.items():
+            offsets[name] = total
+            total += -(-n * dtype.itemsize // 8) * 8  # every field 8-byte aligned
+        self.device = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._uploaded: torch.cuda.Event | None = None
+        self.views, self.host_views = {}, {}
+        for name, (n, dtype) in fields.items():
+            o, nb = offsets[name], n * dtype.itemsize
+            self.views[name] = self.device[o:o + nb].view(dtype)
+            self.host_views[name] = self.host[o:o + nb].view(dtype).numpy()
+
+    def writable(self) -> dict:
+        """The host views (numpy), once the previous upload (and any copy queued before it) has left the host
+        buffers."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
+        return self.host_views
+
+    def upload(self) -> None:
+        self.device.copy_(self.host, non_blocking=True)
+        if self.device.is_cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+
+
 class SpecBuffers(DecodeBuffers):
-    """A speculative step's persistent inputs: `max_seqs` sequences of K+1 tokens, `max_pages` table columns."""
+    """A speculative step's persistent inputs: `max_seqs` sequences of K+1 tokens, `max_pages` table columns. Its
+    per-token and per-sequence inputs live in one `_Arena` (a step uploads them in one copy), the block table in
+    its own buffer (one copy of the step's rows)."""
 
     def __init__(self, max_seqs: int, max_pages: int, block_size: int, k: int, device: torch.device):
         super().__init__(max_seqs, max_pages, block_size, device)
-        i64, w, z = torch.int64, k + 1, dict(device=device)
+        i32, i64, f32, w, z = torch.int32, torch.int64, torch.float32, k + 1, dict(device=device)
         self.k = k
-        self.input_ids = torch.zeros(max_seqs * w, dtype=i64, **z)
-        self.positions = torch.zeros(max_seqs * w, dtype=i64, **z)
-        self.slot_mapping = torch.full((max_seqs * w,), -1, dtype=i64, **z)
+        rows = max_seqs * w
+        self.arena = _Arena({"input_ids": (rows, i64), "positions": (rows, i64), "slot_mapping": (rows, i64),
+                             "num_drafts": (max_seqs, i64), "seq_lens": (max_seqs, i32),
+                             "temperature": (max_seqs, f32), "top_k": (max_seqs, i32), "top_p": (max_seqs, f32),
+                             "min_p": (max_seqs, f32), "seeds": (max_seqs, i64), "sample_positions": (max_seqs, i64)},
+                            device)
+        for name, view in self.arena.views.items():  # these replace DecodeBuffers' own tensors
+            setattr(self, name, view)
+        hv = self.arena.host_views
+        hv["slot_mapping"][:] = -1
+        hv["num_drafts"][:] = k
+        hv["seq_lens"][:] = 1
+        hv["top_p"][:] = 1.0
+        self.arena.upload()
+        self.host_tables = torch.zeros(max_seqs, max_pages, dtype=i32, pin_memory=device.type == "cuda")
         self.query_start_loc = (torch.arange(max_seqs + 1, **z) * w).to(torch.int32)
         self.logits_indices = torch.arange(max_seqs, dtype=i64, **z) * w  # each sequence samples at its anchor
         self.seq_index = torch.arange(max_seqs, dtype=i64, **z)
-        self.num_drafts = torch.full((max_seqs,), k, dtype=i64, **z)
         self.draft_rows = (self.logits_indices[:, None] + 1 + torch.arange(k, **z)[None, :]).flatten()
         self.draft_index = torch.arange(max_seqs * k, dtype=i64, **z)
         self.no_rows = torch.zeros(0, dtype=i64, **z)
 
-    def spec_step(self, batch: int, width: int, greedy: bool) -> StepInput:
-        """A speculative StepInput over the buffers' leading rows (`batch` sequences, `width` table columns)."""
+    def spec_step(self, batch: int, width: int, greedy: bool, filters: tuple[bool, bool, bool] = (True,) * 3
+                  ) -> StepInput:
+        """A speculative StepInput over the buffers' leading rows (`batch` sequences, `width` table columns);
+        `filters`: a sampled step's (needs_top_k, needs_top_p, needs_min_p)."""
         w, k = self.k + 1, self.k
         s = self.sampling(batch)
         s.all_greedy = greedy
-        s.needs_top_k = s.needs_top_p = s.needs_min_p = not greedy
+        s.needs_top_k, s.needs_top_p, s.needs_min_p = (False,) * 3 if greedy else filters
         spec = SpecInput(self.seq_index[:batch], self.seq_index[:batch], self.logits_indices[:batch],
                          self.num_drafts[:batch], self.draft_rows[:batch * k], self.draft_index[:batch * k],
                          self.no_rows, k)
@@ -72,48 +123,42 @@ class SpecBuffers(DecodeBuffers):
             spec=spec)
 
     def fill_spec(self, step: StepInput, view: StepInput) -> None:
-        """Copy a speculative step of S <= batch sequences into `view`'s buffers; the rows past S become padding.
-        A sequence with k < K drafts (near its max_tokens) takes K+1 rows all the same: rows past its k+1 tokens
-        repeat its last token at its position with no slot (nothing written to either cache; the prefill attention
-        is causal by position, so they read only its written keys), and its k in `num_drafts` bounds what the rule
-        verifies, as on the eager path. The view's host lists take the step's (read by host-side reference paths
-        only, never by a graph)."""
+        """Copy a speculative step of S <= batch sequences (host tensors) into `view`'s buffers; the rows past S
+        become padding. A sequence with k < K drafts (near its max_tokens) takes K+1 rows all the same: rows past
+        its k+1 tokens repeat its last token at its position with no slot (nothing written to either cache; the
+        prefill attention is causal by position, so they read only its written keys), and its k in `num_drafts`
+        bounds what the rule verifies, as on the eager path. Two copies to the device: the arena and the table's
+        rows. The view's host lists take the step's (read by host-side reference paths only, never by a graph)."""
+        if step.input_ids.device.type != "cpu":  # the warm-up's dummy steps are made on the device
+            step = step.to("cpu")
         n, w, k1, sp = step.num_seqs, step.block_tables.shape[1], self.k + 1, step.spec
-        batch, nb = view.num_seqs, dict(non_blocking=True)
-        ids, pos, slots = step.input_ids, step.positions, step.slot_mapping
+        batch, t = view.num_seqs, n * k1
+        ids, pos, slots = step.input_ids.numpy(), step.positions.numpy(), step.slot_mapping.numpy()
         if sp is not None and sp.num_seqs == n:
-            drafts = sp.num_drafts
+            drafts = sp.num_drafts.numpy()
         else:  # plain decodes of a greedy step (`supports`): 0 drafts
-            drafts = torch.zeros(n, dtype=torch.int64, device=ids.device if sp is None else sp.num_drafts.device)
+            drafts = np.zeros(n, dtype=np.int64)
             if sp is not None:
-                drafts.index_copy_(0, sp.seq_index, sp.num_drafts)
-        if step.num_tokens != n * k1:  # spread each sequence over its K+1 rows (where the step's tensors are)
-            dev = ids.device
-            j, d = torch.arange(k1, device=dev), drafts.to(dev)
-            first = torch.tensor(step.query_start_loc_cpu[:n], dtype=torch.int64, device=dev)
-            src = (first[:, None] + torch.minimum(j[None, :], d[:, None])).flatten()
-            past = (j[None, :] > d[:, None]).flatten()
-            ids, pos = ids[src], pos[src.to(pos.device)]
-            slots = slots[src.to(slots.device)].masked_fill(past.to(slots.device), -1)
-            if self.input_ids.is_cuda and not ids.is_cuda:  # page-locked: copies that do not block
-                ids, pos, slots = ids.pin_memory(), pos.pin_memory(), slots.pin_memory()
-        t = n * k1
-        for buf, src in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots)):
-            buf[:t].copy_(src, **nb)
-            buf[t:batch * k1].fill_(-1 if buf is self.slot_mapping else 0)
-        self.num_drafts[:n].copy_(drafts, **nb)
-        self.num_drafts[n:batch].fill_(self.k)
-        self.seq_lens[:n].copy_(step.seq_lens, **nb)
-        self.block_tables[:n, :w].copy_(step.block_tables, **nb)
-        s = step.sampling
-        for buf, src, pad in ((self.temperature, s.temperature, 0), (self.top_k, s.top_k, 0), (self.top_p, s.top_p, 1),
-                              (self.min_p, s.min_p, 0), (self.seeds, s.seeds, 0),
-                              (self.sample_positions, s.positions, 0)):
-            buf[:n].copy_(src, **nb)
-            buf[n:batch].fill_(pad)
-        self.seq_lens[n:batch].fill_(self.k + 1)
-        self.block_tables[n:batch, 0].zero_()
-        view.seq_lens_cpu[:] = list(step.seq_lens_cpu) + [self.k + 1] * (batch - n)
+                drafts[sp.seq_index.numpy()] = sp.num_drafts.numpy()
+        if step.num_tokens != t:  # spread each sequence over its K+1 rows
+            j = np.arange(k1)
+            src = (np.asarray(step.query_start_loc_cpu[:n])[:, None] + np.minimum(j[None, :], drafts[:, None]))
+            ids, pos, slots = ids[src.ravel()], pos[src.ravel()], slots[src.ravel()]
+            slots[(j[None, :] > drafts[:, None]).ravel()] = -1
+        hv, s = self.arena.writable(), step.sampling
+        for name, src, pad in (("input_ids", ids, 0), ("positions", pos, 0), ("slot_mapping", slots, -1)):
+            hv[name][:t], hv[name][t:batch * k1] = src, pad
+        for name, src, pad in (("num_drafts", drafts, self.k), ("seq_lens", step.seq_lens.numpy(), k1),
+                               ("temperature", s.temperature.numpy(), 0), ("top_k", s.top_k.numpy(), 0),
+                               ("top_p", s.top_p.numpy(), 1), ("min_p", s.min_p.numpy(), 0),
+                               ("seeds", s.seeds.numpy(), 0), ("sample_positions", s.positions.numpy(), 0)):
+            hv[name][:n], hv[name][n:batch] = src, pad
+        tables = self.host_tables.numpy()
+        tables[:n, :w] = step.block_tables.numpy()
+        tables[n:batch, 0] = 0
+        self.block_tables[:batch, :w].copy_(self.host_tables[:batch, :w], non_blocking=True)
+        self.arena.upload()  # its event also covers the table's copy (the same stream, before it)
+        view.seq_lens_cpu[:] = list(step.seq_lens_cpu) + [k1] * (batch - n)
 
 
 class SpecGraphs:
@@ -128,10 +173,12 @@ class SpecGraphs:
         self.max_pages = max_pages
         self.buffers: dict[int, SpecBuffers] = {}  # per step K (drafts per sequence)
         self.capture_graphs = r.device.type == "cuda"
-        self.views: dict[tuple[int, int, bool, int], StepInput] = {}
-        # (batch, width, greedy, step K, timing) -> graphs, their StepState: one graph for the whole step, or with
-        # `timing` one per phase (events between them)
-        self.graphs: dict[tuple[int, int, bool, int, bool], tuple[list[torch.cuda.CUDAGraph], object]] = {}
+        # (batch, width, greedy, step K, filters: a sampled step's needs_top_k / top_p / min_p, only the sampling
+        # transform's passes it needs) -> the bucket's static step
+        self.views: dict[tuple[int, int, bool, int, tuple[bool, ...]], StepInput] = {}
+        # (batch, width, greedy, step K, timing, filters) -> graphs, their StepState: one graph for the whole step,
+        # or with `timing` one per phase (events between them)
+        self.graphs: dict[tuple, tuple[list[torch.cuda.CUDAGraph], object]] = {}
         self.pool = None
         self.num_steps = 0  # steps it ran (replayed, or eagerly over the buffers)
         self.timing = False  # record CUDA events between the phases of every replay (benchmarks)
@@ -164,22 +211,23 @@ class SpecGraphs:
             self.buffers[k] = SpecBuffers(self.batches[-1], self.max_pages, r.cache.block_size, k, r.device)
         return self.buffers[k]
 
-    def _view(self, key: tuple[int, int, bool, int]) -> StepInput:
+    def _view(self, key: tuple[int, int, bool, int, tuple[bool, ...]]) -> StepInput:
         """The bucket's static step, its attention tile maps planned once (a graph may not copy them in)."""
         if key not in self.views:
-            view = self._buffers(key[3]).spec_step(*key[:3])
+            view = self._buffers(key[3]).spec_step(*key[:3], key[4])
             self.decoder.runner.model.plan(view)
             self.views[key] = view
         return self.views[key]
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput:
-        n, k = step.num_seqs, self._step_k(step)
-        key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), step.sampling.all_greedy, k)
+        n, k, s = step.num_seqs, self._step_k(step), step.sampling
+        filters = () if s.all_greedy else (s.needs_top_k, s.needs_top_p, s.needs_min_p)
+        key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), s.all_greedy, k, filters)
         view = self._view(key)
         self.buffers[k].fill_spec(step, view)
         self.num_steps += 1
-        gkey = key + (self.timing,)
+        gkey = key[:4] + (self.timing,) + key[4:]
         if gkey in self.graphs:
             graphs, state = self.graphs[gkey]
             self._replay(graphs)

@@ -1,8 +1,10 @@
 """Distributions and draws on tensors for speculative decoding, with no host synchronisation.
 
 `sampling_probs` is the request's sampling transform as a probability vector: the engine sampler's
-`filter_logits` (temperature -> min_p -> top_k -> top_p, vLLM's) with every filter on, so a batch of mixed
-requests (and a CUDA graph) runs one path; rows with temperature ~ 0 become the one-hot argmax (greedy). Both
+`filter_logits` (temperature -> min_p -> top_k -> top_p, vLLM's), each filter run where the step's flags say some
+row needs it, as the plain sampler does (a temperature-only step: no sort of the vocabulary; a CUDA graph is
+captured per set of flags, executor/speculative/graphs.py); rows with temperature ~ 0 become the one-hot argmax
+(greedy). Both
 the draft's Q and the target's T of a verification go through it, so a greedy target gives one-hot rows, which
 the verification rules then handle exactly.
 
@@ -11,8 +13,6 @@ caller-supplied uniform in [0, 1): the engine feeds its counter-based per-reques
 depend on what else is in the batch. A token of probability 0 is never drawn.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -29,8 +29,7 @@ def sampling_probs(logits: torch.Tensor, st: SamplingInput | None) -> torch.Tens
     onehot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
     if st.all_greedy:
         return onehot
-    every = dataclasses.replace(st, needs_top_k=True, needs_top_p=True, needs_min_p=True)
-    probs = torch.softmax(filter_logits(x, every), -1)
+    probs = torch.softmax(filter_logits(x, st), -1)
     return torch.where((st.temperature < SamplingInput.GREEDY_EPS)[:, None], onehot, probs)
 
 

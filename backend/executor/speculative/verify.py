@@ -4,7 +4,8 @@
 Inputs per row s (S rows, K drafts, vocabulary V):
   draft_tokens  int [S, K]          x_1..x_K
   draft_probs   fp32 [S, K, V]      Q_i, the exact distribution x_i was drawn from; None for greedy drafts
-                                    (one-hot Q, built here)
+                                    (one-hot Q: rule "standard" reads Q_i(x_i) = 1 and builds only the one
+                                    [S, V] row its residual needs; rule "block" builds them all)
   target_probs  fp32 [S, K+1, V]    T_i after the request's sampling transform: row i-1 is the target's
                                     distribution of the token after x_{i-1} (row 0: after the anchor);
                                     row K is the bonus distribution. One-hot rows for greedy targets.
@@ -45,10 +46,12 @@ class VerifyOutput:
 
 
 def _ratios(draft_tokens, draft_probs, target_probs) -> torch.Tensor:
-    """T_i(x_i) / Q_i(x_i), fp32 [S, K]."""
+    """T_i(x_i) / Q_i(x_i), fp32 [S, K] (draft_probs None: one-hot Q, Q_i(x_i) = 1)."""
     k = draft_tokens.shape[1]
     x = draft_tokens.long()[..., None]
     t = target_probs[:, :k].float().gather(2, x)[..., 0]
+    if draft_probs is None:
+        return t
     q = draft_probs.float().gather(2, x)[..., 0]
     return t / q.clamp_min(_Q_FLOOR)
 
@@ -103,11 +106,12 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     if rule not in VERIFY_RULES:
         raise ValueError(f"verification rule {rule!r} is not one of {list(VERIFY_RULES)}")
     s, k = draft_tokens.shape
-    if draft_probs is None:
+    if draft_probs is None and rule == "block":  # its Z_i reads every Q_{i+1}
         draft_probs = one_hot(draft_tokens, target_probs.shape[2])
-    if draft_probs.shape[:2] != (s, k) or target_probs.shape[:2] != (s, k + 1) or uniforms.shape != (s, k + 1):
+    q_shape = (s, k) if draft_probs is None else draft_probs.shape[:2]
+    if q_shape != (s, k) or target_probs.shape[:2] != (s, k + 1) or uniforms.shape != (s, k + 1):
         raise ValueError(f"verify: shapes disagree: draft_tokens {tuple(draft_tokens.shape)}, draft_probs "
-                         f"{tuple(draft_probs.shape)}, target_probs {tuple(target_probs.shape)}, uniforms "
+                         f"{None if draft_probs is None else tuple(draft_probs.shape)}, target_probs {tuple(target_probs.shape)}, uniforms "
                          f"{tuple(uniforms.shape)} (want [S,K], [S,K,V], [S,K+1,V], [S,K+1])")
     lens = _lengths(verify_lens, s, k, draft_tokens.device)
     ratio = _ratios(draft_tokens, draft_probs, target_probs)
@@ -117,7 +121,11 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     else:
         n, rho_n = _accept_block(ratio, u, lens, draft_probs, target_probs)
     t_next = target_probs.float().gather(1, n[:, None, None].expand(-1, 1, target_probs.shape[2]))[:, 0]
-    q_next = draft_probs.float().gather(1, n.clamp(max=k - 1)[:, None, None].expand(-1, 1, draft_probs.shape[2]))[:, 0]
+    nq = n.clamp(max=k - 1)[:, None]
+    if draft_probs is None:
+        q_next = one_hot(draft_tokens.gather(1, nq)[:, 0], target_probs.shape[2])
+    else:
+        q_next = draft_probs.float().gather(1, nq[..., None].expand(-1, 1, draft_probs.shape[2]))[:, 0]
     residual = (rho_n[:, None] * t_next - q_next).clamp(min=0)
     bonus = (n >= lens) | (residual.sum(-1) <= _RESIDUAL_FLOOR)
     y = draw(torch.where(bonus[:, None], t_next, residual), uniforms[:, k])
