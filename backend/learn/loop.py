@@ -40,20 +40,35 @@ def prefetch(it: Iterator, depth: int = 4, pin: bool = False) -> Iterator:
     step's non-blocking copies overlap): the host builds the next batches while the device runs this one. An error
     in `it` is raised here, at the item where it happened."""
     q: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()  # set when the consumer closes this generator: the thread ends
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def fill():
         try:
             for item in it:
-                q.put((True, tuple(t.pin_memory() for t in item) if pin else item))
+                if not put((True, tuple(t.pin_memory() for t in item) if pin else item)):
+                    return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            q.put((False, e))
+            put((False, e))
 
-    threading.Thread(target=fill, daemon=True, name="batch-prefetch").start()
-    while True:
-        ok, item = q.get()
-        if not ok:
-            raise item
-        yield item
+    thread = threading.Thread(target=fill, daemon=True, name="batch-prefetch")
+    thread.start()
+    try:
+        while True:
+            ok, item = q.get()
+            if not ok:
+                raise item
+            yield item
+    finally:
+        stop.set()
 
 
 def collate(rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

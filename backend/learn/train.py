@@ -57,6 +57,7 @@ from m3serve.learn.loop import Schedule, autocast, batches, collate, prefetch
 from m3serve.learn.tasks import TASKS
 
 PART_BYTES = 15 << 20
+MIN_TOKENS_PER_BATCH = 4096  # out of memory, a batch is halved down to this
 DRAFT_DIR = "dspark"
 
 
@@ -85,7 +86,9 @@ class TrainConfig:
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     # target
-    tokens_per_batch: int = 65536  # padded tokens per step (a step's time is mostly fixed overhead at this size)
+    # padded tokens per step: on the H200 a step took the same ~274 ms at 64K and 128K tokens (host-bound), so
+    # more tokens per step come almost free; out of memory, batches are halved and the step is run again
+    tokens_per_batch: int = 262144
     max_steps: int = 6000
     warmup_steps: int = 50
     lr: float = 2e-3
@@ -480,7 +483,8 @@ def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_
 
 def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
                  log) -> dict:
-    data = prefetch(batches(rows, tc.tokens_per_batch, random.Random(tc.seed), pad_id), pin=device.type == "cuda")
+    per_batch = tc.tokens_per_batch
+    data = prefetch(batches(rows, per_batch, random.Random(tc.seed), pad_id), pin=device.type == "cuda")
     ids, mask, _, _ = next(data)
     from m3serve.learn.fast_paths import ATTENTION
 
@@ -510,6 +514,20 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         try:
             rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device,
                                tc.prompt_loss_weight)
+        except torch.OutOfMemoryError as e:
+            opt.zero_grad(set_to_none=True)
+            distill.kls, distill.pending, distill.teachers, distill.sel = [], {}, {}, None
+            if per_batch // 2 < MIN_TOKENS_PER_BATCH:
+                error = f"{type(e).__name__}: {e}"
+                log(f"target: step {step} ran out of memory at {per_batch} tokens per batch; stopping here")
+                break
+            per_batch //= 2  # the step is not counted: the same step again on smaller batches
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            data.close()
+            data = prefetch(batches(rows, per_batch, random.Random(tc.seed + step), pad_id), pin=device.type == "cuda")
+            log(f"target: step {step} ran out of memory; going on with {per_batch} tokens per batch")
+            continue
         except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
             error = f"{type(e).__name__}: {e}"
             log(f"target: step {step} failed ({error}); stopping here with the last good step's weights\n"
@@ -533,7 +551,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     if top:
         log(f"target: profile of steps (ms per step {profile.step_ms}) " + json.dumps(top[:20]))
     model.dense_snapshot = ramp.snapshot  # read (and dropped) by keep_better
-    return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start,
+    data.close()
+    return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start, "tokens_per_batch": per_batch,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts,
             "padded_tokens": tokens, "real_tokens": real_tokens,
@@ -686,7 +705,8 @@ def run(tc: TrainConfig) -> dict:
     log(f"target: {result['target']['steps']} steps in {result['target']['wall_s']} s "
         f"({result['target']['padded_tokens_per_s']} padded tokens/s), stopped by {result['target']['stopped_by']}")
     try:
-        result["target"]["selection"] = keep_better(model, eval_rows, device, pad_id, tc.tokens_per_batch, log)
+        result["target"]["selection"] = keep_better(model, eval_rows, device, pad_id,
+                                                    result["target"]["tokens_per_batch"], log)
     except Exception as e:  # noqa: BLE001 - a failed check must not lose the trained weights
         result["target"]["selection"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"target: choosing the weights failed: {e}\n" + traceback.format_exc())
@@ -694,11 +714,12 @@ def run(tc: TrainConfig) -> dict:
     try:
         selection = result["target"]["selection"]  # keep_better scored the kept weights already
         kept = selection.get(selection.get("kept"))
+        per_batch = result["target"]["tokens_per_batch"]
         result["eval_target"] = kept if kept is not None else exact_match(model, eval_rows, device, pad_id,
-                                                                          tc.tokens_per_batch)
+                                                                          per_batch)
         retrieval = [r for r in eval_rows if TASKS[r[2]] == "retrieval"]
         if retrieval:
-            result["eval_target_dense_retrieval"] = exact_match(model, retrieval, device, pad_id, tc.tokens_per_batch,
+            result["eval_target_dense_retrieval"] = exact_match(model, retrieval, device, pad_id, per_batch,
                                                                 dense=True)["retrieval"]
         log("eval target (teacher-forced exact match) " + json.dumps(result["eval_target"]) +
             f"; retrieval with the MSA mask off: {result.get('eval_target_dense_retrieval')}")

@@ -238,16 +238,44 @@ def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypat
     def flaky(*args):
         calls.append(1)
         if len(calls) == 3:  # steps 0 and 1 run; step 2 fails (the fast experts need no probe of their path)
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            raise RuntimeError("device-side assert (simulated)")
         return real_loss(*args)
 
     monkeypatch.setattr(train, "answer_loss", flaky)
     tc = dataclasses.replace(trained["tc"], max_steps=10, log_every=1)
     said = []
     out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], said.append)
-    assert out["steps"] == 2 and out["stopped_by"].startswith("OutOfMemoryError")
+    assert out["steps"] == 2 and out["stopped_by"].startswith("RuntimeError")
     assert any("step 2 failed" in m for m in said)
     assert all(p.grad is None for p in model.parameters())  # no half-accumulated gradients left behind
+
+
+def test_out_of_memory_halves_the_batches_and_runs_the_step_again(monkeypatch, trained):
+    """A step that runs out of memory is run again on batches of half the tokens (not counted, no gradient left
+    over); below MIN_TOKENS_PER_BATCH the run stops with the last good weights."""
+    import m3serve.learn.train as train
+
+    model = build_target(trained["cfg"], torch.device("cpu"), 1)
+    sizes, real_loss = [], train.answer_loss
+
+    def big_batches_fail(model, ids, *args):
+        sizes.append(ids.numel())
+        if ids.numel() > 600:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_loss(model, ids, *args)
+
+    monkeypatch.setattr(train, "answer_loss", big_batches_fail)
+    monkeypatch.setattr(train, "MIN_TOKENS_PER_BATCH", 256)
+    tc = dataclasses.replace(trained["tc"], max_steps=6, log_every=1, tokens_per_batch=4096)
+    said = []
+    out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], said.append)
+    assert out["steps"] == 6 and out["stopped_by"] == "steps" and out["tokens_per_batch"] < 4096
+    assert sum("going on with" in m for m in said) >= 1 and max(sizes[-6:]) <= 600, sizes
+    monkeypatch.setattr(train, "MIN_TOKENS_PER_BATCH", 4096)
+    said = []
+    out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], said.append)
+    assert out["steps"] == 0 and out["stopped_by"].startswith("OutOfMemoryError")
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_the_sparse_ramp_rises_from_dense_to_sparse():
