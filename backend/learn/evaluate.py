@@ -269,10 +269,20 @@ def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "c
             if on_path:
                 on_path(report)
     if "engine" in report["replies"]:  # greedy paths that must answer as the engine does, token for token
-        report["same_replies_as_engine"] = {p: report["replies"][p] == report["replies"]["engine"]
-                                            for p in ("reference", "dspark-greedy", "triton-m3", "triton-ensemble")
-                                            if p in report["replies"]}
+        same = [p for p in ("reference", "dspark-greedy", "triton-m3", "triton-ensemble") if p in report["replies"]]
+        report["same_replies_as_engine"] = {p: report["replies"][p] == report["replies"]["engine"] for p in same}
+        report["replies_unlike_engine"] = {p: unlike(report["replies"]["engine"], report["replies"][p]) for p in same}
     return report
+
+
+def unlike(base: dict[str, list[str]], other: dict[str, list[str]], show: int = 3) -> dict[str, dict]:
+    """Per task: how many replies differ from `base`'s, and the first `show` of them (index, both texts)."""
+    out = {}
+    for task, texts in base.items():
+        diff = [i for i, (a, b) in enumerate(zip(texts, other[task], strict=True)) if a != b]
+        out[task] = {"n": len(diff), "of": len(texts),
+                     "first": [{"i": i, "engine": texts[i], "path": other[task][i]} for i in diff[:show]]}
+    return out
 
 
 def _transformers_ok() -> bool:

@@ -97,6 +97,16 @@ def test_eval_tasks_command(tmp_path, capsys):
     assert report["tasks"] == ["arithmetic", "multi_turn"] and report["n_per_task"] == 2
     assert {"date", "device_name", "command", "commit"} <= set(report) and "eval-tasks" in report["command"]
     assert report["same_replies_as_engine"] == {"dspark-greedy": True}
+    assert all(v["n"] == 0 and v["of"] == 2 for v in report["replies_unlike_engine"]["dspark-greedy"].values())
     spec = report["paths"]["dspark-greedy"]["tasks"]["arithmetic"]
     assert spec["num_drafts"] > 0 and 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
     assert "replies" not in report
+
+
+def test_unlike_counts_and_shows_the_replies_that_differ():
+    from m3serve.learn.evaluate import unlike
+
+    base = {"a": ["1", "2", "3"], "b": ["x"]}
+    got = unlike(base, {"a": ["1", "9", "8"], "b": ["x"]}, show=1)
+    assert got == {"a": {"n": 2, "of": 3, "first": [{"i": 1, "engine": "2", "path": "9"}]},
+                   "b": {"n": 0, "of": 1, "first": []}}
