@@ -98,7 +98,7 @@ def _experts_all(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, t
 
 
 def _select_without_grad(self, *args, **kwargs):
-    """MiniMaxM3VLIndexer.forward without autograd (bound per module, so that a deep copy of the model binds its own)."""
+    """MiniMaxM3VLIndexer.forward without autograd (bound per module: a deep copy of the model binds its own)."""
     with torch.no_grad():
         return type(self).forward(self, *args, **kwargs)
 

@@ -556,7 +556,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts,
             "padded_tokens": tokens, "real_tokens": real_tokens,
-            "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve, "profile": top, "profile_step_ms": profile.step_ms,
+            "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve, "profile": top,
+            "profile_step_ms": profile.step_ms,
             "stopped_by": error or ("steps" if step >= sched.total else "time")}
 
 
@@ -589,7 +590,8 @@ def log_record(rec: dict) -> dict:
     prompt = {"prompt_loss": round(float(per_task["prompt"]), 4)} if "prompt" in per_task else {}
     return {**rec, **prompt, "loss": round(float(per_task.get("answer", rec["loss"])), 4),
             "task_loss": {TASKS[t]: round(sums[t] / counts[t], 4) for t in range(len(TASKS)) if counts[t]},
-            "answer_token_acc": round(float(rec["answer_token_acc"]), 4), "indexer_kl": round(float(rec["indexer_kl"]), 4),
+            "answer_token_acc": round(float(rec["answer_token_acc"]), 4),
+            "indexer_kl": round(float(rec["indexer_kl"]), 4),
             "lr": round(rec["lr"], 6), "grad_norm": round(float(rec["grad_norm"]), 3),
             "max_expert_load_ratio": round(float(rec["max_expert_load_ratio"]), 2)}
 
