@@ -143,11 +143,15 @@ def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, worke
               chunk: int = 500, weights: dict[str, float] | None = None, packed: dict[str, int] | None = None
               ) -> list[tuple[list[int], list[int], int]]:
     """Rendered rows of `n_per_task` examples per task (times `weights[task]`, default 1; `packed[task]` problems
-    per row, default 1); a task's examples come in chunks of `chunk`, chunk c drawn with seed `seed * 1000 + c` (so
+    per row, default 1); a task's examples come in chunks of `chunk` (a fifth of it for rows of over 8 problems, which
+    cost ~30 chat-template passes each: more jobs to spread), chunk c drawn with seed `seed * 1000 + c` (so
     the rows do not depend on the number of workers)."""
     counts = {t: max(1, round(n_per_task * (weights or {}).get(t, 1.0))) for t in tasks}
-    jobs = [(t, split, min(chunk, counts[t] - c0), seed * 1000 + c0 // chunk, tok_dir, (packed or {}).get(t, 1))
-            for t in tasks for c0 in range(0, counts[t], chunk)]
+    per_job = {t: max(1, chunk // 5) if (packed or {}).get(t, 1) > 8 else chunk for t in tasks}  # long rows: more jobs
+    jobs = [(t, split, min(per_job[t], counts[t] - c0), seed * 1000 + c0 // per_job[t], tok_dir,
+             (packed or {}).get(t, 1))
+            for t in tasks for c0 in range(0, counts[t], per_job[t])]
+    jobs.sort(key=lambda j: -j[5])  # the costliest (most problems per row) first: no straggler at the end
     workers = workers or min(16, os.cpu_count() or 1)
     if workers <= 1 or len(jobs) == 1:
         parts = [_render_chunk(j) for j in jobs]
