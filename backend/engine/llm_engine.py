@@ -303,7 +303,7 @@ class LLMEngine:
                 log.exception("request %s failed", seq.request_id)
                 failed[id(seq)] = e
         rejected = None
-        if step.spec is not None:  # drafts past each accepted run are not in the cache
+        if step.speculative is not None:  # drafts past each accepted run are not in the cache
             emitted = {id(seq): len(row) for seq, row in zip(seqs, rows)}
             scheduled = {id(seq): k for seq, k in zip(batch.seqs, batch.num_draft_tokens)}
             rejected = [k and k + 1 - emitted[id(seq)] for seq, k in zip(batch.seqs, batch.num_draft_tokens)]

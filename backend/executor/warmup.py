@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from m3serve.executor.speculative.confidence import verify_widths
-from m3serve.step_io import SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplingInput, SpeculativeInput, StepInput
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, dev
     for s, t in enumerate(tables):
         block_tables[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
     n = len(seqs)
-    spec = None
+    speculative = None
     if spec_k:
-        spec = SpecInput.from_rows([(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n, spec_k)
+        speculative = SpeculativeInput.from_rows([(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n, spec_k)
     return StepInput(
         input_ids=torch.zeros(qsl[-1], dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
@@ -91,7 +91,7 @@ def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, dev
         max_query_len=max(q for q, _ in seqs), max_seq_len=max(lens), block_tables=block_tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         logits_indices=torch.tensor(qsl[:-1] if spec_k else qsl[1:], dtype=torch.int64) - (0 if spec_k else 1),
-        sampling=_sampling(n, sampling, "cpu") if sampling else None, spec=spec).to(device)
+        sampling=_sampling(n, sampling, "cpu") if sampling else None, speculative=speculative).to(device)
 
 
 def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,

@@ -1,7 +1,7 @@
 """The worker's DSpark speculative step (design/dspark.md section 2; the engine side is engine/speculative_scheduling.py).
 
 One `execute(step)` per engine step, as five phases on the device (`phases`), no host synchronisation in between:
-1. draft: for the R speculating sequences (`step.spec`), one draft backbone pass over [anchor, mask x (gamma-1)]
+1. draft: for the R speculating sequences (`step.speculative`), one draft backbone pass over [anchor, mask x (gamma-1)]
    reading the draft's paged context cache through the target's block tables (on CUDA the decode attention kernel
    reads each sequence's pages in place up to its anchor, split-K partials merged with the block's own rows; on the
    CPU every page of the table is gathered, the torch reference) -> base logits U;
@@ -109,7 +109,7 @@ class SpeculativeDecoder:
         self.cache: DraftKVCache | None = None
         self.paged = False  # the draft reads its context pages through the kernel (`attach`: on CUDA)
         self.runner = None
-        self.graphs = None  # SpecGraphs (executor/speculative/graphs.py) once `enable_graphs` ran
+        self.graphs = None  # SpeculativeGraphs (executor/speculative/graphs.py) once `enable_graphs` ran
         self._hook: ProposalHook | None = None
         log.info("speculative decoding: DSpark draft %s (%d layers, taps %s), %d tokens per step, %s drafts, %s "
                  "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft's "
@@ -144,8 +144,8 @@ class SpeculativeDecoder:
     def enable_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Speculative steps of decoding sequences only replay CUDA graphs from now on (captured per batch and
         block-table width bucket at their first step; executor/speculative/graphs.py)."""
-        from m3serve.executor.speculative.graphs import SpecGraphs
-        self.graphs = SpecGraphs(self, StepState, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
+        from m3serve.executor.speculative.graphs import SpeculativeGraphs
+        self.graphs = SpeculativeGraphs(self, StepState, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
 
     @property
     def proposal_hook(self) -> ProposalHook | None:
@@ -186,7 +186,7 @@ class SpeculativeDecoder:
     def draft_phase(self, st: "StepState") -> None:
         """The draft backbone over [anchor, mask x (gamma-1)] of every speculating sequence, chunked over sequences:
         block hidden h [c, K, H] and base logits U fp32 [c, K, V] per chunk."""
-        step, sp = st.step, st.step.spec
+        step, sp = st.step, st.step.speculative
         if sp is None:
             return
         anchors, positions = step.input_ids[sp.anchor_rows], step.positions[sp.anchor_rows]
@@ -200,7 +200,7 @@ class SpeculativeDecoder:
     def markov_phase(self, st: "StepState") -> None:
         """The K sequential Markov steps (drafts drawn with the DRAFT stream), the proposal hook, and the drafts
         written into the step's placeholder tokens."""
-        step, sp = st.step, st.step.spec
+        step, sp = st.step, st.step.speculative
         if sp is None:
             return
         k, method = sp.num_speculative_tokens, self.spec.draft_sample_method
@@ -232,7 +232,7 @@ class SpeculativeDecoder:
         """Plain rows sampled, speculating rows verified. Every rank computes its share of the logits (gathered to
         rank 0); only rank 0 samples and verifies."""
         step = st.step
-        if step.spec is not None:
+        if step.speculative is not None:
             st.out = self._sample_and_verify(step, st.hidden, st.proposal)
         elif step.logits_indices is not None and step.logits_indices.numel():
             logits = self.runner.model.compute_logits(st.hidden[step.logits_indices])
@@ -257,7 +257,7 @@ class SpeculativeDecoder:
 
     def _verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> _Verified | None:
         """Rank 0: the verified runs; the other ranks (their logits' share gathered to rank 0): None."""
-        sp, k, model = step.spec, step.spec.num_speculative_tokens, self.runner.model
+        sp, k, model = step.speculative, step.speculative.num_speculative_tokens, self.runner.model
         n_top = step.sampling.max_num_logprobs
         greedy = step.sampling.all_greedy and n_top <= 0  # argmaxes only (verify_greedy): no sampling options read
         st = None if greedy else step.sampling.select(sp.sample_rows)
@@ -295,7 +295,7 @@ class SpeculativeDecoder:
 
     def _sample_and_verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> SamplerOutput | None:
         """Every sampling row's tokens ([N, K+1], -1 padded): plain rows sampled, speculating rows verified."""
-        r, s, sp = self.runner, step.sampling, step.spec
+        r, s, sp = self.runner, step.sampling, step.speculative
         n, width, n_top, dev = s.num_rows, sp.num_speculative_tokens + 1, s.max_num_logprobs, hidden.device
         plain, o = sp.plain_rows, None
         if plain.numel():
