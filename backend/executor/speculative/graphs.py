@@ -167,7 +167,7 @@ class SpeculativeGraphs:
     def __init__(self, decoder, new_state, max_num_seqs: int, max_pages: int):
         """new_state(step): what the decoder's phases hand each other (its `StepState`)."""
         r = decoder.runner
-        self.decoder, self.new_state, self.k = decoder, new_state, decoder.spec.num_speculative_tokens
+        self.decoder, self.new_state, self.k = decoder, new_state, decoder.config.num_speculative_tokens
         self.batches = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_pages)
         self.max_pages = max_pages
