@@ -11,10 +11,10 @@ from m3serve.executor.speculative.graphs import SpeculativeBuffers
 K = 4
 
 
-def _engine(make_engine, graphs: bool, **spec):
+def _engine(make_engine, graphs: bool, **options):
     # a roomy pool: the reference attention writes the padding rows' slot -1 to the pool's last page, never used here
     eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=64, max_model_len=256,
-                      speculative_config={"method": "dspark", "num_speculative_tokens": K, **spec})
+                      speculative_config={"method": "dspark", "num_speculative_tokens": K, **options})
     if graphs:
         eng.executor.worker.drafter.enable_graphs(8, 256)
     return eng
@@ -125,7 +125,7 @@ def test_buffers_spread_fewer_drafts_over_k_plus_one_rows():
     assert view.positions.tolist() == [20, 21, 22, 23, 7, 8, 8, 8, 40, 41, 42, 42] + [0] * 4
     assert view.slot_mapping.tolist() == [1020, 1021, 1022, 1023, 1007, 1008, -1, -1, 1040, 1041, 1042, -1] + [-1] * 4
     assert view.speculative.num_drafts.tolist() == [3, 1, 2, 3] and view.seq_lens_cpu == [24, 9, 43, 4]
-    # a greedy step whose second sequence decodes plainly (one token, no spec row): 0 drafts, its token K+1 times
+    # a greedy step whose second sequence decodes plainly (one token, no speculative row): 0 drafts, its token K+1 times
     qsl = [0, 4, 5, 8]
     step = StepInput(torch.arange(8) + 100, pos[[0, 1, 2, 3, 4, 6, 7, 8]], torch.tensor(qsl, dtype=torch.int32),
                      torch.tensor([24, 8, 43], dtype=torch.int32), qsl, [24, 8, 43], False, 4, 48,
