@@ -30,7 +30,7 @@ Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (t
 what a free draft and a verify forward as cheap as a decode step would give).
 Efficiency = speedup / tau (goal >= 0.8). "step cost" = mean speculative step time / mean plain step time, in plain
 steps. The split: mean device time of each phase graph of the graphed steps (CUDA events between the replays:
-draft backbone, Markov steps, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
+draft backbone, Markov positions, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
 and acceptance, insert = the draft-cache rows; measured in a second pass over the same prompts, as the events cost
 time), and "host" = the first pass's step wall time minus those. "eager steps" = decode steps of the first pass that
 ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "match" = fraction

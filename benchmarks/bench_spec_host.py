@@ -9,7 +9,8 @@ Per decode step of greedy requests with controlled acceptance p (executor/specul
 made first with p = 0), steps through the graphs' static-buffer path (run eagerly on the CPU), ms per step:
   schedule   Scheduler.schedule (decodes with their drafts, lookahead pages)
   build      StepBuilder.build (the StepInput's host tensors)
-  fill       SpeculativeBuffers.fill_speculative (the step's tensors into the graph buffers: the copies to the device on CUDA)
+  fill       SpeculativeBuffers.fill_speculative (the step's tensors into the graph buffers: the copies to the device
+             on CUDA)
   complete   LLMEngine._complete (tokens appended, stop checks, counters, rollback of rejected drafts' pages)
   host       the step's wall time less the phases (SpeculativeDecoder.run: the graph replay's work on the GPU)
 """
@@ -38,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_spec import SMOKE_WIDTHS, build_m3_cut  # noqa: E402
 from geometry import write_draft  # noqa: E402
 
-PARTS = {"schedule": (Scheduler, "schedule"), "build": (StepBuilder, "build"), "fill": (SpeculativeBuffers, "fill_speculative"),
+PARTS = {"schedule": (Scheduler, "schedule"), "build": (StepBuilder, "build"),
+         "fill": (SpeculativeBuffers, "fill_speculative"),
          "complete": (LLMEngine, "_complete"), "phases": (SpeculativeDecoder, "run")}
 
 

@@ -2,7 +2,8 @@
 request state into what a worker can receive.
 
 A speculating sequence (k drafts) feeds its anchor and k placeholder tokens at the next k positions (slots in its
-lookahead pages); its sampling row points at the anchor, and `StepInput.speculative` tells the worker where the drafts go."""
+lookahead pages); its sampling row points at the anchor, and `StepInput.speculative` tells the worker where the drafts
+go."""
 from __future__ import annotations
 
 import numpy as np

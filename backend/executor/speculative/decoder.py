@@ -5,7 +5,7 @@ One `execute(step)` per engine step, as five phases on the device (`phases`), no
    reading the draft's paged context cache through the target's block tables (on CUDA the decode attention kernel
    reads each sequence's pages in place up to its anchor, split-K partials merged with the block's own rows; on the
    CPU every page of the table is gathered, the torch reference) -> base logits U;
-2. markov: K sequential Markov steps: K drafts x_1..x_K per sequence, drawn from the draft distribution Q
+2. markov: K sequential Markov positions: K drafts x_1..x_K per sequence, drawn from the draft distribution Q
    (`probabilistic`, the request's sampling transform) or its argmax (`greedy`), with the DRAFT uniform stream
    (executor/speculative/rng.py); the drafts go into the step's placeholder tokens (positions t+1..t+k of each sequence);
 3. target: ONE forward over the whole step: prefill chunks, plain decodes and the speculating sequences' k+1
@@ -27,7 +27,7 @@ other steps (prefill chunks, plain decodes, fewer drafts, top-n logprobs) run th
 Launches and host synchronisations of one speculative step (counted by reading the code; launches = torch ops
 dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers, K = 7, one chunk):
   before (2026-12-04, eager):  draft + Markov 375, rule 264, insert 96 launches, plus the target's forward launched
-    kernel by kernel; Python loops over K (the Markov steps), the draft layers and the chunks, none over sequences.
+    kernel by kernel; Python loops over K (the draft positions), the draft layers and the chunks, none over sequences.
     Host synchronisations 3 + 4 L_d (L_d = draft layers; +1 with a confidence threshold): the two attention tile
     maps copied from pageable memory, every FP8 draft-cache write and read turning its Python-float scale into a
     device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
@@ -145,7 +145,8 @@ class SpeculativeDecoder:
         """Speculative steps of decoding sequences only replay CUDA graphs from now on (captured per batch and
         block-table width bucket at their first step; executor/speculative/graphs.py)."""
         from m3serve.executor.speculative.graphs import SpeculativeGraphs
-        self.graphs = SpeculativeGraphs(self, StepState, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
+        self.graphs = SpeculativeGraphs(self, StepState, max_num_seqs,
+                                        -(-max_model_len // self.runner.cache.block_size))
 
     @property
     def proposal_hook(self) -> ProposalHook | None:
@@ -198,7 +199,7 @@ class SpeculativeDecoder:
             st.blocks.append((h, self.draft.base_logits(h)))
 
     def markov_phase(self, st: "StepState") -> None:
-        """The K sequential Markov steps (drafts drawn with the DRAFT stream), the proposal hook, and the drafts
+        """The K sequential Markov positions (drafts drawn with the DRAFT stream), the proposal hook, and the drafts
         written into the step's placeholder tokens."""
         step, sp = st.step, st.step.speculative
         if sp is None:

@@ -3,16 +3,16 @@ greedy or sampled with the sampling filters some row needs), like the decode gra
 
 A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
 placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
-A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_speculative`). Such
-a step has one shape per bucket, so its tensors are static: `SpeculativeBuffers` holds them at the largest sizes, each
-step copies its `StepInput` into their leading rows (two copies to the device: its small inputs packed in one
-buffer, `_Arena`, and its block table's rows) (sequences past S are padding: slot -1, nothing written to
+A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_speculative`).
+Such a step has one shape per bucket, so its tensors are static: `SpeculativeBuffers` holds them at the largest
+sizes, each step copies its `StepInput` into their leading rows (two copies to the device: its small inputs packed
+in one buffer, `_Arena`, and its block table's rows) (sequences past S are padding: slot -1, nothing written to
 either cache; page 0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, penalties)
 runs the same phases eagerly. The step's K is the configured one, or, with confidence-scheduled verification, the
 width the engine chose for the step (executor/speculative/confidence.py: one of a few), so buffers, views and graphs
 are kept per K too.
 
-The phases of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
+The phases of the step (`SpeculativeDecoder.phases`: draft backbone, Markov positions, target forward over the K+1
 tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) are captured as ONE graph, so
 a step costs one replay and no synchronisation: the only one is the copy of its tokens to the host
 (`PendingOutput`). With `timing` set (benchmarks), each phase is a graph of its own instead (captured in order,
@@ -281,8 +281,9 @@ class SpeculativeGraphs:
             graphs.append(g)
         torch.cuda.synchronize(d.runner.device)
         log.info("captured the speculative step as %d graph(s) for %d sequences x %d drafts, %d table columns, %s in "
-                 "%.2f s", len(graphs), view.num_seqs, view.speculative.num_speculative_tokens, view.block_tables.shape[1],
-                 "greedy" if view.sampling.all_greedy else "sampled", time.perf_counter() - t0)
+                 "%.2f s", len(graphs), view.num_seqs, view.speculative.num_speculative_tokens,
+                 view.block_tables.shape[1], "greedy" if view.sampling.all_greedy else "sampled",
+                 time.perf_counter() - t0)
         return graphs, state
 
 
