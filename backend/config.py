@@ -327,9 +327,9 @@ class EngineConfig:
         if self.speculative_config:  # None or {}: off
             from m3serve.speculative_config import SpeculativeConfig
 
-            spec_problems = SpeculativeConfig.problems(self.speculative_config)
-            problems += spec_problems
-            k = self.speculative_config.get("num_speculative_tokens") if not spec_problems else None
+            speculative_problems = SpeculativeConfig.problems(self.speculative_config)
+            problems += speculative_problems
+            k = self.speculative_config.get("num_speculative_tokens") if not speculative_problems else None
             if k is not None and self.max_num_batched_tokens < k + 1:
                 problems.append(f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot hold one speculative "
                                 f"step (num_speculative_tokens + 1 = {k + 1})")

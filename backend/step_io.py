@@ -101,7 +101,7 @@ class SamplingInput:
 
 
 @dataclass
-class SpecInput:
+class SpeculativeInput:
     """The step's speculating sequences (DSpark, executor/speculative/). Each feeds its anchor (its last token, position t)
     followed by k placeholders at positions t+1..t+k; the worker drafts K tokens per sequence, writes the first k
     into the placeholders, runs the target over all of them in one forward and verifies (executor/speculative/decoder.py).
@@ -121,7 +121,7 @@ class SpecInput:
         return int(self.sample_rows.shape[0])
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[int, int, int, int]], num_sample_rows: int, K: int) -> SpecInput:
+    def from_rows(cls, rows: list[tuple[int, int, int, int]], num_sample_rows: int, K: int) -> SpeculativeInput:
         """rows: (sampling row, step sequence, anchor token index, drafts k) of each speculating sequence."""
         r = np.array(rows, dtype=np.int64).reshape(-1, 4)
         k = r[:, 3]
@@ -157,7 +157,7 @@ class StepInput:
     # prefill query tiles (sequence, first token, end token), made by the attention backend's `plan`
     attn_tiles: torch.Tensor | None = None  # int32 [n, 3], block-sparse attention
     index_tiles: torch.Tensor | None = None  # int32 [n, 3], the indexer
-    spec: SpecInput | None = None  # the sequences that speculate this step (None: none)
+    speculative: SpeculativeInput | None = None  # the sequences that speculate this step (None: none)
     # async scheduling: the step was launched before the previous step's tokens reached the host; token t's input id
     # is row prev_token_rows[t] of that step's sampled token ids (still on the device), input_ids holds zeros
     prev_token_rows: torch.Tensor | None = None  # int64 [T]

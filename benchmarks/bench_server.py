@@ -119,11 +119,11 @@ def null_engine(config):
 
 
 # ---- engine-direct ---------------------------------------------------------------------------------------
-def engine_options(a, spec: bool = False) -> dict:
+def engine_options(a, speculative: bool = False) -> dict:
     out = {"device": a.device, "dtype": a.dtype, "max_model_len": a.max_model_len,
            "max_num_seqs": max(64, max(a.levels)), "max_num_batched_tokens": a.max_num_batched_tokens,
            "num_gpu_blocks_override": a.num_pages}
-    if spec:  # the draft: written by geometry.py's factory
+    if speculative:  # the draft: written by geometry.py's factory
         out["speculative_config"] = {"method": "dspark", "num_speculative_tokens": a.speculative,
                                      "kv_cache_dtype": "fp8"}
     return out
@@ -203,11 +203,11 @@ def engine_pace(before: dict, after: dict, wall: float) -> dict:
     return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": wait / wall}
 
 
-def run_engine_direct(a, model_dir, spec: bool = False) -> list[dict]:
+def run_engine_direct(a, model_dir, speculative: bool = False) -> list[dict]:
     from m3serve.config import EngineConfig
     from m3serve.engine.async_engine import AsyncLLMEngine
 
-    cfg = EngineConfig(model=model_dir, **engine_options(a, spec))
+    cfg = EngineConfig(model=model_dir, **engine_options(a, speculative))
     ids = None
     if a.geometry:
         from geometry import async_engine
@@ -223,7 +223,7 @@ def run_engine_direct(a, model_dir, spec: bool = False) -> list[dict]:
             out = []
             for c in a.levels:
                 out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids))
-                print(f"[engine{' spec' if spec else ''}] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s",
+                print(f"[engine{' spec' if speculative else ''}] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s",
                       file=sys.stderr, flush=True)
             return out
         return asyncio.run(go())
@@ -478,7 +478,7 @@ def main(argv=None) -> int:
         res["engine"] = []
     if a.speculative:
         try:
-            res["engine_spec"] = [] if a.skip_engine else run_engine_direct(a, model_dir, spec=True)
+            res["engine_spec"] = [] if a.skip_engine else run_engine_direct(a, model_dir, speculative=True)
         except Exception as e:
             import traceback
             traceback.print_exc()

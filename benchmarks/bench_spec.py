@@ -30,7 +30,7 @@ Ideal speedup = the measured mean accepted length tau = 1 + accepted / drafts (t
 what a free draft and a verify forward as cheap as a decode step would give).
 Efficiency = speedup / tau (goal >= 0.8). "step cost" = mean speculative step time / mean plain step time, in plain
 steps. The split: mean device time of each phase graph of the graphed steps (CUDA events between the replays:
-draft backbone, Markov steps, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
+draft backbone, Markov positions, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
 and acceptance, insert = the draft-cache rows; measured in a second pass over the same prompts, as the events cost
 time), and "host" = the first pass's step wall time minus those. "eager steps" = decode steps of the first pass that
 ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "match" = fraction
@@ -87,7 +87,7 @@ from m3serve.config import FULL, SPARSE, EngineConfig, ModelConfig  # noqa: E402
 from m3serve.engine.llm_engine import LLMEngine  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from m3serve.executor.speculative.controlled import ControlledProposals  # noqa: E402
-from m3serve.engine.speculative_metrics import SpecDecodeStats  # noqa: E402
+from m3serve.engine.speculative_metrics import SpeculativeStats  # noqa: E402
 from m3serve.engine.step_builder import as_int64  # noqa: E402
 from m3serve.executor.cuda_graph import _bucket  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
@@ -209,9 +209,9 @@ def project(r: dict, layers: int, plain_layers: float | None) -> dict | None:
     if r["phase_ms"] is None or plain_layers is None:
         return None
     f = (TARGET_LAYERS - layers) / layers
-    plain, spec = r["baseline_step_ms"] + f * plain_layers, r["spec_step_ms"] + f * r["phase_ms"]["verify"]
-    return {"plain_step_ms": plain, "spec_step_ms": spec, "step_cost": spec / plain,
-            "speedup": r["ideal_speedup"] * plain / spec, "efficiency": plain / spec,
+    plain, speculative = r["baseline_step_ms"] + f * plain_layers, r["spec_step_ms"] + f * r["phase_ms"]["verify"]
+    return {"plain_step_ms": plain, "spec_step_ms": speculative, "step_cost": speculative / plain,
+            "speedup": r["ideal_speedup"] * plain / speculative, "efficiency": plain / speculative,
             "verify_ms": r["phase_ms"]["verify"] * (1 + f)}
 
 
@@ -233,9 +233,9 @@ def run_sched(eng: LLMEngine, results: dict, b: int, ps: list[float], prompts: l
     for p in ps:
         drafter.proposal_hook = ControlledProposals(known, p, vocab, drafter.runner.device)
         run_batch(eng, prompts, a.gen_len, 1000)
-        eng.spec_stats = SpecDecodeStats(a.k)
+        eng.speculative_stats = SpeculativeStats(a.k)
         r = run_batch(eng, prompts, a.gen_len, 1000)
-        st = eng.spec_stats.as_dict()
+        st = eng.speculative_stats.as_dict()
         row = next(x for x in rows if x["batch"] == b and x["p"] == p)
         row.update({"sched_tok_s": r["tok_s"], "sched_speedup": r["tok_s"] / row["baseline_tok_s"],
                     "sched_over_spec": r["tok_s"] / row["spec_tok_s"],
@@ -327,20 +327,21 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_seqs=max(batches), max_num_batched_tokens=a.max_num_batched_tokens or max(
                       4096, max(batches) * max(a.prompt_len, a.k + 1)),
                   num_gpu_blocks_override=pages, enable_prefix_caching=False, enforce_eager=a.smoke, **kv)
-    spec_cfg = {"method": "dspark", "num_speculative_tokens": a.k, "draft_sample_method": a.draft_sample_method,
-                "kv_cache_dtype": a.draft_kv_cache_dtype}
+    speculative_config = {"method": "dspark", "num_speculative_tokens": a.k,
+                          "draft_sample_method": a.draft_sample_method, "kv_cache_dtype": a.draft_kv_cache_dtype}
     g = torch.Generator().manual_seed(1)
     prompts = {b: [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(b)]
                for b in batches}
     warm = [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
-    engines = {"plain": {}, "spec": dict(speculative_config=spec_cfg, enforce_eager=a.smoke or a.eager)}
+    engines = {"plain": {}, "spec": dict(speculative_config=speculative_config, enforce_eager=a.smoke or a.eager)}
     if a.confidence_scheduling:  # its options once the spec runs measured the cost table
         engines["sched"] = None
     rows, results = [], {}
     for name, opts in engines.items():
         if name == "sched":
             opts = dict(engines["spec"], speculative_config={
-                **spec_cfg, "confidence_scheduling": True, "confidence_cost_table": cost_table(rows, a.k)["measured"]})
+                **speculative_config, "confidence_scheduling": True,
+                "confidence_cost_table": cost_table(rows, a.k)["measured"]})
             print(f"confidence scheduling with the cost table {opts['speculative_config']['confidence_cost_table']}",
                   flush=True)
         eng = LLMEngine(EngineConfig(**{**common, **opts}), model=model)
@@ -368,14 +369,14 @@ def main(argv: list[str] | None = None) -> int:
                 graphs, first = drafter.graphs, None
                 if graphs is not None:  # capture this p's graphs: the same run first (every batch and width bucket
                     first = run_batch(eng, prompts[b], a.gen_len, 1000)  # it reaches, captured outside the figures)
-                eng.spec_stats = SpecDecodeStats(a.k)
+                eng.speculative_stats = SpeculativeStats(a.k)
                 static0 = graphs.num_steps if graphs is not None else 0
                 before = engine_counts(eng)
                 r = run_batch(eng, prompts[b], a.gen_len, 1000)  # no events: the figures
                 r.update({name: n - before[name] for name, n in engine_counts(eng).items()})
                 r["repeat"] = None if first is None else \
                     sum(x == y for x, y in zip(r["tokens"], first["tokens"])) / b
-                r["stats"] = eng.spec_stats.as_dict()
+                r["stats"] = eng.speculative_stats.as_dict()
                 # steps that did not replay the graphs (prefill excluded: run_batch times decode steps only)
                 r["eager_steps"] = r["steps"] - (graphs.num_steps - static0 if graphs is not None else 0)
                 if graphs is not None:  # a second pass, CUDA events between the phases: the split

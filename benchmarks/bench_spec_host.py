@@ -9,7 +9,8 @@ Per decode step of greedy requests with controlled acceptance p (executor/specul
 made first with p = 0), steps through the graphs' static-buffer path (run eagerly on the CPU), ms per step:
   schedule   Scheduler.schedule (decodes with their drafts, lookahead pages)
   build      StepBuilder.build (the StepInput's host tensors)
-  fill       SpecBuffers.fill_spec (the step's tensors into the graph buffers: the copies to the device on CUDA)
+  fill       SpeculativeBuffers.fill_speculative (the step's tensors into the graph buffers: the copies to the device
+             on CUDA)
   complete   LLMEngine._complete (tokens appended, stop checks, counters, rollback of rejected drafts' pages)
   host       the step's wall time less the phases (SpeculativeDecoder.run: the graph replay's work on the GPU)
 """
@@ -32,13 +33,14 @@ from m3serve.engine.scheduler import Scheduler  # noqa: E402
 from m3serve.engine.step_builder import StepBuilder, as_int64  # noqa: E402
 from m3serve.executor.speculative.controlled import ControlledProposals  # noqa: E402
 from m3serve.executor.speculative.decoder import SpeculativeDecoder  # noqa: E402
-from m3serve.executor.speculative.graphs import SpecBuffers  # noqa: E402
+from m3serve.executor.speculative.graphs import SpeculativeBuffers  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_spec import SMOKE_WIDTHS, build_m3_cut  # noqa: E402
 from geometry import write_draft  # noqa: E402
 
-PARTS = {"schedule": (Scheduler, "schedule"), "build": (StepBuilder, "build"), "fill": (SpecBuffers, "fill_spec"),
+PARTS = {"schedule": (Scheduler, "schedule"), "build": (StepBuilder, "build"),
+         "fill": (SpeculativeBuffers, "fill_speculative"),
          "complete": (LLMEngine, "_complete"), "phases": (SpeculativeDecoder, "run")}
 
 

@@ -121,17 +121,17 @@ def async_engine(config: EngineConfig):
     if not smoke:
         log_compiles()
         python_speed()
-    spec = config.speculative_config or None
-    if spec:
+    speculative_config = config.speculative_config or None
+    if speculative_config:
         draft = tempfile.mkdtemp(prefix="geometry_draft_")
-        write_draft(model, draft, 1, spec["num_speculative_tokens"], 16 if smoke else 256)
-        spec = dict(spec, model=draft)
+        write_draft(model, draft, 1, speculative_config["num_speculative_tokens"], 16 if smoke else 256)
+        speculative_config = dict(speculative_config, model=draft)
     engine = make_engine(model, device=device, dtype="bfloat16", max_model_len=config.max_model_len,
                          max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
                          max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
-                         speculative_config=spec)
+                         speculative_config=speculative_config)
     control = os.environ.get("M3SERVE_GEOMETRY_CONTROL")
-    if spec and control:
+    if speculative_config and control:
         c = json.loads(control)
         control_acceptance(engine, c["p"], bench_prompt_ids(c["prompt_len"]), c["max_tokens"])
     return AsyncLLMEngine(engine.config, engine=engine)

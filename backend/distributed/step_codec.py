@@ -20,9 +20,9 @@ import struct
 
 import torch
 
-from m3serve.step_io import SamplerOutput, SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplerOutput, SamplingInput, SpeculativeInput, StepInput
 
-CLASSES = (StepInput, SamplingInput, SamplerOutput, SpecInput)
+CLASSES = (StepInput, SamplingInput, SamplerOutput, SpeculativeInput)
 DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32, torch.float16,
           torch.bfloat16, torch.float64)
 NONE, INT, BOOL, FLOAT, TENSOR, LIST, OBJ = range(7)

@@ -28,7 +28,7 @@ from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
 from m3serve.engine.scheduler import ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
-from m3serve.engine.speculative_metrics import SpecDecodeStats
+from m3serve.engine.speculative_metrics import SpeculativeStats
 from m3serve.engine.speculative_scheduling import num_draft_tokens
 from m3serve.executor.speculative.confidence import VerifyScheduler
 from m3serve.step_io import SamplerOutput, StepInput
@@ -85,12 +85,12 @@ class LLMEngine:
         num_pages = self.executor.num_pages
         self.block_manager = BlockManager(num_pages, mcfg.index_block_size, config.enable_prefix_caching,
                                           watermark_pages=num_pages // 100)
-        spec = config.speculative
-        k = spec.num_speculative_tokens if spec is not None else 0
-        self.spec_stats = SpecDecodeStats(k) if spec is not None else None
+        speculative = config.speculative
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        self.speculative_stats = SpeculativeStats(k) if speculative is not None else None
         # confidence-scheduled verification: each step's drafts per sequence (`_plan_verify_width`); else always K
-        self.verify_scheduler = VerifyScheduler(k, spec.confidence_cost_table) if k and spec.confidence_scheduling \
-            else None
+        self.verify_scheduler = (VerifyScheduler(k, speculative.confidence_cost_table)
+                                 if k and speculative.confidence_scheduling else None)
         self.verify_width = k
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
@@ -258,7 +258,8 @@ class LLMEngine:
         wasted its row: `_complete` drops it. Steps that are not queued ahead are scheduled when `cur` is done."""
         sch = self.scheduler
         if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
-                or self.spec_stats is not None or sch.waiting or not cur.seqs or len(cur.seqs) != len(sch.running)):
+                or self.speculative_stats is not None or sch.waiting or not cur.seqs
+                or len(cur.seqs) != len(sch.running)):
             return None
         sampled = {id(s) for s in cur.seqs}
         if any(id(s) not in sampled or s.sampling_params.has_penalties for s in sch.running):
@@ -303,11 +304,11 @@ class LLMEngine:
                 log.exception("request %s failed", seq.request_id)
                 failed[id(seq)] = e
         rejected = None
-        if step.spec is not None:  # drafts past each accepted run are not in the cache
+        if step.speculative is not None:  # drafts past each accepted run are not in the cache
             emitted = {id(seq): len(row) for seq, row in zip(seqs, rows)}
             scheduled = {id(seq): k for seq, k in zip(batch.seqs, batch.num_draft_tokens)}
             rejected = [k and k + 1 - emitted[id(seq)] for seq, k in zip(batch.seqs, batch.num_draft_tokens)]
-            self.spec_stats.observe([scheduled[id(seq)] > 0 for seq in seqs], sampled.num_draft_tokens.tolist(),
+            self.speculative_stats.observe([scheduled[id(seq)] > 0 for seq in seqs], sampled.num_draft_tokens.tolist(),
                                     [len(row) for row in rows])
             if self.verify_scheduler is not None and sampled.draft_confidence is not None:
                 for seq, conf in zip(seqs, sampled.draft_confidence.tolist()):
@@ -425,5 +426,5 @@ class LLMEngine:
             "num_chunked_prefills": sch.num_chunked_prefills,
             "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,
             "load_seconds": self.load_seconds, "warmup_seconds": self.warmup_seconds,
-            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
+            **(self.speculative_stats.as_dict() if self.speculative_stats is not None else {}),
         }

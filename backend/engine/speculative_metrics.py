@@ -13,15 +13,15 @@ derived:
 from __future__ import annotations
 
 
-class SpecDecodeStats:
+class SpeculativeStats:
     def __init__(self, num_speculative_tokens: int):
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * num_speculative_tokens
 
     def observe(self, speculated: list[bool], num_draft_tokens: list[int], num_emitted: list[int]) -> None:
         """One step: per sampled row, whether it speculated, the drafts it verified and the tokens it emitted."""
-        for spec, drafts, emitted in zip(speculated, num_draft_tokens, num_emitted):
-            if not spec:
+        for speculating, drafts, emitted in zip(speculated, num_draft_tokens, num_emitted):
+            if not speculating:
                 continue
             accepted = emitted - 1
             self.num_drafts += 1

@@ -2,7 +2,8 @@
 request state into what a worker can receive.
 
 A speculating sequence (k drafts) feeds its anchor and k placeholder tokens at the next k positions (slots in its
-lookahead pages); its sampling row points at the anchor, and `StepInput.spec` tells the worker where the drafts go."""
+lookahead pages); its sampling row points at the anchor, and `StepInput.speculative` tells the worker where the drafts
+go."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from m3serve.engine.scheduler import ScheduledBatch
 from m3serve.engine.sequence import Sequence
-from m3serve.step_io import SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplingInput, SpeculativeInput, StepInput
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
@@ -44,7 +45,7 @@ class StepBuilder:
         bs = self.block_size
         ahead = int(prev_rows is not None)  # tokens of each sequence that the running step is still sampling
         ids, pos, qsl, seq_lens = [], [], [0], []
-        sample_rows, sample_seqs, spec = [], [], []
+        sample_rows, sample_seqs, speculating = [], [], []
         drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
         for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
             start = seq.num_tokens if ahead else seq.num_computed_tokens
@@ -55,7 +56,7 @@ class StepBuilder:
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             if k:
-                spec.append((len(sample_rows), i, qsl[-2], k))
+                speculating.append((len(sample_rows), i, qsl[-2], k))
                 sample_rows.append(qsl[-2])
                 sample_seqs.append(seq)
             elif end == seq.num_tokens + ahead:
@@ -75,7 +76,8 @@ class StepBuilder:
             slot_mapping=torch.from_numpy(slots),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=self.sampling(sample_seqs, ahead) if sample_seqs else None,
-            spec=SpecInput.from_rows(spec, len(sample_rows), self.num_speculative_tokens) if spec else None,
+            speculative=SpeculativeInput.from_rows(speculating, len(sample_rows), self.num_speculative_tokens)
+            if speculating else None,
             prev_token_rows=torch.tensor(prev_rows, dtype=torch.int64) if ahead else None)
         return (step.pin_memory() if self.pin_memory else step), sample_seqs
 

@@ -43,7 +43,7 @@ class UniprocExecutor(Executor):
         w.init_cache(self.num_pages, max_model_len)
         # speculative steps that replay graphs read the step on the host into their own page-locked buffers
         # (executor/speculative/graphs.py): pinning the step's tensors first would only add a host copy of each
-        self.pin_memory = w.device.type == "cuda" and not w.use_spec_graphs
+        self.pin_memory = w.device.type == "cuda" and not w.use_speculative_graphs
         self.supports_async_scheduling = True
 
     def execute(self, step: StepInput) -> SamplerOutput | None:

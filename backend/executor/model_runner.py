@@ -24,7 +24,7 @@ class ModelRunner:
         self.attention = model.attention_backends()  # this runner's binding (a model may be shared: tests)
         self.sampler = Sampler()
         self.graphs = None  # a CudaGraphRunner once `capture_graphs` ran
-        self.spec = None  # a SpeculativeDecoder (executor/speculative/decoder.py) runs every step when set
+        self.drafter = None  # a SpeculativeDecoder (executor/speculative/decoder.py) runs every step when set
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode graphs (CUDA only); decode steps replay them from then on."""
@@ -36,7 +36,7 @@ class ModelRunner:
     def bind_attention(self, backends) -> None:
         """Run the model's layers through `backends` (one per layer, each over that layer's cache: a test's shadow
         or reference) from now on. Not once graphs are captured: they replay the backends bound at capture."""
-        if self.graphs is not None or getattr(self.spec, "graphs", None) is not None:
+        if self.graphs is not None or getattr(self.drafter, "graphs", None) is not None:
             raise RuntimeError("the CUDA graphs were captured with the attention bound before: build the runner "
                                "with the backends instead, or run with enforce_eager")
         self.model.bind_attention(backends)
@@ -60,10 +60,10 @@ class ModelRunner:
         the device, where a step launched ahead of them (`step.prev_token_rows`) takes its input ids."""
         if (step.prev_token_rows is None) != (prev_token_ids is None):
             raise ValueError("a step reads the previous step's tokens exactly when it is given them")
-        if self.spec is not None:
+        if self.drafter is not None:
             if prev_token_ids is not None:
                 raise ValueError("speculative steps take their input ids from the host")
-            return self.spec.execute(step)
+            return self.drafter.execute(step)
         if self.graphs is not None and self.graphs.supports(step):
             return self.graphs.execute(step, prev_token_ids)
         step = step.to(self.device, non_blocking=True)

@@ -234,7 +234,8 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError(f"the tensor-parallel executor is down: {self.failure or 'shut down'}")
             try:
                 # a speculative step keeps its sampling fields: every rank draws the same drafts from them
-                self.channel.send(ch.STEP, obj=step if step.spec is not None else dataclasses.replace(step, sampling=None))
+                self.channel.send(ch.STEP, obj=step if step.speculative is not None
+                                  else dataclasses.replace(step, sampling=None))
                 return self.worker.execute(step, timeout_s=self.timeout_s)
             except BaseException as e:
                 self._fail(self._diagnose(e))

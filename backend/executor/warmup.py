@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from m3serve.executor.speculative.confidence import verify_widths
-from m3serve.step_io import SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplingInput, SpeculativeInput, StepInput
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,10 @@ def _sampling(n: int, kind: str, device) -> SamplingInput:
 
 
 def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, device, sampling: str | None,
-               spec_k: int = 0) -> StepInput:
+               k: int = 0) -> StepInput:
     """A step over sequences given as (new tokens, tokens already cached): pages taken in turn from page 0 (modulo
-    the pool), token ids 0, the last token of each sequence sampled. With `spec_k` (K, speculative decoding) every
-    sequence speculates: its first new token is the anchor, the others its drafts' placeholders."""
+    the pool), token ids 0, the last token of each sequence sampled. With `k` (drafts per sequence: speculative
+    decoding) every sequence speculates: its first new token is the anchor, the others its drafts' placeholders."""
     qsl, positions, lens, slots, tables = [0], [], [], [], []
     page = 0
     for q, cached in seqs:
@@ -81,17 +81,17 @@ def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, dev
     for s, t in enumerate(tables):
         block_tables[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
     n = len(seqs)
-    spec = None
-    if spec_k:
-        spec = SpecInput.from_rows([(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n, spec_k)
+    speculative = None
+    if k:
+        speculative = SpeculativeInput.from_rows([(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n, k)
     return StepInput(
         input_ids=torch.zeros(qsl[-1], dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc_cpu=qsl, seq_lens_cpu=lens, is_decode=all(q == 1 for q, _ in seqs),
         max_query_len=max(q for q, _ in seqs), max_seq_len=max(lens), block_tables=block_tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        logits_indices=torch.tensor(qsl[:-1] if spec_k else qsl[1:], dtype=torch.int64) - (0 if spec_k else 1),
-        sampling=_sampling(n, sampling, "cpu") if sampling else None, spec=spec).to(device)
+        logits_indices=torch.tensor(qsl[:-1] if k else qsl[1:], dtype=torch.int64) - (0 if k else 1),
+        sampling=_sampling(n, sampling, "cpu") if sampling else None, speculative=speculative).to(device)
 
 
 def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
@@ -140,7 +140,7 @@ def table_widths(max_num_seqs: int, room: int, block_size: int) -> list[int]:
     return sorted(w for w in widths if w <= widest)
 
 
-def spec_plan(max_num_seqs: int, max_model_len: int, k: int, block_size: int = 0) -> list[list[tuple[int, int]]]:
+def speculative_plan(max_num_seqs: int, max_model_len: int, k: int, block_size: int = 0) -> list[list[tuple[int, int]]]:
     """Speculative decode steps (anchor + k drafts per sequence): every batch size with K drafts at short and at the
     longest contexts and, with `block_size`, at every table width where batch sizes x widths stay under
     EXHAUSTIVE_DECODES; then one sequence with each smaller number of drafts (a sequence near its end drafts fewer)."""
@@ -167,14 +167,14 @@ def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport |
         steps = plan(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, bs, runner.graphs is None)
         for seqs in steps:  # the same forwards on every rank; rank 0 alone samples
             runner.execute(dummy_step(seqs, bs, pool, dev, "greedy" if rank == 0 else None))
-        if runner.spec is not None:  # drafts, then the target's verify (greedy and sampled verification)
-            k = runner.spec.spec.num_speculative_tokens
-            plans = [(k, seqs) for seqs in spec_plan(config.max_num_seqs, max_model_len, k, bs)]
-            if runner.spec.spec.confidence_scheduling:  # steps whose K is a smaller verify width: their own shapes
+        if runner.drafter is not None:  # drafts, then the target's verify (greedy and sampled verification)
+            k = runner.drafter.config.num_speculative_tokens
+            plans = [(k, seqs) for seqs in speculative_plan(config.max_num_seqs, max_model_len, k, bs)]
+            if runner.drafter.config.confidence_scheduling:  # steps whose K is a smaller verify width: their own shapes
                 plans += [(w, [(1 + w, 1)] * b) for w in verify_widths(k)[:-1] for b in (1, config.max_num_seqs)]
-            for spec_k, seqs in plans:
+            for width, seqs in plans:
                 for kind in ("greedy", "sampled"):
-                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, spec_k=spec_k))
+                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, k=width))
                     steps.append(seqs)
         if rank == 0:  # the sampling kernel's vocabulary split depends on the rows: every row count a step can have
             vocab = runner.model.config.vocab_size

@@ -57,21 +57,21 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.drafter = None  # the DSpark draft and its speculative step (executor/speculative/decoder.py)
         self.warmup = None  # the warm-up's report (executor/warmup.py), CUDA only
-        spec = config.speculative
-        if spec is not None:
+        speculative = config.speculative
+        if speculative is not None:
             from m3serve.executor.speculative.decoder import SpeculativeDecoder
-            self.drafter = SpeculativeDecoder(spec, config.model, model)
+            self.drafter = SpeculativeDecoder(speculative, config.model, model)
 
     @property
     def use_cuda_graphs(self) -> bool:
         """Decode graphs on CUDA unless enforce_eager, with tensor parallelism too (every rank captures the same
         graphs in the same order at `init_cache`, their all-reduces inside: NCCL calls are capturable); not with
-        speculative decoding (every step also feeds the draft: its own graphs, `use_spec_graphs`). gloo (CPU) steps
-        run eagerly."""
+        speculative decoding (every step also feeds the draft: its own graphs, `use_speculative_graphs`). gloo (CPU)
+        steps run eagerly."""
         return self._graphs_allowed and self.drafter is None
 
     @property
-    def use_spec_graphs(self) -> bool:
+    def use_speculative_graphs(self) -> bool:
         """With speculative decoding, its steps' graphs (executor/speculative/graphs.py) where decode graphs would be; on one
         GPU only (under tensor parallelism speculative steps run eagerly)."""
         return self._graphs_allowed and self.drafter is not None and self.parallel.size == 1
@@ -86,8 +86,8 @@ class Worker:
         draft_page = 0
         if self.drafter is not None:
             reserve += self.drafter.reserve_bytes(c.max_num_seqs)
-            if self.use_spec_graphs:  # a graphed step's pool: the forward of max_num_seqs x (K + 1) tokens
-                k = self.drafter.spec.num_speculative_tokens
+            if self.use_speculative_graphs:  # a graphed step's pool: the forward of max_num_seqs x (K + 1) tokens
+                k = self.drafter.config.num_speculative_tokens
                 reserve += graph_reserve_bytes(c.max_num_seqs * (k + 1), m.hidden_size, m.vocab_size)
             draft_page = self.drafter.page_bytes(m.index_block_size)
         return determine_num_pages(
@@ -105,7 +105,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.drafter is not None:
             self.drafter.attach(self.runner, num_pages)
-            if self.use_spec_graphs:
+            if self.use_speculative_graphs:
                 self.drafter.enable_graphs(self.config.max_num_seqs, max_model_len)
         if self.use_cuda_graphs:
             self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)

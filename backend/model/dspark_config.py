@@ -5,7 +5,7 @@ A draft config copies the target's fields and adds the DSpark ones: `num_hidden_
 `block_size` (gamma), `target_layer_ids`, `mask_token_id`, `markov_rank`, `markov_head_type`,
 `enable_confidence_head`, `confidence_head_with_markov`, `layer_types`, `num_target_layers`.
 
-Decisions marked [I] in the spec, made here:
+Decisions marked [I] in design/dspark.md, made here:
 - A MiniMax-M3-family draft is shaped like DeepSpec's Qwen3 draft: dense decoder layers (QK-norm GQA
   attention, SiLU-gated MLP, plain `x * w` RMSNorm), full attention over the context, a bidirectional
   block. Any geometry field the draft config leaves out (heads, KV heads, head_dim, RoPE theta and

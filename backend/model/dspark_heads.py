@@ -6,7 +6,7 @@ is conditioned on the *sampled* token k-1 (semi-autoregressive). Types:
   gated    B_k = W2 (sigmoid(gate_proj [h_k ; W1[x_{k-1}]]) * W1[x_{k-1}])
   rnn      z = [s_{k-1} ; W1[x_{k-1}] ; h_k] -> joint_proj -> gate | cand | out;
            s_k = sig(gate) s_{k-1} + (1 - sig(gate)) tanh(cand);  B_k = W2 tanh(out);  s_0 = 0
-`step` is one position of the sequential sampling loop; `block` the same bias teacher-forced over a block
+`position` is one draft position of the sequential sampling loop; `block` the same bias teacher-forced over a block
 (what training computes): both give the same numbers for the same previous tokens.
 
 Confidence head: c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b) (or w . h_k + b without the Markov features),
@@ -46,8 +46,8 @@ class MarkovHead(nn.Module):
         """The recurrent state s_0 = 0 [S, r] (used by the rnn type only)."""
         return h.new_zeros(h.shape[0], self.rank)
 
-    def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def position(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [S, H] (block hidden of slot k), prev [S] -> (bias fp32 [S, V], W1[prev] [S, r], next state)."""
         e = self.prev_embedding(prev)
         if self.kind == "vanilla":
@@ -64,11 +64,11 @@ class MarkovHead(nn.Module):
     def block(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Teacher-forced bias over a block: h [S, K, H], prev [S, K] = [x0, x1..x_{K-1}] -> fp32 [S, K, V]."""
         if self.kind != "rnn":
-            flat = self.step(h.flatten(0, 1), prev.flatten(), h.new_zeros(0))[0]
+            flat = self.position(h.flatten(0, 1), prev.flatten(), h.new_zeros(0))[0]
             return flat.view(*prev.shape, -1)
         state, out = self.init_state(h), []
         for k in range(prev.shape[1]):
-            bias, _, state = self.step(h[:, k], prev[:, k], state)
+            bias, _, state = self.position(h[:, k], prev[:, k], state)
             out.append(bias)
         return torch.stack(out, 1)
 

@@ -22,7 +22,7 @@ from torch import nn
 from m3serve.config import ModelConfig
 from m3serve.distributed.parallel import Parallel
 from m3serve.step_io import StepInput
-from m3serve.model.layers.attention import AttentionSpec, TorchAttention
+from m3serve.model.layers.attention import AttentionGeometry, TorchAttention
 from m3serve.model.layers.embedding import VocabParallelEmbedding
 from m3serve.model.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from m3serve.model.layers.moe import DenseMLP, SparseMoE
@@ -218,7 +218,7 @@ class M3ForCausalLM(nn.Module):
         self.model = M3Model(cfg, dtype, formats, self.parallel)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, self.parallel, dtype=dtype)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        self.attention_spec = AttentionSpec.of(cfg)
+        self.attention_geometry = AttentionGeometry.of(cfg)
         self._attention: tuple = ()  # every layer's bound attention backend, in layer order (bind_attention)
 
     def bind_kv_cache(self, cache, attention: str = "auto") -> None:
@@ -242,11 +242,11 @@ class M3ForCausalLM(nn.Module):
             from m3serve.model.layers.triton_attention import TritonAttention
             cfg, par = self.config, self.parallel  # this rank's heads
             h0, h1 = par.split_heads(cfg.index_n_heads, "index_n_heads")
-            backends = [TritonAttention(self.attention_spec, c, cfg.num_attention_heads // par.size, h1 - h0)
+            backends = [TritonAttention(self.attention_geometry, c, cfg.num_attention_heads // par.size, h1 - h0)
                         for c in layers]
             log.info("attention backend: Triton kernels (block-sparse MSA over the paged cache)")
         elif attention == "torch":
-            backends = [TorchAttention(self.attention_spec, c) for c in layers]
+            backends = [TorchAttention(self.attention_geometry, c) for c in layers]
         else:
             raise ValueError(f"attention {attention!r} is not one of 'auto', 'triton', 'torch'")
         self.bind_attention(backends)

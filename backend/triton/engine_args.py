@@ -69,9 +69,9 @@ def engine_config(version_dir: str) -> tuple[EngineConfig, list[str]]:
     if "model" not in raw:
         raise ConfigError("model.json: 'model' (the model directory) is required")
     problems = []
-    spec = raw.get("speculative_config")
+    draft = raw.get("speculative_config")
     for holder, key, what in ((raw, "model", "model"), (raw, "tokenizer", "tokenizer"),
-                              (spec if isinstance(spec, dict) else {}, "model", "speculative_config.model")):
+                              (draft if isinstance(draft, dict) else {}, "model", "speculative_config.model")):
         if holder.get(key):
             try:
                 holder[key] = resolve_path(str(holder[key]), version_dir, what)

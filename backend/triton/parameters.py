@@ -68,9 +68,9 @@ def test_engine_factory(model: str, environ=os.environ) -> str | None:
     """The engine factory $M3SERVE_TEST_ENGINE_FACTORY names for `model` (None: the real engine)."""
     value = (environ.get(TEST_FACTORY_ENV) or "").strip()
     for entry in filter(None, (e.strip() for e in value.split(";"))):
-        name, eq, spec = entry.partition("=")
+        name, eq, target = entry.partition("=")
         if not eq:
             return entry
         if name.strip() == model:
-            return spec.strip() or None
+            return target.strip() or None
     return None

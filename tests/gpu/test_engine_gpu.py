@@ -26,7 +26,7 @@ def _run(tiny_model_dir, kv_cache_dtype, reference: bool, **kw):
               max_model_len=512, num_gpu_blocks_override=64, enforce_eager=True, **kw)  # backends swapped below
     runner = llm.engine.executor.worker.runner
     if reference:
-        runner.bind_attention([TorchAttention(runner.model.attention_spec, c)  # over the same PagedKVCache
+        runner.bind_attention([TorchAttention(runner.model.attention_geometry, c)  # over the same PagedKVCache
                                for c in runner.cache.layers])
     else:
         assert all(isinstance(b, TritonAttention) for b in runner.attention), "the engine did not pick the kernels"

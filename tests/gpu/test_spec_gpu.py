@@ -19,27 +19,28 @@ def _prompts():
     return [torch.randint(3, 480, (n,), generator=g).tolist() for n in (20, 90, 150, 7, 64)]
 
 
-def _llm(tiny_model_dir, eager: bool, spec: dict | None):
+def _llm(tiny_model_dir, eager: bool, options: dict | None):
     return LLM(model=tiny_model_dir, device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=96,
                max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager,
-               speculative_config=None if spec is None else {"method": "dspark", "num_speculative_tokens": K, **spec})
+               speculative_config=None if options is None
+               else {"method": "dspark", "num_speculative_tokens": K, **options})
 
 
-def _speculate(tiny_model_dir, eager, spec, params, known):
-    llm = _llm(tiny_model_dir, eager, spec)
+def _speculate(tiny_model_dir, eager, options, params, known):
+    llm = _llm(tiny_model_dir, eager, options)
     drafter = llm.engine.executor.worker.drafter
     drafter.proposal_hook = ControlledProposals(known, 0.7, drafter.draft.config.vocab_size, "cuda")
     outs = [o.token_ids for o in llm.generate(_prompts(), params)]
     return outs, drafter.graphs, llm.engine.stats()
 
 
-def _near_tie(llm, prompt, plain_token, spec_token):
+def _near_tie(llm, prompt, plain_token, speculative_token):
     """Where speculation and plain decoding part, the two tokens were near-tied: the verify forward runs the prefill
     attention kernels, plain decoding the decode kernels, and their bf16 / fp16 dot operands move logprobs by
     0.02-0.07 (tests/gpu/test_engine_gpu.py); a broken step moves them by whole units."""
     top = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0].logprobs[0]
-    assert spec_token in top, f"{spec_token} is not among plain decoding's top tokens {top}"
-    assert top[plain_token] - top[spec_token] < 0.15, (plain_token, spec_token, top)
+    assert speculative_token in top, f"{speculative_token} is not among plain decoding's top tokens {top}"
+    assert top[plain_token] - top[speculative_token] < 0.15, (plain_token, speculative_token, top)
 
 
 def test_greedy_speculation_equals_plain_decoding_with_graphs_on_and_off(tiny_model_dir):
@@ -82,9 +83,9 @@ def test_sampled_speculation_same_tokens_with_graphs_on_and_off(tiny_model_dir):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=n, ignore_eos=True, seed=200 + i)
               for i, n in enumerate((30, 22, 35, 18, 27))]
     known = {200 + i: p for i, p in enumerate(_prompts())}  # no continuation: the draft's own tokens
-    spec = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block", "kv_cache_dtype": "fp8"}
-    graphed, graphs, _ = _speculate(tiny_model_dir, False, spec, params, known)
-    eager, _, _ = _speculate(tiny_model_dir, True, spec, params, known)
+    options = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block", "kv_cache_dtype": "fp8"}
+    graphed, graphs, _ = _speculate(tiny_model_dir, False, options, params, known)
+    eager, _, _ = _speculate(tiny_model_dir, True, options, params, known)
     assert graphed == eager and any(not key[2] for key in graphs.graphs)
 
 
@@ -124,10 +125,10 @@ def test_confidence_scheduled_widths_replay_their_own_graphs(tiny_model_dir):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=300 + i)
               for i, n in enumerate((40, 33, 25, 48, 30))]
     known = {300 + i: p for i, p in enumerate(_prompts())}
-    spec = {"confidence_scheduling": True, "confidence_cost_table": [[1, 1.0], [8, 1.0], [64, 4.0]]}
+    options = {"confidence_scheduling": True, "confidence_cost_table": [[1, 1.0], [8, 1.0], [64, 4.0]]}
     runs = {}
     for eager in (False, True):
-        llm = _llm(tiny_model_dir, eager, spec)
+        llm = _llm(tiny_model_dir, eager, options)
         drafter = llm.engine.executor.worker.drafter
         control = ControlledProposals(known, 0.7, drafter.draft.config.vocab_size, "cuda")
 

@@ -26,9 +26,9 @@ def _mix(llm):
             llm.generate(prompts[i:i + batch], [greedy if j % 2 else sampled for j in range(len(prompts[i:i + batch]))])
 
 
-@pytest.mark.parametrize("scheme,eager,spec", [(None, False, False), ("nvfp4", False, False), ("mxfp8", True, False),
-                                              (None, False, True)])
-def test_no_kernel_compiles_after_the_engine_is_ready(tiny_model_dir, tmp_path, scheme, eager, spec):
+@pytest.mark.parametrize("scheme,eager,speculative", [(None, False, False), ("nvfp4", False, False),
+                                                      ("mxfp8", True, False), (None, False, True)])
+def test_no_kernel_compiles_after_the_engine_is_ready(tiny_model_dir, tmp_path, scheme, eager, speculative):
     model = tiny_model_dir
     if scheme:
         model = str(tmp_path / scheme)
@@ -36,7 +36,7 @@ def test_no_kernel_compiles_after_the_engine_is_ready(tiny_model_dir, tmp_path, 
                             progress=False)
     with LLM(model=model, device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=16,
              max_num_batched_tokens=512, enforce_eager=eager,
-             speculative_config={"method": "dspark", "num_speculative_tokens": 7} if spec else None) as llm:
+             speculative_config={"method": "dspark", "num_speculative_tokens": 7} if speculative else None) as llm:
         stats = llm.engine.stats()
         assert stats["warmup_seconds"] > 0 and stats["load_seconds"] >= stats["warmup_seconds"]
         report = llm.engine.executor.worker.warmup  # (its compiles may be 0: an earlier test compiled them already)

@@ -22,7 +22,7 @@ def test_engine_kernels_shadow_nvfp4(tiny_model_dir):
     runner = llm.engine.executor.worker.runner
     cfg = runner.model.config
     assert all(isinstance(b, TorchAttention) for b in runner.attention)  # the CPU's choice; the kernels below
-    kernels = [TritonAttention(runner.model.attention_spec, c, cfg.num_attention_heads, cfg.index_n_heads)
+    kernels = [TritonAttention(runner.model.attention_geometry, c, cfg.num_attention_heads, cfg.index_n_heads)
                for c in runner.cache.layers]
     shadow = shadow_of(runner, tol=0.03, kernels=kernels)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
@@ -37,7 +37,7 @@ class _WrongOnOneToken(TorchAttention):
     """The reference, wrong on query head `head` of every decode token (right everywhere with head None)."""
 
     def __init__(self, ref: TorchAttention, head: int | None):
-        super().__init__(ref.spec, ref.cache)
+        super().__init__(ref.geometry, ref.cache)
         self.head = head
 
     def forward(self, q, k, v, iq, ik, batch):
@@ -71,7 +71,7 @@ def test_a_flip_on_one_head_excuses_no_other(tiny_model_dir, monkeypatch):
 
     llm = _llm(tiny_model_dir, "bfloat16")
     runner = llm.engine.executor.worker.runner
-    block_size = runner.model.attention_spec.block_size
+    block_size = runner.model.attention_geometry.block_size
     real = S.indexer_decode
 
     def head_0_flips(iq, cache, bt, seq_lens, topk, local):

@@ -10,25 +10,25 @@ from m3serve import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[5, 7, 9, 11] * 5, [11, 12, 13], [40, 41, 42, 43, 44, 45, 46]]
-SPEC = {"method": "dspark", "num_speculative_tokens": 3}
+DSPARK = {"method": "dspark", "num_speculative_tokens": 3}
 
 
-def _generate(tiny_model_dir, tp: int, spec: dict | None, params):
+def _generate(tiny_model_dir, tp: int, speculative_config: dict | None, params):
     with LLM(model=tiny_model_dir, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=tp,
-             speculative_config=spec) as llm:
+             speculative_config=speculative_config) as llm:
         return [o.token_ids for o in llm.generate(PROMPTS, params)], llm.engine.stats()
 
 
 def test_tp2_speculation_greedy_equals_plain_and_sampled_equals_tp1(tiny_model_dir):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain, _ = _generate(tiny_model_dir, 1, None, greedy)
-    got, st = _generate(tiny_model_dir, 2, SPEC, greedy)
+    got, st = _generate(tiny_model_dir, 2, DSPARK, greedy)
     assert got == plain and st["spec_decode_num_drafts"] > 0
     # near-uniform distributions at temperature 4: the random draft's probabilistic drafts are often accepted
     hot = [SamplingParams(temperature=4.0, max_tokens=14, ignore_eos=True, seed=7 + i) for i in range(len(PROMPTS))]
-    spec = {**SPEC, "draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}
-    one, st1 = _generate(tiny_model_dir, 1, spec, hot)
-    two, st2 = _generate(tiny_model_dir, 2, spec, hot)
+    speculative_config = {**DSPARK, "draft_sample_method": "probabilistic", "kv_cache_dtype": "fp8"}
+    one, st1 = _generate(tiny_model_dir, 1, speculative_config, hot)
+    two, st2 = _generate(tiny_model_dir, 2, speculative_config, hot)
     assert two == one and st2["spec_decode_num_accepted_tokens"] == st1["spec_decode_num_accepted_tokens"] > 0
 
 
@@ -36,5 +36,5 @@ def test_tp4_speculation_greedy_equals_plain(tiny_model_dir):
     """TP 4 on the tiny model (2 KV heads: each shared by two ranks), the draft on every rank."""
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     plain, _ = _generate(tiny_model_dir, 1, None, greedy)
-    got, st = _generate(tiny_model_dir, 4, SPEC, greedy)
+    got, st = _generate(tiny_model_dir, 4, DSPARK, greedy)
     assert got == plain and st["spec_decode_num_drafts"] > 0

@@ -101,7 +101,7 @@ def test_with_the_key_the_operator_unloads_and_loads(srv):
 
 
 def _marker_factory(d) -> tuple[str, str]:
-    """A factory file that, imported or called, writes a marker: (spec, marker path)."""
+    """A factory file that, imported or called, writes a marker: ("file:function", marker path)."""
     marker = str(d / "hook-ran")
     path = d / "hook.py"
     path.write_text(f"open({marker!r}, 'a').write('imported\\n')\n"
@@ -110,14 +110,14 @@ def _marker_factory(d) -> tuple[str, str]:
 
 
 def test_a_config_naming_code_or_an_outside_path_is_refused_even_with_the_key(srv):
-    spec, marker = _marker_factory(srv.dir)
+    factory, marker = _marker_factory(srv.dir)
     m3 = _config(srv, "m3")
     pre = _config(srv, "preprocessing")
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     try:
-        cases = [("m3", _with_params(m3, engine_factory=spec), "engine_factory: a model config never picks code"),
+        cases = [("m3", _with_params(m3, engine_factory=factory), "engine_factory: a model config never picks code"),
                  ("m3", _with_params(m3, engine_factory="os:system"), "engine_factory: a model config never picks code"),
-                 ("m3", _with_params(m3, my_hook=spec), "my_hook: a model config never picks code"),
+                 ("m3", _with_params(m3, my_hook=factory), "my_hook: a model config never picks code"),
                  ("preprocessing", _with_params(pre, tokenizer_dir=os.path.dirname(srv.env["M3SERVE_MODEL_DIR"])),
                   "must be a relative path inside the model folder"),
                  ("preprocessing", _with_params(pre, tokenizer_dir="../../../../etc"),

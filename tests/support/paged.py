@@ -12,7 +12,7 @@ from m3serve.config import ModelConfig
 from m3serve.step_io import StepInput
 from m3serve.model.kv_cache import LayerKVCache, PagedKVCache
 from m3serve.kernels.kv_insert import kv_insert_ref
-from m3serve.model.layers.attention import AttentionSpec, TorchAttention
+from m3serve.model.layers.attention import AttentionGeometry, TorchAttention
 from m3serve.model.layers.triton_attention import TritonAttention
 
 KV_DTYPES = ("bfloat16", "fp8", "nvfp4")
@@ -123,9 +123,9 @@ def run_attention_scenario(kv_dtype, index_dtype, device="cpu", h_q=8, h_kv=2, d
     iscales = {1: 0.003} if index_dtype != "bfloat16" else None
     caches = [PagedKVCache(cfg, n_pages, kv_dtype, index_dtype, device=device, kv_scales=scales,
                            index_scales=iscales) for _ in range(2)]
-    spec = AttentionSpec(b, topk, 1, d ** -0.5)
-    backends = [[TorchAttention(spec, c) for c in caches[0].layers],  # per layer, each over its layer's pages
-                [TritonAttention(spec, c, h_q, h_kv) for c in caches[1].layers]]
+    geometry = AttentionGeometry(b, topk, 1, d ** -0.5)
+    backends = [[TorchAttention(geometry, c) for c in caches[0].layers],  # per layer, each over its layer's pages
+                [TritonAttention(geometry, c, h_q, h_kv) for c in caches[1].layers]]
     free = torch.randperm(n_pages, generator=g).tolist()
     pages = {s: [] for s in seqs_all}
     done = {s: 0 for s in seqs_all}

@@ -16,7 +16,7 @@ class ReferenceRunner:
     def __init__(self, model, kv_dtype: str = "float32"):
         self.model = model
         codec = KVCodec(kv_dtype)
-        self.backends = tuple(TorchAttention(model.attention_spec, ContiguousCache(codec, codec))
+        self.backends = tuple(TorchAttention(model.attention_geometry, ContiguousCache(codec, codec))
                               for _ in model.model.layers)
         self.done = 0
 

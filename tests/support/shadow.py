@@ -34,9 +34,9 @@ def _block_scores(iq_t, keys, pos, B):
 def shadow_of(runner, tol: float, kernels=None, references=None) -> "ShadowAttention":
     """Shadow every layer of `runner` (a `ModelRunner`, its graphs not captured) and bind the shadows to it: the
     kernels (default: the backends bound now) against the references (default: a `TorchAttention` of the same
-    spec over each layer's cache)."""
+    geometry over each layer's cache)."""
     kernels = list(kernels or runner.attention)
-    references = list(references or [TorchAttention(k.spec, k.cache) for k in kernels])
+    references = list(references or [TorchAttention(k.geometry, k.cache) for k in kernels])
     shadow = ShadowAttention(kernels, references, tol)
     runner.bind_attention(shadow.layers)
     return shadow
@@ -99,7 +99,7 @@ class ShadowAttention:
         layer, cache = shadow.layer, shadow.cache
         assert iq is not None and cache.has_index, (
             f"layer {layer} (dense) tokens {bad}: kernel vs reference error {err[bad].amax(1).tolist()} > {self.tol}")
-        qsl, pos, sp = step.query_start_loc_cpu, step.positions, shadow.kernel.spec
+        qsl, pos, sp = step.query_start_loc_cpu, step.positions, shadow.kernel.geometry
         bt, topk, local, B = step.block_tables, sp.topk, sp.local_blocks, sp.block_size
         if step.is_decode:  # what TritonAttention ran
             sel_k = indexer_decode(iq.contiguous(), cache, bt, step.seq_lens, topk, local)

@@ -60,7 +60,7 @@ def test_reference_catches_a_causal_block_mask(tiny_draft, checkpoint, monkeypat
 
 
 def test_reference_catches_block_positions_off_by_one(tiny_draft, checkpoint, monkeypatch):
-    """The spec's pitfall (slot k at position t+k+1 instead of t+k): the anchor one position late."""
+    """design/dspark.md's pitfall (slot k at position t+k+1 instead of t+k): the anchor one position late."""
     real = dspark_module.DSparkDraft.block_hidden
     monkeypatch.setattr(dspark_module.DSparkDraft, "block_hidden",
                         lambda self, ids, positions, context: real(self, ids, positions + 1, context))

@@ -44,8 +44,8 @@ def test_scheduler_cuts_low_confidence_and_keeps_high():
 
 
 def test_config_validation():
-    spec = {"method": "dspark", "num_speculative_tokens": K}
-    ok = EngineConfig(model="x", speculative_config={**spec, "confidence_scheduling": True,
+    dspark = {"method": "dspark", "num_speculative_tokens": K}
+    ok = EngineConfig(model="x", speculative_config={**dspark, "confidence_scheduling": True,
                                                      "confidence_cost_table": COST})
     ok.validate()
     assert ok.speculative.confidence_scheduling and ok.speculative.confidence_cost_table == COST
@@ -55,7 +55,7 @@ def test_config_validation():
                        ({"confidence_cost_table": [[1, 1.0], [2, 1.0, 3]]}, "confidence_cost_table"),
                        ({"confidence_cost_table": 5}, "confidence_cost_table")):
         with pytest.raises(ConfigError, match=match):
-            EngineConfig(model="x", speculative_config={**spec, **raw}).validate()
+            EngineConfig(model="x", speculative_config={**dspark, **raw}).validate()
 
 
 class _Confidence:

@@ -16,7 +16,7 @@ from m3serve.executor.speculative import verify as verify_mod
 from m3serve.executor.speculative.controlled import ControlledProposals
 from m3serve.executor.speculative.probs import draw, sampling_probs
 from m3serve.step_io import SamplingInput
-from m3serve.executor.speculative import decoder as spec_decode
+from m3serve.executor.speculative import decoder as decoder_mod
 from m3serve.executor.sampler import Sampler
 from m3serve.model.dspark_taps import TapRecorder
 from support.reference import ReferenceRunner
@@ -25,7 +25,7 @@ from support.stats import chi_square_p
 K = 4
 
 
-def spec(k=K, **kw):
+def dspark(k=K, **kw):
     return {"method": "dspark", "num_speculative_tokens": k, **kw}
 
 
@@ -130,7 +130,7 @@ def test_greedy_equals_plain_decoding_with_chunks_preemption_and_prefix_hits(mak
     prompts = [base + t for t in eu.random_prompts([3, 20, 45], seed=7)] + eu.random_prompts([110, 9], seed=8)
     gens = [18, 10, 22, 14, 30]
     eng = make_engine(num_gpu_blocks_override=12, max_model_len=160, max_num_batched_tokens=13,
-                      speculative_config=spec())
+                      speculative_config=dspark())
     control(eng, continuations(prompts, gens, reference_greedy), 0.6)
     order = [0, 3, 1, 4, 2]
     arrivals = [(f"r{i}", prompts[i], greedy(gens[i], 1000 + i)) for i in order]
@@ -160,8 +160,8 @@ def test_greedy_with_the_real_draft_fp8_cache_and_confidence_threshold(make_engi
     confidence threshold; mixed with requests that cannot speculate (penalties, min_tokens) in the same steps."""
     prompts = eu.random_prompts([5, 40, 23, 31], seed=11)
     cfg = dict(draft_sample_method="probabilistic", kv_cache_dtype="fp8")
-    engines = [make_engine(max_num_batched_tokens=64, speculative_config=spec(7, **cfg, confidence_threshold=0.3)),
-               make_engine(max_num_batched_tokens=64, speculative_config=spec(7, **cfg)),
+    engines = [make_engine(max_num_batched_tokens=64, speculative_config=dspark(7, **cfg, confidence_threshold=0.3)),
+               make_engine(max_num_batched_tokens=64, speculative_config=dspark(7, **cfg)),
                make_engine(max_num_batched_tokens=64)]
     anchors = []  # (seed, anchor position) of every speculating row
     engines[0].executor.worker.drafter.proposal_hook = lambda prop, ids, pos, seeds: (
@@ -200,7 +200,7 @@ def test_sampled_tokens_do_not_depend_on_batch_chunks_or_preemption(make_engine,
     gens = [20, 16, 24, 18]
     sps = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=n, ignore_eos=True, seed=1000 + i)
            for i, n in enumerate(gens)]
-    cfg = spec(draft_sample_method="probabilistic", rejection_sample_method="block")
+    cfg = dspark(draft_sample_method="probabilistic", rejection_sample_method="block")
     results, stats = [], []
     for opts, every in ((dict(max_num_batched_tokens=4096), 1),
                         (dict(num_gpu_blocks_override=12, max_model_len=160, max_num_batched_tokens=11), 3)):
@@ -261,12 +261,12 @@ def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loa
     residual that ignores Q fails the same check. "scheduled": confidence-scheduled verification with a cost table
     that makes the 300 sequences verify one draft of the two (every step after the prefill: widths recorded)."""
     if rule == "broken":
-        monkeypatch.setattr(spec_decode, "verify", residual_ignores_q)
+        monkeypatch.setattr(decoder_mod, "verify", residual_ignores_q)
     model, n = tiny_loaded[0], 300
     joint = exact_first_three(model)
     known = {s: PROMPT + [t] + reference_greedy(PROMPT + [t], 3) for s, t in enumerate(first_tokens(model, n))}
     sched = dict(confidence_scheduling=True, confidence_cost_table=[[1, 1.0], [2 * n, 1.0], [3 * n, 1.6]])
-    eng = make_engine(max_num_seqs=n, max_num_batched_tokens=8 * n, speculative_config=spec(
+    eng = make_engine(max_num_seqs=n, max_num_batched_tokens=8 * n, speculative_config=dspark(
         2, draft_sample_method="probabilistic", rejection_sample_method="block" if rule == "block" else "standard",
         **(sched if rule == "scheduled" else {})))
     control(eng, known, 0.6)
@@ -304,7 +304,7 @@ def _inside_a_run(ref):
 
 
 def _accepting_engine(make_engine, prompt, n, reference_greedy, **opts):
-    eng = make_engine(speculative_config=spec(), **opts)
+    eng = make_engine(speculative_config=dspark(), **opts)
     control(eng, {7: prompt + reference_greedy(prompt, n)}, 1.0)
     return eng, reference_greedy(prompt, n)
 
@@ -335,7 +335,7 @@ def test_every_draft_accepted_exact_metrics_and_streaming(make_engine, reference
 
 def test_partial_acceptance_metrics(make_engine, reference_greedy, eu):
     prompt = eu.random_prompts([9], seed=22)[0]
-    eng = make_engine(speculative_config=spec())
+    eng = make_engine(speculative_config=dspark())
     control(eng, {7: prompt + reference_greedy(prompt, 60)}, 0.6)
     outs = _one(eng, prompt, greedy(60, 7))
     assert [t for o in outs for t in o.new_token_ids] == reference_greedy(prompt, 60)
@@ -410,16 +410,16 @@ def test_speculative_config_validation():
                                                           "/m/dspark")
     bad = [({"method": "eagle", "num_speculative_tokens": 3}, "method"),
            ({"method": "dspark"}, "num_speculative_tokens"),
-           (spec(0), "num_speculative_tokens"), (spec(draft_sample_method="top1"), "draft_sample_method"),
-           (spec(rejection_sample_method="tree"), "rejection_sample_method"), (spec(kv_cache_dtype="nvfp4"),
+           (dspark(0), "num_speculative_tokens"), (dspark(draft_sample_method="top1"), "draft_sample_method"),
+           (dspark(rejection_sample_method="tree"), "rejection_sample_method"), (dspark(kv_cache_dtype="nvfp4"),
                                                                               "kv_cache_dtype"),
-           (spec(confidence_threshold=1.5), "confidence_threshold"), (spec(num_draft=3), "unknown key"),
+           (dspark(confidence_threshold=1.5), "confidence_threshold"), (dspark(num_draft=3), "unknown key"),
            ("dspark", "JSON object")]
     for raw, match in bad:
         with pytest.raises(ConfigError, match=match):
             EngineConfig(model="x", speculative_config=raw).validate()
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
-        EngineConfig(model="x", max_num_batched_tokens=4, speculative_config=spec(7)).validate()
+        EngineConfig(model="x", max_num_batched_tokens=4, speculative_config=dspark(7)).validate()
     off = EngineConfig(model="x", speculative_config={})
     off.validate()
     assert off.speculative is None
@@ -427,9 +427,9 @@ def test_speculative_config_validation():
 
 def test_draft_loading_errors_name_the_option(make_engine, tmp_path):
     with pytest.raises(ConfigError, match="exceeds the draft's block_size"):
-        make_engine(speculative_config=spec(8))
+        make_engine(speculative_config=dspark(8))
     with pytest.raises(ConfigError, match="no config.json in the DSpark draft directory"):
-        make_engine(speculative_config=spec(model=str(tmp_path)))
+        make_engine(speculative_config=dspark(model=str(tmp_path)))
 
 
 def test_model_json_and_cli_take_the_launch_line(tiny_model_dir, tmp_path):
@@ -442,13 +442,13 @@ def test_model_json_and_cli_take_the_launch_line(tiny_model_dir, tmp_path):
     version.mkdir()
     (version / "model.json").write_text(json.dumps({
         "model": tiny_model_dir, "device": "cpu",
-        "speculative_config": spec(7, model=os.path.relpath(os.path.join(tiny_model_dir, "dspark"), version))}))
+        "speculative_config": dspark(7, model=os.path.relpath(os.path.join(tiny_model_dir, "dspark"), version))}))
     cfg, _ = engine_config(str(version))
     assert cfg.speculative.num_speculative_tokens == 7
     assert os.path.samefile(cfg.speculative.draft_dir(cfg.model), os.path.join(tiny_model_dir, "dspark"))
     common = ["generate", "--model", tiny_model_dir, "--prompt-ids", "5,7,9", "--max-tokens", "6", "--device", "cpu",
               "--dtype", "float32", "--ignore-eos", "--max-model-len", "64"]
-    assert main(common + ["--speculative-config", json.dumps(spec(7, kv_cache_dtype="fp8"))]) == 0
+    assert main(common + ["--speculative-config", json.dumps(dspark(7, kv_cache_dtype="fp8"))]) == 0
     assert main(common + ["--speculative-config", '{"method": "dspark"}']) == 2
 
 

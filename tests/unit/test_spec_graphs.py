@@ -6,15 +6,15 @@ import torch
 
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.executor.speculative.controlled import ControlledProposals
-from m3serve.executor.speculative.graphs import SpecBuffers
+from m3serve.executor.speculative.graphs import SpeculativeBuffers
 
 K = 4
 
 
-def _engine(make_engine, graphs: bool, **spec):
+def _engine(make_engine, graphs: bool, **options):
     # a roomy pool: the reference attention writes the padding rows' slot -1 to the pool's last page, never used here
     eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=64, max_model_len=256,
-                      speculative_config={"method": "dspark", "num_speculative_tokens": K, **spec})
+                      speculative_config={"method": "dspark", "num_speculative_tokens": K, **options})
     if graphs:
         eng.executor.worker.drafter.enable_graphs(8, 256)
     return eng
@@ -42,8 +42,8 @@ def test_greedy_static_path_equals_plain_decoding_with_padding(make_engine, refe
     graphs = eng.executor.worker.drafter.graphs
     drafts = []  # per static step, each speculating sequence's k, and the plain decodes in it
     execute = graphs.execute
-    graphs.execute = lambda step: (drafts.append(([], step.num_seqs) if step.spec is None else (
-        step.spec.num_drafts.tolist(), step.num_seqs - step.spec.num_seqs)), execute(step))[1]
+    graphs.execute = lambda step: (drafts.append(([], step.num_seqs) if step.speculative is None else (
+        step.speculative.num_drafts.tolist(), step.num_seqs - step.speculative.num_seqs)), execute(step))[1]
     got = _run(eng, prompts, sps, known, 0.6)
     assert got == [reference_greedy(p, n) for p, n in zip(prompts, gens)]
     assert graphs.num_steps >= 5 and {key[0] for key in graphs.views} >= {4, 2}  # padded buckets ran
@@ -75,9 +75,9 @@ def test_sampled_static_path_equals_eager_path(make_engine, reference_greedy, eu
 def test_buffers_pad_past_the_step():
     """Rows past the step's sequences: no slot (nothing written), position 0, greedy; a smaller step after a larger
     one leaves nothing of the larger one in the padding."""
-    from m3serve.step_io import SamplingInput, SpecInput, StepInput
+    from m3serve.step_io import SamplingInput, SpeculativeInput, StepInput
 
-    buf = SpecBuffers(4, 3, 16, 2, torch.device("cpu"))
+    buf = SpeculativeBuffers(4, 3, 16, 2, torch.device("cpu"))
 
     def step(n, base):
         t = n * 3
@@ -86,28 +86,28 @@ def test_buffers_pad_past_the_step():
                          torch.full((n,), base, dtype=torch.int32), qsl, [base] * n, False, 3, 48,
                          torch.full((n, 2), 1, dtype=torch.int32), torch.arange(t) + base,
                          torch.arange(n) * 3, SamplingInput.full(n, 0.7, top_p=0.9, seed=5),
-                         spec=SpecInput(torch.arange(n), torch.arange(n), torch.arange(n) * 3, torch.full((n,), 2),
+                         speculative=SpeculativeInput(torch.arange(n), torch.arange(n), torch.arange(n) * 3, torch.full((n,), 2),
                                         torch.arange(t), torch.arange(n * 2), torch.zeros(0, dtype=torch.int64), 2))
 
-    big = buf.spec_step(4, 3, False)
-    buf.fill_spec(step(4, 100), big)
-    view = buf.spec_step(4, 3, False)
-    buf.fill_spec(step(1, 50), view)
+    big = buf.speculative_step(4, 3, False)
+    buf.fill_speculative(step(4, 100), big)
+    view = buf.speculative_step(4, 3, False)
+    buf.fill_speculative(step(1, 50), view)
     assert view.input_ids.tolist() == [50, 51, 52] + [0] * 9
     assert view.slot_mapping.tolist() == [50, 51, 52] + [-1] * 9
     assert view.sampling.temperature.tolist()[1:] == [0.0] * 3 and view.sampling.top_p.tolist()[1:] == [1.0] * 3
     assert view.seq_lens_cpu == [50, 3, 3, 3] and view.block_tables[1:, 0].tolist() == [0, 0, 0]
-    assert view.spec.draft_rows.tolist() == [1, 2, 4, 5, 7, 8, 10, 11] and view.logits_indices.tolist() == [0, 3, 6, 9]
+    assert view.speculative.draft_rows.tolist() == [1, 2, 4, 5, 7, 8, 10, 11] and view.logits_indices.tolist() == [0, 3, 6, 9]
 
 
 def test_buffers_spread_fewer_drafts_over_k_plus_one_rows():
     """A sequence with k < K drafts (k = 0: a plain decode) fills K+1 rows: its k+1 tokens, then its last token
     again at its position with no slot; its k goes into num_drafts (what the rule verifies), padding sequences
     take K."""
-    from m3serve.step_io import SamplingInput, SpecInput, StepInput
+    from m3serve.step_io import SamplingInput, SpeculativeInput, StepInput
 
-    buf = SpecBuffers(4, 3, 16, 3, torch.device("cpu"))
-    view = buf.spec_step(4, 3, True)
+    buf = SpeculativeBuffers(4, 3, 16, 3, torch.device("cpu"))
+    view = buf.speculative_step(4, 3, True)
     ks = [3, 1, 2]  # K = 3: 4 + 2 + 3 tokens
     qsl = [0, 4, 6, 9]
     ids = torch.arange(9) + 100
@@ -117,27 +117,27 @@ def test_buffers_spread_fewer_drafts_over_k_plus_one_rows():
     step = StepInput(ids, pos, torch.tensor(qsl, dtype=torch.int32), torch.tensor([24, 9, 43], dtype=torch.int32),
                      qsl, [24, 9, 43], False, 4, 48, torch.ones(3, 2, dtype=torch.int32), slots,
                      torch.tensor(qsl[:3]), SamplingInput.full(3, 0.0),
-                     spec=SpecInput(torch.arange(3), torch.arange(3), torch.tensor(qsl[:3]), torch.tensor(ks),
+                     speculative=SpeculativeInput(torch.arange(3), torch.arange(3), torch.tensor(qsl[:3]), torch.tensor(ks),
                                     torch.tensor(rows), torch.tensor([0, 1, 2, 3, 6, 7]),
                                     torch.zeros(0, dtype=torch.int64), 3))
-    buf.fill_spec(step, view)
+    buf.fill_speculative(step, view)
     assert view.input_ids.tolist() == [100, 101, 102, 103, 104, 105, 105, 105, 106, 107, 108, 108] + [0] * 4
     assert view.positions.tolist() == [20, 21, 22, 23, 7, 8, 8, 8, 40, 41, 42, 42] + [0] * 4
     assert view.slot_mapping.tolist() == [1020, 1021, 1022, 1023, 1007, 1008, -1, -1, 1040, 1041, 1042, -1] + [-1] * 4
-    assert view.spec.num_drafts.tolist() == [3, 1, 2, 3] and view.seq_lens_cpu == [24, 9, 43, 4]
-    # a greedy step whose second sequence decodes plainly (one token, no spec row): 0 drafts, its token K+1 times
+    assert view.speculative.num_drafts.tolist() == [3, 1, 2, 3] and view.seq_lens_cpu == [24, 9, 43, 4]
+    # a greedy step whose second sequence decodes plainly (one token, no speculative row): 0 drafts, its token K+1 times
     qsl = [0, 4, 5, 8]
     step = StepInput(torch.arange(8) + 100, pos[[0, 1, 2, 3, 4, 6, 7, 8]], torch.tensor(qsl, dtype=torch.int32),
                      torch.tensor([24, 8, 43], dtype=torch.int32), qsl, [24, 8, 43], False, 4, 48,
                      torch.ones(3, 2, dtype=torch.int32), slots[[0, 1, 2, 3, 4, 6, 7, 8]], torch.tensor(qsl[:3]),
                      SamplingInput.full(3, 0.0),
-                     spec=SpecInput(torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([0, 5]),
+                     speculative=SpeculativeInput(torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([0, 5]),
                                     torch.tensor([3, 2]), torch.tensor([1, 2, 3, 6, 7]), torch.tensor([0, 1, 2, 3, 4]),
                                     torch.tensor([1]), 3))
-    buf.fill_spec(step, view)
+    buf.fill_speculative(step, view)
     assert view.input_ids.tolist()[:12] == [100, 101, 102, 103, 104, 104, 104, 104, 105, 106, 107, 107]
     assert view.slot_mapping.tolist()[:12] == [1020, 1021, 1022, 1023, 1007, -1, -1, -1, 1040, 1041, 1042, -1]
-    assert view.positions.tolist()[4:8] == [7] * 4 and view.spec.num_drafts.tolist() == [3, 0, 2, 3]
+    assert view.positions.tolist()[4:8] == [7] * 4 and view.speculative.num_drafts.tolist() == [3, 0, 2, 3]
 
 
 def test_fill_is_two_copies():
@@ -145,7 +145,7 @@ def test_fill_is_two_copies():
     rows): on CUDA two transfers before the replay, where a copy and a fill per field were ~24 launches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from m3serve.step_io import SamplingInput, SpecInput, StepInput
+    from m3serve.step_io import SamplingInput, SpeculativeInput, StepInput
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -157,19 +157,19 @@ def test_fill_is_two_copies():
                 self.names.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    buf = SpecBuffers(4, 3, 16, 3, torch.device("cpu"))
-    view = buf.spec_step(4, 3, True)
+    buf = SpeculativeBuffers(4, 3, 16, 3, torch.device("cpu"))
+    view = buf.speculative_step(4, 3, True)
     qsl = [0, 4, 6]  # two sequences, k = 3 and k = 1: the second spread over K + 1 rows
     pos = torch.tensor([20, 21, 22, 23, 7, 8])
     step = StepInput(torch.arange(6) + 100, pos, torch.tensor(qsl, dtype=torch.int32),
                      torch.tensor([24, 9], dtype=torch.int32), qsl, [24, 9], False, 4, 48,
                      torch.ones(2, 2, dtype=torch.int32), pos + 1000, torch.tensor(qsl[:2]), SamplingInput.full(2, 0.0),
-                     spec=SpecInput(torch.arange(2), torch.arange(2), torch.tensor(qsl[:2]), torch.tensor([3, 1]),
+                     speculative=SpeculativeInput(torch.arange(2), torch.arange(2), torch.tensor(qsl[:2]), torch.tensor([3, 1]),
                                     torch.tensor([1, 2, 3, 5]), torch.tensor([0, 1, 2, 3]),
                                     torch.zeros(0, dtype=torch.int64), 3))
     with Ops() as ops:
-        buf.fill_spec(step, view)
+        buf.fill_speculative(step, view)
     assert ops.names == ["copy_", "copy_"]
     assert view.input_ids.tolist()[:8] == [100, 101, 102, 103, 104, 105, 105, 105]
     assert view.slot_mapping.tolist() == [1020, 1021, 1022, 1023, 1007, 1008, -1, -1] + [-1] * 8
-    assert view.seq_lens.tolist() == [24, 9, 4, 4] and view.spec.num_drafts.tolist() == [3, 1, 3, 3]
+    assert view.seq_lens.tolist() == [24, 9, 4, 4] and view.speculative.num_drafts.tolist() == [3, 1, 3, 3]

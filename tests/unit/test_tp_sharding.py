@@ -17,7 +17,7 @@ from m3serve.config import ConfigError, EngineConfig, preset
 from m3serve.distributed import shm_channel as ch
 from m3serve.distributed import step_codec
 from m3serve.distributed.parallel import Parallel
-from m3serve.step_io import SamplerOutput, SamplingInput, SpecInput, StepInput
+from m3serve.step_io import SamplerOutput, SamplingInput, SpeculativeInput, StepInput
 from m3serve.model import loader
 from m3serve.model.loader import CheckpointError, load_model
 from m3serve.model.sharding import check_divisible
@@ -219,18 +219,18 @@ def _step(with_sampling: bool = True) -> StepInput:
     return step
 
 
-def _spec_step() -> StepInput:
-    """A speculative step (it reaches every rank with its sampling fields and its SpecInput)."""
+def _speculative_step() -> StepInput:
+    """A speculative step (it reaches every rank with its sampling fields and its SpeculativeInput)."""
     step = _step()
     i64 = dict(dtype=torch.int64)
-    step.spec = SpecInput(torch.tensor([0], **i64), torch.tensor([0], **i64), torch.tensor([0], **i64),
+    step.speculative = SpeculativeInput(torch.tensor([0], **i64), torch.tensor([0], **i64), torch.tensor([0], **i64),
                           torch.tensor([2], **i64), torch.tensor([1, 2], **i64), torch.tensor([0, 1], **i64),
                           torch.tensor([1], **i64), 3)
     return step
 
 
 def test_step_encodes_to_one_buffer_and_back():
-    for obj in (_step(), _step(False), _spec_step(),
+    for obj in (_step(), _step(False), _speculative_step(),
                 SamplerOutput(torch.tensor([1, 2]), torch.tensor([-0.5, -1.25]))):
         enc = step_codec.encode(obj)
         buf = torch.zeros(enc.nbytes, dtype=torch.uint8)

@@ -19,7 +19,7 @@ def test_token_counts_straddle_every_dispatch_limit():
     assert {1, 16, 17, 4096} <= set(counts) and max(W.token_counts(100)) == 100
 
 
-def _run_steps_between_two_generations(model: str, opts: dict, steps_of, spec: bool = False):
+def _run_steps_between_two_generations(model: str, opts: dict, steps_of, speculative: bool = False):
     """Generate on a fresh engine; on a second one run the warm-up steps `steps_of(runner)` (each greedy and sampled),
     then generate again: the same tokens (the steps left nothing a request sees). Returns the second LLM."""
     prompts = [[5, 7, 9, 11], list(range(3, 70))]
@@ -28,11 +28,11 @@ def _run_steps_between_two_generations(model: str, opts: dict, steps_of, spec: b
         fresh = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(model=model, **opts) as llm:
         runner = llm.engine.executor.worker.runner
-        k = runner.spec.spec.num_speculative_tokens if spec else 0
+        k = runner.drafter.config.num_speculative_tokens if speculative else 0
         for seqs in steps_of(runner):
             for kind in ("greedy", "sampled"):
                 out = runner.execute(W.dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, "cpu", kind,
-                                                  spec_k=k))
+                                                  k=k))
                 assert out.token_ids.shape[0] == len(seqs)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh
     return llm
@@ -65,12 +65,12 @@ def test_speculative_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
 
     def steps_of(runner):
         bs = runner.cache.block_size
-        steps = W.spec_plan(3, 128, runner.spec.spec.num_speculative_tokens, bs)
+        steps = W.speculative_plan(3, 128, runner.drafter.config.num_speculative_tokens, bs)
         assert {len(s) for s in steps} == {1, 2, 3} and {q for s in steps for q, _ in s} == {2, 3, 4}
         widths = {(len(s), -(-(s[0][0] + s[0][1]) // bs)) for s in steps if s[0][0] == 4}
         assert widths == {(b, w) for b in range(1, 4) for w in range(1, -(-127 // bs) + 1)}
         return steps
-    _run_steps_between_two_generations(tiny_model_dir, opts, steps_of, spec=True)
+    _run_steps_between_two_generations(tiny_model_dir, opts, steps_of, speculative=True)
 
 
 def test_table_widths_cover_each_class_when_not_every_width():

@@ -20,7 +20,7 @@ or the target's verdict on them, and the rule stays exact for every sequence (a 
 one that drafted W: it still gets its correction or bonus token from the target's distribution). At batch 1 the step
 costs about the same at every width and W = K; as the batch grows, the verify tokens' cost makes low-confidence
 drafts not worth their rows and W falls. A step with width W drafts W tokens per sequence (the draft's logits, the
-Markov steps and the verify rows all shrink), so the confidences past W that the next choice reads are
+Markov positions and the verify rows all shrink), so the confidences past W that the next choice reads are
 extrapolated from the last one.
 """
 from __future__ import annotations

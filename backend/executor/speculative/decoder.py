@@ -1,11 +1,11 @@
 """The worker's DSpark speculative step (design/dspark.md section 2; the engine side is engine/speculative_scheduling.py).
 
 One `execute(step)` per engine step, as five phases on the device (`phases`), no host synchronisation in between:
-1. draft: for the R speculating sequences (`step.spec`), one draft backbone pass over [anchor, mask x (gamma-1)]
+1. draft: for the R speculating sequences (`step.speculative`), one draft backbone pass over [anchor, mask x (gamma-1)]
    reading the draft's paged context cache through the target's block tables (on CUDA the decode attention kernel
    reads each sequence's pages in place up to its anchor, split-K partials merged with the block's own rows; on the
    CPU every page of the table is gathered, the torch reference) -> base logits U;
-2. markov: K sequential Markov steps: K drafts x_1..x_K per sequence, drawn from the draft distribution Q
+2. markov: K sequential Markov positions: K drafts x_1..x_K per sequence, drawn from the draft distribution Q
    (`probabilistic`, the request's sampling transform) or its argmax (`greedy`), with the DRAFT uniform stream
    (executor/speculative/rng.py); the drafts go into the step's placeholder tokens (positions t+1..t+k of each sequence);
 3. target: ONE forward over the whole step: prefill chunks, plain decodes and the speculating sequences' k+1
@@ -27,7 +27,7 @@ other steps (prefill chunks, plain decodes, fewer drafts, top-n logprobs) run th
 Launches and host synchronisations of one speculative step (counted by reading the code; launches = torch ops
 dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers, K = 7, one chunk):
   before (2026-12-04, eager):  draft + Markov 375, rule 264, insert 96 launches, plus the target's forward launched
-    kernel by kernel; Python loops over K (the Markov steps), the draft layers and the chunks, none over sequences.
+    kernel by kernel; Python loops over K (the draft positions), the draft layers and the chunks, none over sequences.
     Host synchronisations 3 + 4 L_d (L_d = draft layers; +1 with a confidence threshold): the two attention tile
     maps copied from pageable memory, every FP8 draft-cache write and read turning its Python-float scale into a
     device tensor (K and V of each layer, twice), the confidence threshold likewise, and the tokens' copy to the
@@ -89,44 +89,44 @@ class _Verified:
 class SpeculativeDecoder:
     """The draft model, its paged cache and the speculative step of one worker."""
 
-    def __init__(self, spec: SpeculativeConfig, model_dir: str, target):
+    def __init__(self, config: SpeculativeConfig, model_dir: str, target):
         from m3serve.model.dspark_loader import load_dspark
 
-        self.spec = spec
+        self.config = config
         device = target.model.embed_tokens.weight.device
-        self.draft, self.load_report = load_dspark(spec.draft_dir(model_dir), target, device, target.dtype)
-        cfg, k = self.draft.config, spec.num_speculative_tokens
+        self.draft, self.load_report = load_dspark(config.draft_dir(model_dir), target, device, target.dtype)
+        cfg, k = self.draft.config, config.num_speculative_tokens
         if k > self.draft.block_size:
             raise ConfigError(f"speculative_config.num_speculative_tokens: {k} exceeds the draft's block_size "
                               f"({self.draft.block_size})")
-        if spec.confidence_threshold > 0 and self.draft.confidence_head is None:
+        if config.confidence_threshold > 0 and self.draft.confidence_head is None:
             raise ConfigError("speculative_config.confidence_threshold: the draft has no confidence head")
-        if spec.confidence_scheduling and self.draft.confidence_head is None:
+        if config.confidence_scheduling and self.draft.confidence_head is None:
             raise ConfigError("speculative_config.confidence_scheduling: the draft has no confidence head")
         if cfg.vocab_size >= MAX_VOCAB:
             raise ConfigError(f"vocabulary of {cfg.vocab_size} tokens: speculative decoding supports < {MAX_VOCAB}")
-        self.kv_dtype = draft_kv_dtype(spec.kv_cache_dtype, self.draft.dtype)
+        self.kv_dtype = draft_kv_dtype(config.kv_cache_dtype, self.draft.dtype)
         self.cache: DraftKVCache | None = None
         self.paged = False  # the draft reads its context pages through the kernel (`attach`: on CUDA)
         self.runner = None
-        self.graphs = None  # SpecGraphs (executor/speculative/graphs.py) once `enable_graphs` ran
+        self.graphs = None  # SpeculativeGraphs (executor/speculative/graphs.py) once `enable_graphs` ran
         self._hook: ProposalHook | None = None
         log.info("speculative decoding: DSpark draft %s (%d layers, taps %s), %d tokens per step, %s drafts, %s "
                  "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft's "
-                 "context attention: the paged kernel on CUDA, torch elsewhere)", spec.draft_dir(model_dir),
-                 cfg.num_hidden_layers, self.draft.tap_layers, k, spec.draft_sample_method,
-                 spec.rejection_sample_method, self.kv_dtype, spec.confidence_threshold, spec.attention_backend)
+                 "context attention: the paged kernel on CUDA, torch elsewhere)", config.draft_dir(model_dir),
+                 cfg.num_hidden_layers, self.draft.tap_layers, k, config.draft_sample_method,
+                 config.rejection_sample_method, self.kv_dtype, config.confidence_threshold, config.attention_backend)
 
     # ---- memory and setup --------------------------------------------------------------------------
     def page_bytes(self, block_size: int) -> int:
-        return DraftKVCache.page_bytes(self.draft.config, block_size, self.spec.kv_cache_dtype, self.draft.dtype)
+        return DraftKVCache.page_bytes(self.draft.config, block_size, self.config.kv_cache_dtype, self.draft.dtype)
 
     def reserve_bytes(self, max_num_seqs: int) -> int:
         """Working memory of a speculative step beyond the target's (a heuristic, like the activation reserve):
         the draft's base logits U of every row (kept from the draft phase to the Markov phase), its Q (probabilistic
         drafts) and ~12 chunk-sized fp32 temporaries."""
-        k, v = self.spec.num_speculative_tokens, self.draft.config.vocab_size
-        q = max_num_seqs * k * v * 4 if self.spec.draft_sample_method == "probabilistic" else 0
+        k, v = self.config.num_speculative_tokens, self.draft.config.vocab_size
+        q = max_num_seqs * k * v * 4 if self.config.draft_sample_method == "probabilistic" else 0
         return q + max_num_seqs * k * v * 4 + 12 * CHUNK_ELEMENTS * 4
 
     def attach(self, runner, num_pages: int) -> None:
@@ -135,7 +135,7 @@ class SpeculativeDecoder:
                                   self.draft.config.num_key_value_heads, self.draft.config.head_dim, self.kv_dtype,
                                   self.draft.dtype, runner.device, self.load_report.kv_scales)
         self.runner = runner
-        runner.spec = self
+        runner.drafter = self
         cfg = self.draft.config
         # the draft's context attention: on CUDA the kernel reads the pages in place (sliding-window layers: not yet)
         self.paged = runner.device.type == "cuda" and all(
@@ -144,8 +144,9 @@ class SpeculativeDecoder:
     def enable_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Speculative steps of decoding sequences only replay CUDA graphs from now on (captured per batch and
         block-table width bucket at their first step; executor/speculative/graphs.py)."""
-        from m3serve.executor.speculative.graphs import SpecGraphs
-        self.graphs = SpecGraphs(self, StepState, max_num_seqs, -(-max_model_len // self.runner.cache.block_size))
+        from m3serve.executor.speculative.graphs import SpeculativeGraphs
+        self.graphs = SpeculativeGraphs(self, StepState, max_num_seqs,
+                                        -(-max_model_len // self.runner.cache.block_size))
 
     @property
     def proposal_hook(self) -> ProposalHook | None:
@@ -159,7 +160,7 @@ class SpeculativeDecoder:
             self.graphs.clear()  # the graphs captured the previous hook's launches
 
     def _chunks(self, rows: int) -> list[slice]:
-        width = (self.spec.num_speculative_tokens + 1) * self.draft.config.vocab_size
+        width = (self.config.num_speculative_tokens + 1) * self.draft.config.vocab_size
         size = max(1, CHUNK_ELEMENTS // width)
         return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
 
@@ -186,7 +187,7 @@ class SpeculativeDecoder:
     def draft_phase(self, st: "StepState") -> None:
         """The draft backbone over [anchor, mask x (gamma-1)] of every speculating sequence, chunked over sequences:
         block hidden h [c, K, H] and base logits U fp32 [c, K, V] per chunk."""
-        step, sp = st.step, st.step.spec
+        step, sp = st.step, st.step.speculative
         if sp is None:
             return
         anchors, positions = step.input_ids[sp.anchor_rows], step.positions[sp.anchor_rows]
@@ -198,18 +199,18 @@ class SpeculativeDecoder:
             st.blocks.append((h, self.draft.base_logits(h)))
 
     def markov_phase(self, st: "StepState") -> None:
-        """The K sequential Markov steps (drafts drawn with the DRAFT stream), the proposal hook, and the drafts
+        """The K sequential Markov positions (drafts drawn with the DRAFT stream), the proposal hook, and the drafts
         written into the step's placeholder tokens."""
-        step, sp = st.step, st.step.spec
+        step, sp = st.step, st.step.speculative
         if sp is None:
             return
-        k, method = sp.num_speculative_tokens, self.spec.draft_sample_method
+        k, method = sp.num_speculative_tokens, self.config.draft_sample_method
         ss = step.sampling.select(sp.sample_rows)
         anchors = step.input_ids[sp.anchor_rows]
         u = stream_uniforms(ss.seeds, ss.positions, DRAFT, k) if method == "probabilistic" else None
         d = self.draft
         # the confidence head only where something reads it (ones otherwise)
-        conf = d.confidence_head if self.spec.confidence_threshold > 0 or self.spec.confidence_scheduling else None
+        conf = d.confidence_head if self.config.confidence_threshold > 0 or self.config.confidence_scheduling else None
         parts = [sample_block(d.markov_head, conf, h, base, anchors[c], method, None if u is None else ss.select(c),
                               None if u is None else u[c], keep_logits=False)
                  for c, (h, base) in zip(self._chunks(sp.num_seqs), st.blocks)]
@@ -232,7 +233,7 @@ class SpeculativeDecoder:
         """Plain rows sampled, speculating rows verified. Every rank computes its share of the logits (gathered to
         rank 0); only rank 0 samples and verifies."""
         step = st.step
-        if step.spec is not None:
+        if step.speculative is not None:
             st.out = self._sample_and_verify(step, st.hidden, st.proposal)
         elif step.logits_indices is not None and step.logits_indices.numel():
             logits = self.runner.model.compute_logits(st.hidden[step.logits_indices])
@@ -257,15 +258,15 @@ class SpeculativeDecoder:
 
     def _verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> _Verified | None:
         """Rank 0: the verified runs; the other ranks (their logits' share gathered to rank 0): None."""
-        sp, k, model = step.spec, step.spec.num_speculative_tokens, self.runner.model
+        sp, k, model = step.speculative, step.speculative.num_speculative_tokens, self.runner.model
         n_top = step.sampling.max_num_logprobs
         greedy = step.sampling.all_greedy and n_top <= 0  # argmaxes only (verify_greedy): no sampling options read
         st = None if greedy else step.sampling.select(sp.sample_rows)
         cols = torch.arange(k + 1, device=hidden.device)[None, :]
         rows = sp.anchor_rows[:, None] + torch.minimum(cols, sp.num_drafts[:, None])  # [R, K+1], padded: repeats
         lens = sp.num_drafts
-        if self.spec.confidence_threshold > 0:
-            lens = torch.minimum(lens, confident_prefix_length(proposal.confidence, self.spec.confidence_threshold))
+        if self.config.confidence_threshold > 0:
+            lens = torch.minimum(lens, confident_prefix_length(proposal.confidence, self.config.confidence_threshold))
         if not greedy:
             u = torch.cat([stream_uniforms(st.seeds, st.positions, ACCEPT, k),
                            stream_uniforms(st.seeds, st.positions, FINAL)], 1)
@@ -282,7 +283,7 @@ class SpeculativeDecoder:
             raw = torch.log_softmax(logits, -1).view(-1, k + 1, logits.shape[-1])
             target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
             v = verify(proposal.tokens[c], None if proposal.probs is None else proposal.probs[c], target, u[c],
-                       lens[c], self.spec.rejection_sample_method)
+                       lens[c], self.config.rejection_sample_method)
             lp = raw.gather(2, v.tokens.clamp(min=0)[..., None])[..., 0]  # emitted token j comes from verify row j
             parts.append((v.tokens, v.num_accepted, lp, raw.topk(n_top, -1) if n_top > 0 else None))
         if not parts:
@@ -295,7 +296,7 @@ class SpeculativeDecoder:
 
     def _sample_and_verify(self, step: StepInput, hidden: torch.Tensor, proposal: Proposal) -> SamplerOutput | None:
         """Every sampling row's tokens ([N, K+1], -1 padded): plain rows sampled, speculating rows verified."""
-        r, s, sp = self.runner, step.sampling, step.spec
+        r, s, sp = self.runner, step.sampling, step.speculative
         n, width, n_top, dev = s.num_rows, sp.num_speculative_tokens + 1, s.max_num_logprobs, hidden.device
         plain, o = sp.plain_rows, None
         if plain.numel():

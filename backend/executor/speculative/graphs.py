@@ -3,16 +3,16 @@ greedy or sampled with the sampling filters some row needs), like the decode gra
 
 A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
 placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
-A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_spec`). Such
-a step has one shape per bucket, so its tensors are static: `SpecBuffers` holds them at the largest sizes, each
-step copies its `StepInput` into their leading rows (two copies to the device: its small inputs packed in one
-buffer, `_Arena`, and its block table's rows) (sequences past S are padding: slot -1, nothing written to
+A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_speculative`).
+Such a step has one shape per bucket, so its tensors are static: `SpeculativeBuffers` holds them at the largest
+sizes, each step copies its `StepInput` into their leading rows (two copies to the device: its small inputs packed
+in one buffer, `_Arena`, and its block table's rows) (sequences past S are padding: slot -1, nothing written to
 either cache; page 0 read; greedy; their outputs dropped) and replays. Any other step (mixed batches, penalties)
 runs the same phases eagerly. The step's K is the configured one, or, with confidence-scheduled verification, the
 width the engine chose for the step (executor/speculative/confidence.py: one of a few), so buffers, views and graphs
 are kept per K too.
 
-The phases of the step (`SpeculativeDecoder.phases`: draft backbone, Markov steps, target forward over the K+1
+The phases of the step (`SpeculativeDecoder.phases`: draft backbone, Markov positions, target forward over the K+1
 tokens of every sequence, sampling and the acceptance rule, the draft-cache insert) are captured as ONE graph, so
 a step costs one replay and no synchronisation: the only one is the copy of its tokens to the host
 (`PendingOutput`). With `timing` set (benchmarks), each phase is a graph of its own instead (captured in order,
@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from m3serve.step_io import SamplerOutput, SpecInput, StepInput
+from m3serve.step_io import SamplerOutput, SpeculativeInput, StepInput
 from m3serve.executor.cuda_graph import DecodeBuffers, _bucket, batch_buckets, width_buckets
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class _Arena:
             self._uploaded.record()
 
 
-class SpecBuffers(DecodeBuffers):
+class SpeculativeBuffers(DecodeBuffers):
     """A speculative step's persistent inputs: `max_seqs` sequences of K+1 tokens, `max_pages` table columns. Its
     per-token and per-sequence inputs live in one `_Arena` (a step uploads them in one copy), the block table in
     its own buffer (one copy of the step's rows)."""
@@ -103,7 +103,7 @@ class SpecBuffers(DecodeBuffers):
         self.draft_index = torch.arange(max_seqs * k, dtype=i64, **z)
         self.no_rows = torch.zeros(0, dtype=i64, **z)
 
-    def spec_step(self, batch: int, width: int, greedy: bool, filters: tuple[bool, bool, bool] = (True,) * 3
+    def speculative_step(self, batch: int, width: int, greedy: bool, filters: tuple[bool, bool, bool] = (True,) * 3
                   ) -> StepInput:
         """A speculative StepInput over the buffers' leading rows (`batch` sequences, `width` table columns);
         `filters`: a sampled step's (needs_top_k, needs_top_p, needs_min_p)."""
@@ -111,18 +111,18 @@ class SpecBuffers(DecodeBuffers):
         s = self.sampling(batch)
         s.all_greedy = greedy
         s.needs_top_k, s.needs_top_p, s.needs_min_p = (False,) * 3 if greedy else filters
-        spec = SpecInput(self.seq_index[:batch], self.seq_index[:batch], self.logits_indices[:batch],
-                         self.num_drafts[:batch], self.draft_rows[:batch * k], self.draft_index[:batch * k],
-                         self.no_rows, k)
+        speculative = SpeculativeInput(self.seq_index[:batch], self.seq_index[:batch], self.logits_indices[:batch],
+                                        self.num_drafts[:batch], self.draft_rows[:batch * k],
+                                        self.draft_index[:batch * k], self.no_rows, k)
         return StepInput(
             input_ids=self.input_ids[:batch * w], positions=self.positions[:batch * w],
             query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
             query_start_loc_cpu=list(range(0, batch * w + 1, w)), seq_lens_cpu=[w] * batch, is_decode=False,
             max_query_len=w, max_seq_len=width * self.block_size, block_tables=self.block_tables[:batch, :width],
             slot_mapping=self.slot_mapping[:batch * w], logits_indices=self.logits_indices[:batch], sampling=s,
-            spec=spec)
+            speculative=speculative)
 
-    def fill_spec(self, step: StepInput, view: StepInput) -> None:
+    def fill_speculative(self, step: StepInput, view: StepInput) -> None:
         """Copy a speculative step of S <= batch sequences (host tensors) into `view`'s buffers; the rows past S
         become padding. A sequence with k < K drafts (near its max_tokens) takes K+1 rows all the same: rows past
         its k+1 tokens repeat its last token at its position with no slot (nothing written to either cache; the
@@ -131,7 +131,7 @@ class SpecBuffers(DecodeBuffers):
         rows. The view's host lists take the step's (read by host-side reference paths only, never by a graph)."""
         if step.input_ids.device.type != "cpu":  # the warm-up's dummy steps are made on the device
             step = step.to("cpu")
-        n, w, k1, sp = step.num_seqs, step.block_tables.shape[1], self.k + 1, step.spec
+        n, w, k1, sp = step.num_seqs, step.block_tables.shape[1], self.k + 1, step.speculative
         batch, t = view.num_seqs, n * k1
         ids, pos, slots = step.input_ids.numpy(), step.positions.numpy(), step.slot_mapping.numpy()
         if sp is not None and sp.num_seqs == n:
@@ -161,17 +161,17 @@ class SpecBuffers(DecodeBuffers):
         view.seq_lens_cpu[:] = list(step.seq_lens_cpu) + [k1] * (batch - n)
 
 
-class SpecGraphs:
+class SpeculativeGraphs:
     """The speculative steps' graphs of one `SpeculativeDecoder` (its runner's model, bound to its cache)."""
 
     def __init__(self, decoder, new_state, max_num_seqs: int, max_pages: int):
         """new_state(step): what the decoder's phases hand each other (its `StepState`)."""
         r = decoder.runner
-        self.decoder, self.new_state, self.k = decoder, new_state, decoder.spec.num_speculative_tokens
+        self.decoder, self.new_state, self.k = decoder, new_state, decoder.config.num_speculative_tokens
         self.batches = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_pages)
         self.max_pages = max_pages
-        self.buffers: dict[int, SpecBuffers] = {}  # per step K (drafts per sequence)
+        self.buffers: dict[int, SpeculativeBuffers] = {}  # per step K (drafts per sequence)
         self.capture_graphs = r.device.type == "cuda"
         # (batch, width, greedy, step K, filters: a sampled step's needs_top_k / top_p / min_p, only the sampling
         # transform's passes it needs) -> the bucket's static step
@@ -189,7 +189,7 @@ class SpecGraphs:
         """Every sequence of the step speculates (k <= K drafts) and nothing else is in it, or, all greedy, some or
         all decode plainly (k = 0: verifying no draft emits the target's argmax, the plain decode's token), with no
         prefill chunk (host fields only)."""
-        sp, s, n, k = step.spec, step.sampling, step.num_seqs, self._step_k(step)
+        sp, s, n, k = step.speculative, step.sampling, step.num_seqs, self._step_k(step)
         return (s is not None and (s.all_greedy or sp is not None and sp.num_seqs == n) and n == s.num_rows
                 and n <= self.batches[-1] and 1 <= k <= self.k
                 and step.num_tokens == n + (0 if sp is None else sp.draft_rows.shape[0]) <= n * (k + 1)
@@ -203,18 +203,18 @@ class SpecGraphs:
     def _step_k(self, step: StepInput) -> int:
         """The step's K (rows per sequence - 1): its drafts per sequence, a confidence-scheduled width or the
         configured K, and the configured K for a step of plain decodes only."""
-        return step.spec.num_speculative_tokens if step.spec is not None else self.k
+        return step.speculative.num_speculative_tokens if step.speculative is not None else self.k
 
-    def _buffers(self, k: int) -> SpecBuffers:
+    def _buffers(self, k: int) -> SpeculativeBuffers:
         if k not in self.buffers:
             r = self.decoder.runner
-            self.buffers[k] = SpecBuffers(self.batches[-1], self.max_pages, r.cache.block_size, k, r.device)
+            self.buffers[k] = SpeculativeBuffers(self.batches[-1], self.max_pages, r.cache.block_size, k, r.device)
         return self.buffers[k]
 
     def _view(self, key: tuple[int, int, bool, int, tuple[bool, ...]]) -> StepInput:
         """The bucket's static step, its attention tile maps planned once (a graph may not copy them in)."""
         if key not in self.views:
-            view = self._buffers(key[3]).spec_step(*key[:3], key[4])
+            view = self._buffers(key[3]).speculative_step(*key[:3], key[4])
             self.decoder.runner.model.plan(view)
             self.views[key] = view
         return self.views[key]
@@ -225,7 +225,7 @@ class SpecGraphs:
         filters = () if s.all_greedy else (s.needs_top_k, s.needs_top_p, s.needs_min_p)
         key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), s.all_greedy, k, filters)
         view = self._view(key)
-        self.buffers[k].fill_spec(step, view)
+        self.buffers[k].fill_speculative(step, view)
         self.num_steps += 1
         gkey = key[:4] + (self.timing,) + key[4:]
         if gkey in self.graphs:
@@ -281,8 +281,9 @@ class SpecGraphs:
             graphs.append(g)
         torch.cuda.synchronize(d.runner.device)
         log.info("captured the speculative step as %d graph(s) for %d sequences x %d drafts, %d table columns, %s in "
-                 "%.2f s", len(graphs), view.num_seqs, view.spec.num_speculative_tokens, view.block_tables.shape[1],
-                 "greedy" if view.sampling.all_greedy else "sampled", time.perf_counter() - t0)
+                 "%.2f s", len(graphs), view.num_seqs, view.speculative.num_speculative_tokens,
+                 view.block_tables.shape[1], "greedy" if view.sampling.all_greedy else "sampled",
+                 time.perf_counter() - t0)
         return graphs, state
 
 

@@ -1,12 +1,13 @@
-"""The DSpark proposer step, batched over S sequences as tensor functions (design/dspark.md section 2):
+"""The DSpark proposal (the draft half of a speculative step), batched over S sequences as tensor functions
+(design/dspark.md section 2):
 
 1. `insert_context`: the pending context rows (tapped target features of newly committed positions) become
    K/V rows in the draft cache, written at the target's slots (-1 = skip the row).
 2. one backbone pass over [anchor, mask x (gamma-1)] per sequence, reading the cache through the target's
    block tables -> block hidden h [S, gamma, H] -> base logits U_k = lm_head(h_k) for the first K slots;
-3. `sample_block`: K cheap sequential steps: z_k = U_k + B_k(x_{k-1}), Q_k = the request's transform of z_k
-   (`probabilistic`) or one-hot argmax (`greedy`), x_k drawn from exactly Q_k, confidence c_k from
-   [h_k ; W1[x_{k-1}]].
+3. `sample_block`: K cheap draft positions, one after the other: z_k = U_k + B_k(x_{k-1}), Q_k = the request's
+   transform of z_k (`probabilistic`) or one-hot argmax (`greedy`), x_k drawn from exactly Q_k, confidence c_k
+   from [h_k ; W1[x_{k-1}]].
 Randomness comes in from the caller (uniforms [S, K], or a callable), nothing syncs with the host.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead
     for i in range(k):
         z, e = base_logits[:, i], None
         if markov_head is not None:
-            bias, e, state = markov_head.step(h[:, i], prev, state)
+            bias, e, state = markov_head.position(h[:, i], prev, state)
             z = z + bias
         if confidence_head is not None:
             conf.append(confidence_head(h[:, i], e))
@@ -86,7 +87,7 @@ def propose(draft: DSparkDraft, cache: DraftKVCache, anchor_ids: torch.Tensor, a
             block_tables: torch.Tensor, num_tokens: int, method: str = "probabilistic",
             sampling: SamplingInput | None = None, draws: Draws | None = None,
             pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Proposal:
-    """One proposer step for S sequences.
+    """One proposal (K drafts each) for S sequences.
 
     anchor_ids [S]: x0, the last token the target produced; anchor_positions [S]: its position t (every
     position < t must be in the cache once `pending` is inserted); block_tables int [S, max_pages]: the

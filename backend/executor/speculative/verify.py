@@ -19,7 +19,7 @@ Rule "block" (block verification, Sun et al. 2024): rho_0 = 1, rho_i = min(1, rh
 for i < L: Z_i = sum_v max(0, rho_i T_{i+1}(v) - Q_{i+1}(v)), h_i = Z_i / (Z_i + 1 - rho_i) (1 if the
 denominator is 0); h_L = rho_L; n = max{i : u_i < h_i} (0 if none); y ~ T_{L+1} if n = L, else
 y ~ norm(max(0, rho_n T_{n+1} - Q_{n+1})). The standard rule is the same residual with rho = 1.
-The tests compare u_i < h rather than the spec's u_i <= h: equal in probability for continuous u, and
+The tests compare u_i < h rather than design/dspark.md's u_i <= h: equal in probability for continuous u, and
 with u drawn from [0, 1) a probability of exactly 0 can never pass.
 A residual whose mass is ~0 (only rounding can make one) falls back to T_{n+1}, as DeepSpec does.
 Greedy targets need no branch: with one-hot T the rules accept exactly while x_i = argmax T_i and the

@@ -27,7 +27,7 @@ from m3serve.kernels.msa_attention import msa_attention_ref
 
 
 @dataclass(frozen=True)
-class AttentionSpec:
+class AttentionGeometry:
     """What every attention backend needs to know of the model."""
 
     block_size: int  # tokens per MSA block = per KV page
@@ -36,7 +36,7 @@ class AttentionSpec:
     scale: float  # softmax scale
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> "AttentionSpec":
+    def of(cls, cfg: ModelConfig) -> "AttentionGeometry":
         return cls(cfg.index_block_size, cfg.index_topk_blocks, cfg.index_local_blocks, cfg.head_dim ** -0.5)
 
 
@@ -53,13 +53,13 @@ class AttentionCache(Protocol):
 class TorchAttention:
     """Reference attention over one layer's AttentionCache (runs anywhere, used on CPU and in tests)."""
 
-    def __init__(self, spec: AttentionSpec, cache: AttentionCache):
-        self.spec, self.cache = spec, cache
+    def __init__(self, geometry: AttentionGeometry, cache: AttentionCache):
+        self.geometry, self.cache = geometry, cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 iq: torch.Tensor | None, ik: torch.Tensor | None, step: StepInput) -> torch.Tensor:
         out = torch.empty_like(q)
-        qsl, sp = step.query_start_loc_cpu, self.spec
+        qsl, sp = step.query_start_loc_cpu, self.geometry
         for s in range(step.num_seqs):
             sl = slice(qsl[s], qsl[s + 1])
             if sl.start == sl.stop:

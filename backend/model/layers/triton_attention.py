@@ -23,16 +23,16 @@ from m3serve.kernels.indexer import indexer_decode, indexer_prefill
 from m3serve.kernels.kv_insert import kv_insert
 from m3serve.kernels.msa_attention import msa_decode, msa_prefill
 from m3serve.kernels.qkv_insert import QKVLayout, qkv_insert
-from m3serve.model.layers.attention import AttentionSpec
+from m3serve.model.layers.attention import AttentionGeometry
 
 
 class TritonAttention:
     packed_qkv = True  # takes the fused projection output (forward_packed)
 
-    def __init__(self, spec: AttentionSpec, cache: LayerKVCache, num_q_heads: int, num_index_heads: int):
-        if cache.block_size != spec.block_size:
-            raise ValueError(f"cache pages hold {cache.block_size} tokens, the indexer block is {spec.block_size}")
-        self.spec, self.cache = spec, cache
+    def __init__(self, geometry: AttentionGeometry, cache: LayerKVCache, num_q_heads: int, num_index_heads: int):
+        if cache.block_size != geometry.block_size:
+            raise ValueError(f"cache pages hold {cache.block_size} tokens, the indexer block is {geometry.block_size}")
+        self.geometry, self.cache = geometry, cache
         self.group = num_q_heads // cache.k.shape[1]  # query heads per KV head
         self.index_heads = num_index_heads
 
@@ -66,7 +66,7 @@ class TritonAttention:
 
     def _attend(self, c: LayerKVCache, q: torch.Tensor, iq: torch.Tensor | None, step: StepInput) -> torch.Tensor:
         """Indexer (when iq is given) and block-sparse attention over the pages the new tokens are already in."""
-        sp = self.spec
+        sp = self.geometry
         bt, seq_lens = step.block_tables, step.seq_lens
         q = q.contiguous()
         block_ids = pages = None
