@@ -212,29 +212,34 @@ def _tile_block(j, tpb, s, h, bt_row, bid_ptr, pg_ptr, sbid_s, sbid_h, SPARSE: t
 
 
 @triton.jit
-def _attend_tile(qs, acc, m_i, l_i, keep, qk_scale,
-                 k_ptr, v_ptr, ks_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
-                 BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, NS_K: tl.constexpr, NS_V: tl.constexpr,
-                 DOT_DT: tl.constexpr, ASM: tl.constexpr = False):
-    """One key tile of every attention kernel here (the inner loop of Triton's tutorial 06): decode K (rows
-    ``t_off`` of the page, zeros where not ``kv_ok``; `_tile_slots`, any cache format), S = Q K^T over its NS_K
-    sub-tiles (``qs`` from `_q_slots`), scaled and masked by ``keep`` ([rows, BN], or [BN] for every row), the online-softmax
-    update, then V decoded and ``acc`` (NS_V sub-tile accumulators) rescaled and increased by P V.
-    Returns ``(acc, m_i, l_i)``."""
+def _tile_scores(qs, k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                 BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, NS: tl.constexpr, DOT_DT: tl.constexpr,
+                 ASM: tl.constexpr = False):
+    """First half of one key tile in every attention kernel here (the inner loop of Triton's tutorial 06): K
+    decoded from rows ``t_off`` of the page (zeros where not ``kv_ok``; `_tile_slots`, any cache format) and
+    S = Q K^T summed over its NS sub-tiles (``qs`` from `_q_slots`): fp32 [rows, BN], not yet scaled. The kernel
+    scales and masks it (its own causal / selection mask), then calls `_tile_accumulate`."""
     kt = _tile_slots(k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
-                     BN, D, FMT, NS_K, DOT_DT, ASM)
+                     BN, D, FMT, NS, DOT_DT, ASM)
     sc = tl.dot(qs[0], tl.trans(kt[0]))
-    for k in tl.static_range(1, NS_K):
+    for k in tl.static_range(1, NS):
         sc = tl.dot(qs[k], tl.trans(kt[k]), sc)
-    if len(keep.shape) == 1:  # one mask for every row
-        keep = keep[None, :]
-    sc = tl.where(keep, sc * qk_scale, float("-inf"))
+    return sc
+
+
+@triton.jit
+def _tile_accumulate(sc, acc, m_i, l_i, v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                     BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, NS: tl.constexpr, DOT_DT: tl.constexpr,
+                     ASM: tl.constexpr = False):
+    """Second half of one key tile, given its scaled, masked scores ``sc``: the online-softmax update
+    (`_online_softmax`), V decoded like K, and the NS sub-tile accumulators ``acc`` rescaled and increased by P V.
+    Returns ``(acc, m_i, l_i)``."""
     p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
     vt = _tile_slots(v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
-                     BN, D, FMT, NS_V, DOT_DT, ASM)
+                     BN, D, FMT, NS, DOT_DT, ASM)
     pd = p.to(vt[0].dtype)
     new = ()
-    for k in tl.static_range(NS_V):
+    for k in tl.static_range(NS):
         new = new + (tl.dot(pd, vt[k], acc[k] * alpha[:, None]),)
     return new, m_i, l_i
 
@@ -275,8 +280,8 @@ def _msa_decode_kernel(
     """Program (sequence, KV head, split): the G query heads of the KV head against tiles
     [split * tiles_per_split, ...) of its selected blocks (SPARSE; block id and page precomputed per slot)
     or of its whole context, online softmax; writes the output or (SPLIT) a normalized partial + its lse.
-    The work is the helpers': `_tile_block` (block selection), `_attend_tile` (one K/V tile: decode, scores,
-    `_online_softmax`, P V), `_store_slots`."""
+    The work is the helpers': `_tile_block` (block selection), `_tile_scores` and `_tile_accumulate` (one
+    K/V tile: decode, scores, `_online_softmax`, P V), `_store_slots`."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -300,9 +305,11 @@ def _msa_decode_kernel(
         blk, page = _tile_block(j, tpb, s, h, bt_row, bid_ptr, pg_ptr, sbid_s, sbid_h, SPARSE)
         t_off = (j % tpb) * BN + n
         valid = (blk * B + t_off < seq_len) & (blk >= 0)
-        acc, m_i, l_i = _attend_tile(qs, acc, m_i, l_i, valid, qk_scale,
-                                     k_ptr, v_ptr, ks_ptr, vs_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
-                                     ss_p, ss_h, ss_t, BN, D, FMT, NS_K, NS_V, DOT_DT, ASM)
+        sc = _tile_scores(qs, k_ptr, ks_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                          BN, D, FMT, NS_K, DOT_DT, ASM)
+        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        acc, m_i, l_i = _tile_accumulate(sc, acc, m_i, l_i, v_ptr, vs_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
+                                         ss_p, ss_h, ss_t, BN, D, FMT, NS_V, DOT_DT, ASM)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     inv = (v_scale / l_safe)[:, None]
     hq = h * G + g
@@ -546,10 +553,12 @@ def _msa_prefill_kernel(
                 t_off = sub * BN + n
                 kpos = blk * B + t_off
                 kv_ok = kpos <= tl.max(qpos, axis=0)
+                sc = _tile_scores(qs, k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                                  BN, D, FMT, NS, DOT_DT)
                 keep = (kpos[None, :] <= qpos[:, None]) & row_sel[:, None]
-                acc, m_i, l_i = _attend_tile(qs, acc, m_i, l_i, keep, qk_scale,
-                                             k_ptr, v_ptr, ks_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t,
-                                             ss_p, ss_h, ss_t, BN, D, FMT, NS, NS, DOT_DT)
+                sc = tl.where(keep, sc * qk_scale, float("-inf"))
+                acc, m_i, l_i = _tile_accumulate(sc, acc, m_i, l_i, v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h,
+                                                 sd_t, ss_p, ss_h, ss_t, BN, D, FMT, NS, DOT_DT)
     inv = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
     orow = out_ptr + tok.to(tl.int64)[:, None] * so_t + (h * G + g)[:, None] * so_h
     _store_slots(orow, acc, inv[:, None], NS, D, row_ok, False)
