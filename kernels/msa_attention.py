@@ -178,6 +178,90 @@ def _tile_slots(d_ptr, s_ptr, page, h, t_off, mask, sd_p, sd_h, sd_t, ss_p, ss_h
         return x, x, x, x, x, x, x, x
 
 
+@triton.jit
+def _q_slots(qrow, NS: tl.constexpr, D: tl.constexpr, gm, DOT_DT: tl.constexpr, PERM: tl.constexpr = False):
+    """The query as the NS column sets that multiply the NS sub-tiles of a decoded K tile (a tuple of NS)."""
+    qs = ()
+    for k in tl.static_range(NS):
+        qs = qs + (_q_slot(qrow, k, NS, D, gm, DOT_DT, PERM),)
+    return qs
+
+
+@triton.jit
+def _zero_slots(R: tl.constexpr, D: tl.constexpr, NS: tl.constexpr):
+    """NS fp32 accumulators [R, D / NS], one per V sub-tile."""
+    acc = ()
+    for k in tl.static_range(NS):
+        acc = acc + (tl.zeros([R, D // NS], tl.float32),)
+    return acc
+
+
+@triton.jit
+def _tile_block(j, tpb, s, h, bt_row, bid_ptr, pg_ptr, sbid_s, sbid_h, SPARSE: tl.constexpr):
+    """Block selection: the block id and page of key tile j (tpb tiles per block) of sequence s, KV head h. SPARSE:
+    its (j // tpb)-th selected block, id and page read from the indexer's ``[S, H_kv, topk]`` output (-1 = unused
+    slot); else block j // tpb of the context, its page from the block-table row ``bt_row``."""
+    item = j // tpb
+    if SPARSE:
+        blk = tl.load(bid_ptr + s.to(tl.int64) * sbid_s + h * sbid_h + item)
+        page = tl.load(pg_ptr + s.to(tl.int64) * sbid_s + h * sbid_h + item).to(tl.int64)
+    else:
+        blk = item
+        page = tl.load(bt_row + blk).to(tl.int64)
+    return blk, page
+
+
+@triton.jit
+def _tile_scores(qs, k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                 BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, NS: tl.constexpr, DOT_DT: tl.constexpr,
+                 ASM: tl.constexpr = False):
+    """First half of one key tile in every attention kernel here (the inner loop of Triton's tutorial 06): K
+    decoded from rows ``t_off`` of the page (zeros where not ``kv_ok``; `_tile_slots`, any cache format) and
+    S = Q K^T summed over its NS sub-tiles (``qs`` from `_q_slots`): fp32 [rows, BN], not yet scaled. The kernel
+    scales and masks it (its own causal / selection mask), then calls `_tile_accumulate`."""
+    kt = _tile_slots(k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                     BN, D, FMT, NS, DOT_DT, ASM)
+    sc = tl.dot(qs[0], tl.trans(kt[0]))
+    for k in tl.static_range(1, NS):
+        sc = tl.dot(qs[k], tl.trans(kt[k]), sc)
+    return sc
+
+
+@triton.jit
+def _tile_accumulate(sc, acc, m_i, l_i, v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                     BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, NS: tl.constexpr, DOT_DT: tl.constexpr,
+                     ASM: tl.constexpr = False):
+    """Second half of one key tile, given its scaled, masked scores ``sc``: the online-softmax update
+    (`_online_softmax`), V decoded like K, and the NS sub-tile accumulators ``acc`` rescaled and increased by P V.
+    Returns ``(acc, m_i, l_i)``."""
+    p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
+    vt = _tile_slots(v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                     BN, D, FMT, NS, DOT_DT, ASM)
+    pd = p.to(vt[0].dtype)
+    new = ()
+    for k in tl.static_range(NS):
+        new = new + (tl.dot(pd, vt[k], acc[k] * alpha[:, None]),)
+    return new, m_i, l_i
+
+
+@triton.jit
+def _store_slot(orow, x, k: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, gm, RAW: tl.constexpr,
+                PERM: tl.constexpr = False):
+    cols = _slot_cols(k, NS, D, PERM)
+    if RAW:
+        tl.store(orow + cols[None, :], x, mask=gm[:, None])
+    else:
+        tl.store(orow + cols[None, :], cast_to(x, orow.dtype.element_ty), mask=gm[:, None])
+
+
+@triton.jit
+def _store_slots(orow, acc, scale, NS: tl.constexpr, D: tl.constexpr, gm, RAW: tl.constexpr,
+                 PERM: tl.constexpr = False):
+    """Store the NS accumulators times ``scale`` ([rows, 1]) into their columns of the output rows ``orow``."""
+    for k in tl.static_range(NS):
+        _store_slot(orow, acc[k] * scale, k, NS, D, gm, RAW, PERM)
+
+
 @triton.jit(do_not_specialize=["tiles_per_split", "nsplit"])
 def _msa_decode_kernel(
     q_ptr, sq_s, sq_h,
@@ -195,7 +279,9 @@ def _msa_decode_kernel(
 ):
     """Program (sequence, KV head, split): the G query heads of the KV head against tiles
     [split * tiles_per_split, ...) of its selected blocks (SPARSE; block id and page precomputed per slot)
-    or of its whole context, online softmax; writes the output or (SPLIT) a normalized partial + its lse."""
+    or of its whole context, online softmax; writes the output or (SPLIT) a normalized partial + its lse.
+    The work is the helpers': `_tile_block` (block selection), `_tile_scores` and `_tile_accumulate` (one
+    K/V tile: decode, scores, `_online_softmax`, P V), `_store_slots`."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -209,70 +295,21 @@ def _msa_decode_kernel(
     t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
     g = tl.arange(0, G_PAD)
     gm = g < G
-    qrow = q_ptr + s.to(tl.int64) * sq_s + (h * G + g)[:, None] * sq_h
-    q0 = _q_slot(qrow, 0, NS_K, D, gm, DOT_DT, PERM)
-    if NS_K > 1:
-        q1 = _q_slot(qrow, 1, NS_K, D, gm, DOT_DT)
-    if NS_K > 2:
-        q2 = _q_slot(qrow, 2, NS_K, D, gm, DOT_DT)
-        q3 = _q_slot(qrow, 3, NS_K, D, gm, DOT_DT)
-    if NS_K > 4:
-        q4 = _q_slot(qrow, 4, NS_K, D, gm, DOT_DT)
-        q5 = _q_slot(qrow, 5, NS_K, D, gm, DOT_DT)
-        q6 = _q_slot(qrow, 6, NS_K, D, gm, DOT_DT)
-        q7 = _q_slot(qrow, 7, NS_K, D, gm, DOT_DT)
-    DV: tl.constexpr = D // NS_V
-    a0 = tl.zeros([G_PAD, DV], tl.float32)
-    a1 = tl.zeros([G_PAD, DV], tl.float32)
-    a2 = tl.zeros([G_PAD, DV], tl.float32)
-    a3 = tl.zeros([G_PAD, DV], tl.float32)
-    a4 = tl.zeros([G_PAD, DV], tl.float32)
-    a5 = tl.zeros([G_PAD, DV], tl.float32)
-    a6 = tl.zeros([G_PAD, DV], tl.float32)
-    a7 = tl.zeros([G_PAD, DV], tl.float32)
+    qs = _q_slots(q_ptr + s.to(tl.int64) * sq_s + (h * G + g)[:, None] * sq_h, NS_K, D, gm, DOT_DT, PERM)
+    acc = _zero_slots(G_PAD, D, NS_V)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     n = tl.arange(0, BN)
     bt_row = bt_ptr + s.to(tl.int64) * sbt_s
     for j in range(t_begin, t_end):
-        item = j // tpb
-        if SPARSE:
-            blk = tl.load(bid_ptr + s.to(tl.int64) * sbid_s + h * sbid_h + item)
-            page = tl.load(pg_ptr + s.to(tl.int64) * sbid_s + h * sbid_h + item).to(tl.int64)
-        else:
-            blk = item
-            page = tl.load(bt_row + blk).to(tl.int64)
+        blk, page = _tile_block(j, tpb, s, h, bt_row, bid_ptr, pg_ptr, sbid_s, sbid_h, SPARSE)
         t_off = (j % tpb) * BN + n
         valid = (blk * B + t_off < seq_len) & (blk >= 0)
-        k0, k1, k2, k3, k4, k5, k6, k7 = _tile_slots(k_ptr, ks_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
-                                                     ss_p, ss_h, ss_t, BN, D, FMT, NS_K, DOT_DT, ASM)
-        sc = tl.dot(q0, tl.trans(k0))
-        if NS_K > 1:
-            sc = tl.dot(q1, tl.trans(k1), sc)
-        if NS_K > 2:
-            sc = tl.dot(q2, tl.trans(k2), sc)
-            sc = tl.dot(q3, tl.trans(k3), sc)
-        if NS_K > 4:
-            sc = tl.dot(q4, tl.trans(k4), sc)
-            sc = tl.dot(q5, tl.trans(k5), sc)
-            sc = tl.dot(q6, tl.trans(k6), sc)
-            sc = tl.dot(q7, tl.trans(k7), sc)
+        sc = _tile_scores(qs, k_ptr, ks_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                          BN, D, FMT, NS_K, DOT_DT, ASM)
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _tile_slots(v_ptr, vs_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
-                                                     ss_p, ss_h, ss_t, BN, D, FMT, NS_V, DOT_DT, ASM)
-        pd = p.to(v0.dtype)
-        a0 = tl.dot(pd, v0, a0 * alpha[:, None])
-        if NS_V > 1:
-            a1 = tl.dot(pd, v1, a1 * alpha[:, None])
-        if NS_V > 2:
-            a2 = tl.dot(pd, v2, a2 * alpha[:, None])
-            a3 = tl.dot(pd, v3, a3 * alpha[:, None])
-        if NS_V > 4:
-            a4 = tl.dot(pd, v4, a4 * alpha[:, None])
-            a5 = tl.dot(pd, v5, a5 * alpha[:, None])
-            a6 = tl.dot(pd, v6, a6 * alpha[:, None])
-            a7 = tl.dot(pd, v7, a7 * alpha[:, None])
+        acc, m_i, l_i = _tile_accumulate(sc, acc, m_i, l_i, v_ptr, vs_ptr, page, h, t_off, valid, sd_p, sd_h, sd_t,
+                                         ss_p, ss_h, ss_t, BN, D, FMT, NS_V, DOT_DT, ASM)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     inv = (v_scale / l_safe)[:, None]
     hq = h * G + g
@@ -282,27 +319,7 @@ def _msa_decode_kernel(
         orow = op_ptr + prow[:, None] * D
     else:
         orow = out_ptr + s.to(tl.int64) * so_s + hq[:, None] * so_h
-    _store_slot(orow, a0 * inv, 0, NS_V, D, gm, SPLIT, PERM)
-    if NS_V > 1:
-        _store_slot(orow, a1 * inv, 1, NS_V, D, gm, SPLIT)
-    if NS_V > 2:
-        _store_slot(orow, a2 * inv, 2, NS_V, D, gm, SPLIT)
-        _store_slot(orow, a3 * inv, 3, NS_V, D, gm, SPLIT)
-    if NS_V > 4:
-        _store_slot(orow, a4 * inv, 4, NS_V, D, gm, SPLIT)
-        _store_slot(orow, a5 * inv, 5, NS_V, D, gm, SPLIT)
-        _store_slot(orow, a6 * inv, 6, NS_V, D, gm, SPLIT)
-        _store_slot(orow, a7 * inv, 7, NS_V, D, gm, SPLIT)
-
-
-@triton.jit
-def _store_slot(orow, x, k: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, gm, RAW: tl.constexpr,
-                PERM: tl.constexpr = False):
-    cols = _slot_cols(k, NS, D, PERM)
-    if RAW:
-        tl.store(orow + cols[None, :], x, mask=gm[:, None])
-    else:
-        tl.store(orow + cols[None, :], cast_to(x, orow.dtype.element_ty), mask=gm[:, None])
+    _store_slots(orow, acc, inv, NS_V, D, gm, SPLIT, PERM)
 
 
 @triton.jit(do_not_specialize=["nsplit"])
@@ -511,18 +528,8 @@ def _msa_prefill_kernel(
     qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
     n_blk = tl.max(qpos, axis=0) // B + 1
     qrow = q_ptr + tok.to(tl.int64)[:, None] * sq_t + (h * G + g)[:, None] * sq_h
-    if FMT == NVFP4:  # even / odd elements, as the byte decoder gives them
-        c = tl.arange(0, D // 2)
-        q_a = tl.load(qrow + 2 * c[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
-        q_b = tl.load(qrow + 2 * c[None, :] + 1, mask=row_ok[:, None], other=0.0).to(DOT_DT)
-        acc_a = tl.zeros([R, D // 2], tl.float32)
-        acc_b = tl.zeros([R, D // 2], tl.float32)
-    else:
-        c = tl.arange(0, D)
-        q_a = tl.load(qrow + c[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
-        q_b = q_a
-        acc_a = tl.zeros([R, D], tl.float32)
-        acc_b = acc_a
+    qs = _q_slots(qrow, NS, D, row_ok, DOT_DT)
+    acc = _zero_slots(R, D, NS)
     if SPARSE:
         tt = t0 + tl.arange(0, BLOCK_T)
         kk = tl.arange(0, TOPK)
@@ -546,28 +553,15 @@ def _msa_prefill_kernel(
                 t_off = sub * BN + n
                 kpos = blk * B + t_off
                 kv_ok = kpos <= tl.max(qpos, axis=0)
-                k_a, k_b, _, _, _, _, _, _ = _tile_slots(k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t,
-                                                         ss_p, ss_h, ss_t, BN, D, FMT, NS, DOT_DT)
-                sc = tl.dot(q_a, tl.trans(k_a))
-                if FMT == NVFP4:
-                    sc = tl.dot(q_b, tl.trans(k_b), sc)
+                sc = _tile_scores(qs, k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
+                                  BN, D, FMT, NS, DOT_DT)
                 keep = (kpos[None, :] <= qpos[:, None]) & row_sel[:, None]
                 sc = tl.where(keep, sc * qk_scale, float("-inf"))
-                p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
-                v_a, v_b, _, _, _, _, _, _ = _tile_slots(v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t,
-                                                         ss_p, ss_h, ss_t, BN, D, FMT, NS, DOT_DT)
-                pd = p.to(DOT_DT)
-                acc_a = tl.dot(pd, v_a, acc_a * alpha[:, None])
-                if FMT == NVFP4:
-                    acc_b = tl.dot(pd, v_b, acc_b * alpha[:, None])
+                acc, m_i, l_i = _tile_accumulate(sc, acc, m_i, l_i, v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h,
+                                                 sd_t, ss_p, ss_h, ss_t, BN, D, FMT, NS, DOT_DT)
     inv = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
     orow = out_ptr + tok.to(tl.int64)[:, None] * so_t + (h * G + g)[:, None] * so_h
-    if FMT == NVFP4:
-        tl.store(orow + 2 * c[None, :], cast_to(acc_a * inv[:, None], out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(orow + 2 * c[None, :] + 1, cast_to(acc_b * inv[:, None], out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        tl.store(orow + c[None, :], cast_to(acc_a * inv[:, None], out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _store_slots(orow, acc, inv[:, None], NS, D, row_ok, False)
 
 
 def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, scale: float, block_ids=None,
