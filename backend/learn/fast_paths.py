@@ -19,6 +19,7 @@ loop synced with the host. `install(model)` swaps three pieces for ones that com
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -86,15 +87,29 @@ def teacher_probs(module, query, key, block_indices, scaling: float, rows: torch
     return probs.unflatten(1, (h_idx, -1)).mean(2)
 
 
+def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """M3's clamped SwiGLU of a fused [gate | up] projection (transformers' `_apply_gate` and dense MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+def experts_all(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """MiniMaxM3VLExperts.forward computed for every expert, weighted by the router (0 where not picked)."""
+    w = torch.zeros(hidden_states.shape[0], gate_up_proj.shape[0], dtype=top_k_weights.dtype,
+                    device=hidden_states.device).scatter(1, top_k_index, top_k_weights)
+    gate_up = torch.einsum("td,efd->tef", hidden_states, gate_up_proj.to(hidden_states.dtype))
+    act = swiglu(gate_up, alpha, limit)
+    out = torch.einsum("tef,edf->ted", act, down_proj.to(act.dtype))
+    return (out * w[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
+
+
 def _experts_all(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                  ) -> torch.Tensor:
-    """MiniMaxM3VLExperts.forward computed for every expert, weighted by the router (0 where not picked)."""
-    w = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=top_k_weights.dtype,
-                    device=hidden_states.device).scatter(1, top_k_index, top_k_weights)
-    gate_up = torch.einsum("td,efd->tef", hidden_states, self.gate_up_proj.to(hidden_states.dtype))
-    act = self._apply_gate(gate_up)
-    out = torch.einsum("tef,edf->ted", act, self.down_proj.to(act.dtype))
-    return (out * w[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
+    return experts_all(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                       self.swiglu_alpha, self.swiglu_limit)
 
 
 def _select_without_grad(self, *args, **kwargs):
@@ -117,3 +132,103 @@ def install(model) -> None:
         ix = layer.self_attn.indexer
         if ix is not None:
             ix.forward = types.MethodType(_select_without_grad, ix)
+
+
+# ---------------------------------------------------------------------------------------------- --compile
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """MiniMaxM3VLRMSNorm.forward: normalised in fp32, scaled by `weight + 1`, back in x's dtype."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """MiniMaxM3VLDenseMLP.forward from its two weights."""
+    return F.linear(swiglu(F.linear(x, gate_up), alpha, limit), down)
+
+
+def moe(hidden_states: torch.Tensor, router: tuple, experts: tuple, shared: tuple, scale: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMaxM3VLSparseMoeBlock.forward with every expert router-weighted (`experts_all`), from its weights:
+    `router` (weight, e_score_correction_bias, top_k), `experts` and `shared` (gate_up, down, alpha, limit). Returns
+    the output and the router's top-k expert indices [T, top_k] (for RouterBalance)."""
+    b, s, d = hidden_states.shape
+    h = hidden_states.view(-1, d)
+    weight, bias, top_k = router
+    probs = torch.sigmoid(F.linear(h.to(weight.dtype), weight).float())
+    _, index = torch.topk(probs + bias, top_k, dim=-1, sorted=False)
+    picked = probs.gather(1, index)
+    picked = picked / picked.sum(dim=-1, keepdim=True)
+    out = experts_all(h, index, picked, *experts) * scale + dense_mlp(h, *shared)
+    return out.reshape(b, s, d), index
+
+
+def rope(inv_freq: torch.Tensor, position_ids: torch.Tensor, scaling: float, dtype: torch.dtype
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMaxM3VLRotaryEmbedding.forward (default rope type): cos and sin per position."""
+    freqs = position_ids[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(backend: str) -> dict:
+    """The pieces above through torch.compile with `backend`, dynamic shapes (token count and row length change
+    every batch): compiled on their first call, once per input rank, dtype, autocast and grad mode."""
+    return {f.__name__: torch.compile(f, backend=backend, dynamic=True) for f in (rms_norm, dense_mlp, moe, rope)}
+
+
+def _rms_forward(self, x):
+    return compiled(self.compile_backend)["rms_norm"](x, self.weight, self.eps)
+
+
+def _mlp_forward(self, x):
+    return compiled(self.compile_backend)["dense_mlp"](x, self.gate_up_proj.weight, self.down_proj.weight,
+                                                       self.swiglu_alpha, self.swiglu_limit)
+
+
+def _moe_forward(self, hidden_states):
+    g, ex, sh = self.gate, self.experts, self.shared_experts
+    out, index = compiled(self.compile_backend)["moe"](
+        hidden_states, (g.weight, g.e_score_correction_bias, g.top_k),
+        (ex.gate_up_proj, ex.down_proj, ex.swiglu_alpha, ex.swiglu_limit),
+        (sh.gate_up_proj.weight, sh.down_proj.weight, sh.swiglu_alpha, sh.swiglu_limit), self.routed_scaling_factor)
+    sink = getattr(g, "load_sink", None)  # the router module is not called: RouterBalance reads its choice here
+    if sink is not None:
+        sink(index)
+    return out
+
+
+def _rope_forward(self, x, position_ids):
+    return compiled(self.compile_backend)["rope"](self.inv_freq, position_ids, self.attention_scaling, x.dtype)
+
+
+class CompiledPieces:
+    """`--compile`: the training step's pieces made of many small ops and free of Python side effects run through
+    torch.compile: every RMSNorm, the dense MLP, each MoE block (router, every expert, shared expert: one graph; the
+    router's top-k choice goes to its `load_sink`), the rotary embedding. The attention modules, which carry
+    IndexerDistill's hooks, and the indexer stay eager. Same math as the eager modules (tests/unit/
+    test_learn_compile.py); `undo()` puts the eager forwards back (after training, or when compiling failed)."""
+
+    def __init__(self, model, backend: str = "inductor"):
+        from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
+
+        self.backend = backend
+        swaps = {hf.MiniMaxM3VLRMSNorm: _rms_forward, hf.MiniMaxM3VLSparseMoeBlock: _moe_forward}
+        self.modules = [(m, swaps[type(m)]) for m in model.modules() if type(m) in swaps]
+        self.modules += [(layer.mlp, _mlp_forward) for layer in model.model.layers
+                         if type(layer.mlp) is hf.MiniMaxM3VLDenseMLP]
+        if model.model.rotary_emb.rope_type == "default":
+            self.modules.append((model.model.rotary_emb, _rope_forward))
+        self.saved = [vars(m).get("forward") for m, _ in self.modules]
+        for m, fn in self.modules:
+            m.compile_backend = backend
+            m.forward = types.MethodType(fn, m)
+
+    def undo(self) -> None:
+        for (m, _), prev in zip(self.modules, self.saved):
+            del m.forward, m.compile_backend
+            if prev is not None:
+                m.forward = prev
+        self.modules = []

@@ -40,6 +40,7 @@ carry transformers 5.25's wheels:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import multiprocessing
@@ -106,6 +107,9 @@ class TrainConfig:
     draft_tokens_per_batch: int = 16384
     log_every: int = 25
     profile_steps: int = 0  # profile this many target steps (after 10 warm ones): top ops in the log
+    # torch.compile the target step's small-op pieces (fast_paths.CompiledPieces); any compiler error: eager again
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -244,6 +248,12 @@ class IndexerDistill:
         for attn in self.attentions:
             del attn.teacher_sink
 
+    def reset(self) -> None:
+        """Drop what a forward that failed half-way left (a step retried eagerly starts clean)."""
+        self.kls, self.sel = [], None
+        self.pending.clear()
+        self.teachers.clear()
+
     def _on_indexer(self, indexer, args, block_indices):
         if not self.enabled:
             return
@@ -300,7 +310,9 @@ class IndexerDistill:
 
 class RouterBalance:
     """Auxiliary-loss-free MoE balancing: count each router's expert loads in the forward, then move its
-    `e_score_correction_bias` by `rate` toward the mean load (down for overloaded experts)."""
+    `e_score_correction_bias` by `rate` toward the mean load (down for overloaded experts). The router's top-k
+    choice comes from a forward hook where the router module runs, or from its `load_sink`, which a compiled MoE
+    block (fast_paths.CompiledPieces) calls instead."""
 
     def __init__(self, model, rate: float):
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLTopKRouter
@@ -310,10 +322,23 @@ class RouterBalance:
         self.loads: dict[int, torch.Tensor] = {}
         self.enabled = False
         self.handles = [r.register_forward_hook(self._on_router) for r in self.routers]
+        for r in self.routers:
+            r.load_sink = functools.partial(self._count, r)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for r in self.routers:
+            del r.load_sink
 
     def _on_router(self, router, args, out):
-        if self.enabled:
-            self.loads[id(router)] = torch.bincount(out[2].flatten(), minlength=router.num_experts).float()
+        self._count(router, out[2])
+
+    def _count(self, router, top_k_index: torch.Tensor) -> None:
+        if self.enabled:  # a scatter, not bincount: no host sync for the output size on CUDA
+            idx = top_k_index.flatten()
+            self.loads[id(router)] = torch.zeros(router.num_experts, device=idx.device).index_add_(
+                0, idx, torch.ones(idx.shape, device=idx.device))
 
     @torch.no_grad()
     def update(self) -> float:
@@ -492,6 +517,17 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     sched = Schedule(tc.lr, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     distill, balance = IndexerDistill(model, tc.distill_rows, tc.seed + 11), RouterBalance(model, tc.bias_rate)
     distill.enabled = balance.enabled = True
+    pieces, compiling = None, {}
+    if tc.compile:
+        from m3serve.learn.fast_paths import CompiledPieces
+
+        pieces = CompiledPieces(model, tc.compile_backend)
+        compiling = {"backend": tc.compile_backend, "pieces": len(pieces.modules), "fallback": None}
+
+    def one_step(batch, dense: bool) -> dict:
+        return _target_step(model, opt, groups, distill, balance, batch, sched.lr(step), dense, device,
+                            tc.prompt_loss_weight)
+
     curve, t0 = [], time.time()
     ramp = SparseRamp(tc, random.Random(tc.seed + 7))
     model.train()
@@ -508,8 +544,25 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                 "blocks); the dense phase's weights are kept aside")
         dense = ramp.dense(step)
         try:
-            rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device,
-                               tc.prompt_loss_weight)
+            batch, t_step = next(data), time.time()
+            try:
+                rec = one_step(batch, dense)
+            except Exception as e:  # noqa: BLE001 - compiled: the compiler may be at fault; the step again, eager
+                if pieces is None:
+                    raise
+                compiling["fallback"] = f"step {step}: {type(e).__name__}: {e}"
+                log(f"target: compiled step {step} failed ({type(e).__name__}: {e}); eager from here\n"
+                    + traceback.format_exc())
+                pieces.undo()
+                pieces = None
+                opt.zero_grad(set_to_none=True)
+                distill.reset()
+                balance.loads.clear()
+                rec = one_step(batch, dense)
+            if step == 0 and pieces is not None:
+                compiling["first_step_s"] = round(time.time() - t_step, 1)
+                log(f"target: the first step, compiling {compiling['pieces']} pieces with "
+                    f"{tc.compile_backend}, took {compiling['first_step_s']} s")
         except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
             error = f"{type(e).__name__}: {e}"
             log(f"target: step {step} failed ({error}); stopping here with the last good step's weights\n"
@@ -525,8 +578,9 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             curve.append(rec)
             log("target " + json.dumps(rec))
     distill.remove()
-    for h in balance.handles:
-        h.remove()
+    balance.remove()
+    if pieces is not None:
+        pieces.undo()
     model.eval()
     wall = time.time() - t0
     top = profile.result()
@@ -535,7 +589,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     model.dense_snapshot = ramp.snapshot  # read (and dropped) by keep_better
     return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
-            "experts_implementation": experts,
+            "experts_implementation": experts, "compile": compiling or None,
             "padded_tokens": tokens, "real_tokens": real_tokens,
             "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve, "profile": top, "profile_step_ms": profile.step_ms,
             "stopped_by": error or ("steps" if step >= sched.total else "time")}
