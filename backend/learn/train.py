@@ -223,9 +223,6 @@ class IndexerDistill:
     rows in every layer): its [B, H, S, S] tensors would be a large share of a step, and the indexer is small."""
 
     def __init__(self, model, rows: int = 0, seed: int = 0):
-        from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
-
-        self.apply_rope = hf.apply_rotary_pos_emb
         if rows < 0:
             raise ValueError(f"distill_rows must be 0 (every row) or more, got {rows}")
         self.rows, self.gen = rows, torch.Generator().manual_seed(seed)
@@ -265,13 +262,10 @@ class IndexerDistill:
             hidden, block_indices = hidden[self.sel], block_indices[self.sel]
             cos, sin = (t[self.sel] if t.shape[0] == b else t for t in (cos, sin))
             position_ids = position_ids[self.sel] if position_ids.shape[0] == b else position_ids
-        h, d = hidden.detach(), indexer.head_dim
-        b, s, _ = h.shape
-        q = indexer.q_norm(indexer.q_proj(h).view(b, s, -1, d)).transpose(1, 2)
-        k = indexer.k_norm(indexer.k_proj(h).view(b, s, 1, d)).transpose(1, 2)
-        q, k = self.apply_rope(q, k, cos[..., :d], sin[..., :d])
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * d ** -0.5  # [B, H_idx, S, S]
-        self.pending[id(indexer)] = (scores, block_indices, position_ids)
+        from m3serve.learn.fast_paths import qk_of
+
+        q, k = qk_of(indexer, hidden.detach(), cos, sin)  # with gradients: the indexer's weights learn from these
+        self.pending[id(indexer)] = (q, k, block_indices, position_ids)
 
     def _on_teacher(self, attn, query, key, block_indices, scaling: float) -> None:
         if self.enabled:
@@ -282,21 +276,18 @@ class IndexerDistill:
     def _on_attention(self, attn, args, out):
         if not self.enabled:
             return
-        from m3serve.learn.fast_paths import block_keep
+        from m3serve.learn.fast_paths import run
 
-        scores, block_indices, position_ids = self.pending.pop(id(attn.indexer))
+        q, k, block_indices, position_ids = self.pending.pop(id(attn.indexer))
         teacher = self.teachers.pop(id(attn), None)
-        h_idx = scores.shape[1]
+        h_idx = q.shape[1]
         if teacher is None:  # transformers' eager attention: its probabilities, zero outside the selected blocks
             weights = out[1].detach()  # [B, H_q, S, S]
             weights = (weights if self.sel is None else weights[self.sel]).float()
             teacher = weights.unflatten(1, (h_idx, -1)).mean(2)
-        s = scores.shape[-1]
-        allowed = block_keep(block_indices, s, attn.indexer.block_size,
-                             position_ids.expand(scores.shape[0], -1))
-        log_student = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
-        kl = (torch.xlogy(teacher, teacher) - teacher * log_student.masked_fill(~allowed, 0.0)).sum(-1)
-        self.kls.append(kl)  # [B, H_idx, S]
+        ix = attn.indexer
+        self.kls.append(run("indexer_kl", ix, q, k, teacher, block_indices, position_ids.expand(q.shape[0], -1),
+                            ix.block_size, ix.head_dim ** -0.5))  # [B, H_idx, S]
 
     def take(self, real: torch.Tensor) -> torch.Tensor:
         """Mean KL over the MSA layers, index heads and real query positions (real: bool [B, S])."""
