@@ -19,8 +19,8 @@ loop synced with the host. `install(model)` swaps three pieces for ones that com
 
 With the fast paths the step was still host-bound on the H200 (2026-12-04: ~274 ms of wall time, ~114 ms of device
 time at 64K tokens; a CPU profile counts ~14,000 aten calls a step). `CompiledPieces` (train-learned `--compile`)
-runs the pieces made of many small ops through torch.compile: the same math with far fewer launches
-(`benchmarks/bench_train_ops.py` counts them).
+runs the pieces made of many small ops through torch.compile: the same math in fewer ops (on the CPU, 2026-12-04:
+14,022 -> 8,724 aten calls a step, `benchmarks/bench_train_ops.py`; on the GPU not yet measured).
 """
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     """MiniMaxM3VLAttention.forward without a cache, its projections compiled (`project_qk`); the indexer and the
     attention function (`attention`: IndexerDistill's teacher sink) run as they do eagerly, and the module's own
     hooks fire as before (it is still called as a module)."""
-    if cache is not None:
+    if cache is not None or kwargs.get("past_key_values") is not None:  # decoding: transformers' own forward
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     input_shape = hidden_states.shape[:-1]
     q, k = qk_of(self, hidden_states, *position_embeddings)
