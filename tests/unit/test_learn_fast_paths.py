@@ -2,7 +2,6 @@
 transformers' eager MiniMaxM3VLForCausalLM computes (logits, gradients, the indexer's KL), dense and under the MSA
 top-k mask; so do its compiled pieces (`--compile`), and a compiler error falls back to the eager step."""
 import copy
-import dataclasses
 import os
 import random
 import shutil
