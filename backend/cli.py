@@ -123,9 +123,13 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                    "--dense-frac 0 --sparse-ramp-frac 0 to train with the sparse mask from the first step)")
     skip = {"out", "pack", "tasks", "model_overrides", "task_weights", "packed_turns", "init_from"}
     for name, f in TrainConfig.__dataclass_fields__.items():
-        if name not in skip:
-            p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=None,
-                           help=f"default {f.default}")
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default {f.default}")
+        else:
+            p.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default}")
 
 
 def cmd_openai(a) -> int:

@@ -16,9 +16,15 @@ loop synced with the host. `install(model)` swaps three pieces for ones that com
   top-2 cost 4x the MoE's FLOPs, far below the time the loop lost.
 - **the indexer's selection** runs without autograd (top-k indices carry no gradient; the indexer learns only from
   the distillation, which recomputes its scores with gradients on the distilled rows).
+
+With the fast paths the step was still host-bound on the H200 (2026-12-04: ~274 ms of wall time, ~114 ms of device
+time at 64K tokens; a CPU profile counts ~14,000 aten calls a step). `CompiledPieces` (train-learned `--compile`)
+runs the pieces made of many small ops through torch.compile: the same math in fewer ops (on the CPU, 2026-12-04:
+14,022 -> 8,724 aten calls a step, `benchmarks/bench_train_ops.py`; on the GPU not yet measured).
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -86,15 +92,29 @@ def teacher_probs(module, query, key, block_indices, scaling: float, rows: torch
     return probs.unflatten(1, (h_idx, -1)).mean(2)
 
 
+def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """M3's clamped SwiGLU of a fused [gate | up] projection (transformers' `_apply_gate` and dense MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+def experts_all(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """MiniMaxM3VLExperts.forward computed for every expert, weighted by the router (0 where not picked)."""
+    w = torch.zeros(hidden_states.shape[0], gate_up_proj.shape[0], dtype=top_k_weights.dtype,
+                    device=hidden_states.device).scatter(1, top_k_index, top_k_weights)
+    gate_up = torch.einsum("td,efd->tef", hidden_states, gate_up_proj.to(hidden_states.dtype))
+    act = swiglu(gate_up, alpha, limit)
+    out = torch.einsum("tef,edf->ted", act, down_proj.to(act.dtype))
+    return (out * w[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
+
+
 def _experts_all(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                  ) -> torch.Tensor:
-    """MiniMaxM3VLExperts.forward computed for every expert, weighted by the router (0 where not picked)."""
-    w = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=top_k_weights.dtype,
-                    device=hidden_states.device).scatter(1, top_k_index, top_k_weights)
-    gate_up = torch.einsum("td,efd->tef", hidden_states, self.gate_up_proj.to(hidden_states.dtype))
-    act = self._apply_gate(gate_up)
-    out = torch.einsum("tef,edf->ted", act, self.down_proj.to(act.dtype))
-    return (out * w[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
+    return experts_all(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                       self.swiglu_alpha, self.swiglu_limit)
 
 
 def _select_without_grad(self, *args, **kwargs):
@@ -117,3 +137,171 @@ def install(model) -> None:
         ix = layer.self_attn.indexer
         if ix is not None:
             ix.forward = types.MethodType(_select_without_grad, ix)
+
+
+# ---------------------------------------------------------------------------------------------- --compile
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """MiniMaxM3VLRMSNorm.forward: normalised in fp32, scaled by `weight + 1`, back in x's dtype."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """MiniMaxM3VLDenseMLP.forward from its two weights."""
+    return F.linear(swiglu(F.linear(x, gate_up), alpha, limit), down)
+
+
+def moe(hidden_states: torch.Tensor, router: tuple, experts: tuple, shared: tuple, scale: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMaxM3VLSparseMoeBlock.forward with every expert router-weighted (`experts_all`), from its weights:
+    `router` (weight, e_score_correction_bias, top_k), `experts` and `shared` (gate_up, down, alpha, limit). Returns
+    the output and the router's top-k expert indices [T, top_k] (for RouterBalance)."""
+    b, s, d = hidden_states.shape
+    h = hidden_states.view(-1, d)
+    weight, bias, top_k = router
+    probs = torch.sigmoid(F.linear(h.to(weight.dtype), weight).float())
+    _, index = torch.topk(probs + bias, top_k, dim=-1, sorted=False)
+    picked = probs.gather(1, index)
+    picked = picked / picked.sum(dim=-1, keepdim=True)
+    out = experts_all(h, index, picked, *experts) * scale + dense_mlp(h, *shared)
+    return out.reshape(b, s, d), index
+
+
+def project_qk(hidden: torch.Tensor, q_proj: torch.Tensor, k_proj: torch.Tensor, q_norm: torch.Tensor,
+               k_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys [B, H, S, D] as MiniMaxM3VLAttention and MiniMaxM3VLIndexer make them: projected, per-head
+    RMSNorm (QK-norm), partial RoPE on the first `cos.shape[-1]` dims (cos and sin cut to the head's width)."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import apply_rotary_pos_emb
+
+    shape = (*hidden.shape[:-1], -1, head_dim)
+    q = rms_norm(F.linear(hidden, q_proj).view(shape), q_norm, eps).transpose(1, 2)
+    k = rms_norm(F.linear(hidden, k_proj).view(shape), k_norm, eps).transpose(1, 2)
+    return apply_rotary_pos_emb(q, k, cos[..., :head_dim], sin[..., :head_dim])
+
+
+def indexer_kl(q: torch.Tensor, k: torch.Tensor, teacher: torch.Tensor, block_indices: torch.Tensor,
+               position_ids: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """The indexer's distillation loss per query, [B, H_idx, S]: KL(teacher || softmax(q . k * scale)), both over
+    the keys the query may see (its selected blocks, causal); q [B, H_idx, S, D], k [B, 1, S, D], teacher
+    [B, H_idx, S, S] (IndexerDistill)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    allowed = block_keep(block_indices, scores.shape[-1], block_size, position_ids)
+    log_student = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+    return (torch.xlogy(teacher, teacher) - teacher * log_student.masked_fill(~allowed, 0.0)).sum(-1)
+
+
+def rope(inv_freq: torch.Tensor, position_ids: torch.Tensor, scaling: float, dtype: torch.dtype
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMaxM3VLRotaryEmbedding.forward (default rope type): cos and sin per position."""
+    freqs = position_ids[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(backend: str) -> dict:
+    """The pieces above through torch.compile with `backend`, dynamic shapes (token count and row length change
+    every batch): compiled on their first call, once per input rank, dtype, autocast and grad mode."""
+    return {f.__name__: torch.compile(f, backend=backend, dynamic=True)
+            for f in (rms_norm, dense_mlp, moe, rope, project_qk, indexer_kl)}
+
+
+def run(name: str, module, *args):
+    """The piece `name` (a function above) on `args`: compiled where CompiledPieces marked `module`, else eager."""
+    backend = getattr(module, "compile_backend", None)
+    return globals()[name](*args) if backend is None else compiled(backend)[name](*args)
+
+
+def qk_of(module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`project_qk` with an attention's or an indexer's weights."""
+    return run("project_qk", module, hidden, module.q_proj.weight, module.k_proj.weight, module.q_norm.weight,
+               module.k_norm.weight, module.q_norm.eps, cos, sin, module.head_dim)
+
+
+def _rms_forward(self, x):
+    return compiled(self.compile_backend)["rms_norm"](x, self.weight, self.eps)
+
+
+def _mlp_forward(self, x):
+    return compiled(self.compile_backend)["dense_mlp"](x, self.gate_up_proj.weight, self.down_proj.weight,
+                                                       self.swiglu_alpha, self.swiglu_limit)
+
+
+def _moe_forward(self, hidden_states):
+    g, ex, sh = self.gate, self.experts, self.shared_experts
+    out, index = compiled(self.compile_backend)["moe"](
+        hidden_states, (g.weight, g.e_score_correction_bias, g.top_k),
+        (ex.gate_up_proj, ex.down_proj, ex.swiglu_alpha, ex.swiglu_limit),
+        (sh.gate_up_proj.weight, sh.down_proj.weight, sh.swiglu_alpha, sh.swiglu_limit), self.routed_scaling_factor)
+    sink = getattr(g, "load_sink", None)  # the router module is not called: RouterBalance reads its choice here
+    if sink is not None:
+        sink(index)
+    return out
+
+
+def _attention_forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+    """MiniMaxM3VLAttention.forward without a cache, its projections compiled (`project_qk`); the indexer and the
+    attention function (`attention`: IndexerDistill's teacher sink) run as they do eagerly, and the module's own
+    hooks fire as before (it is still called as a module)."""
+    if cache is not None or kwargs.get("past_key_values") is not None:  # decoding: transformers' own forward
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    input_shape = hidden_states.shape[:-1]
+    q, k = qk_of(self, hidden_states, *position_embeddings)
+    v = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+    block_indices = None
+    if self.indexer is not None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(k.shape[2], device=q.device)
+        position_ids = (position_ids if position_ids.ndim > 1 else position_ids.unsqueeze(0)).expand(q.shape[0], -1)
+        block_indices = self.indexer(hidden_states, position_embeddings, None, position_ids)
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
+                             self.attention_dropout, scaling=self.scaling, block_indices=block_indices, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _rope_forward(self, x, position_ids):
+    return compiled(self.compile_backend)["rope"](self.inv_freq, position_ids, self.attention_scaling, x.dtype)
+
+
+class CompiledPieces:
+    """`--compile`: the training step's pieces made of many small ops and free of Python side effects run through
+    torch.compile: every RMSNorm, the dense MLP, each MoE block (router, every expert, shared expert: one graph; the
+    router's top-k choice goes to its `load_sink`), the rotary embedding, the attentions' projections with their
+    QK-norm and RoPE (`project_qk`; with the fast attention only) and the same for the indexer's distillation
+    (IndexerDistill). The attention modules stay modules (IndexerDistill's hooks on them and on the indexer fire as
+    before); the indexer's selection and the attention function run eagerly. Same math as the eager modules
+    (tests/unit/test_learn_fast_paths.py); `undo()` puts the eager forwards back (after training, or when compiling
+    failed)."""
+
+    def __init__(self, model, backend: str = "inductor"):
+        from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
+
+        self.backend = backend
+        swaps = {hf.MiniMaxM3VLRMSNorm: _rms_forward, hf.MiniMaxM3VLSparseMoeBlock: _moe_forward}
+        self.modules = [(m, swaps[type(m)]) for m in model.modules() if type(m) in swaps]
+        self.modules += [(layer.mlp, _mlp_forward) for layer in model.model.layers
+                         if type(layer.mlp) is hf.MiniMaxM3VLDenseMLP]
+        if model.model.rotary_emb.rope_type == "default":
+            self.modules.append((model.model.rotary_emb, _rope_forward))
+        if model.config._attn_implementation == ATTENTION:
+            self.modules += [(layer.self_attn, _attention_forward) for layer in model.model.layers]
+        self.modules += [(layer.self_attn.indexer, None) for layer in model.model.layers  # marked for `run` only
+                         if layer.self_attn.indexer is not None]
+        self.saved = [vars(m).get("forward") for m, _ in self.modules]
+        for m, fn in self.modules:
+            m.compile_backend = backend
+            if fn is not None:
+                m.forward = types.MethodType(fn, m)
+
+    def undo(self) -> None:
+        for (m, fn), prev in zip(self.modules, self.saved):
+            del m.compile_backend
+            if fn is not None:
+                del m.forward
+                if prev is not None:
+                    m.forward = prev
+        self.modules = []

@@ -40,6 +40,7 @@ carry transformers 5.25's wheels:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import multiprocessing
@@ -109,6 +110,9 @@ class TrainConfig:
     draft_tokens_per_batch: int = 16384
     log_every: int = 25
     profile_steps: int = 0  # profile this many target steps (after 10 warm ones): top ops in the log
+    # torch.compile the target step's small-op pieces (fast_paths.CompiledPieces); any compiler error: eager again
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -226,9 +230,6 @@ class IndexerDistill:
     rows in every layer): its [B, H, S, S] tensors would be a large share of a step, and the indexer is small."""
 
     def __init__(self, model, rows: int = 0, seed: int = 0):
-        from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
-
-        self.apply_rope = hf.apply_rotary_pos_emb
         if rows < 0:
             raise ValueError(f"distill_rows must be 0 (every row) or more, got {rows}")
         self.rows, self.gen = rows, torch.Generator().manual_seed(seed)
@@ -251,6 +252,12 @@ class IndexerDistill:
         for attn in self.attentions:
             del attn.teacher_sink
 
+    def reset(self) -> None:
+        """Drop what a forward that failed half-way left (a step retried eagerly starts clean)."""
+        self.kls, self.sel = [], None
+        self.pending.clear()
+        self.teachers.clear()
+
     def _on_indexer(self, indexer, args, block_indices):
         if not self.enabled:
             return
@@ -262,13 +269,10 @@ class IndexerDistill:
             hidden, block_indices = hidden[self.sel], block_indices[self.sel]
             cos, sin = (t[self.sel] if t.shape[0] == b else t for t in (cos, sin))
             position_ids = position_ids[self.sel] if position_ids.shape[0] == b else position_ids
-        h, d = hidden.detach(), indexer.head_dim
-        b, s, _ = h.shape
-        q = indexer.q_norm(indexer.q_proj(h).view(b, s, -1, d)).transpose(1, 2)
-        k = indexer.k_norm(indexer.k_proj(h).view(b, s, 1, d)).transpose(1, 2)
-        q, k = self.apply_rope(q, k, cos[..., :d], sin[..., :d])
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * d ** -0.5  # [B, H_idx, S, S]
-        self.pending[id(indexer)] = (scores, block_indices, position_ids)
+        from m3serve.learn.fast_paths import qk_of
+
+        q, k = qk_of(indexer, hidden.detach(), cos, sin)  # with gradients: the indexer's weights learn from these
+        self.pending[id(indexer)] = (q, k, block_indices, position_ids)
 
     def _on_teacher(self, attn, query, key, block_indices, scaling: float) -> None:
         if self.enabled:
@@ -279,21 +283,18 @@ class IndexerDistill:
     def _on_attention(self, attn, args, out):
         if not self.enabled:
             return
-        from m3serve.learn.fast_paths import block_keep
+        from m3serve.learn.fast_paths import run
 
-        scores, block_indices, position_ids = self.pending.pop(id(attn.indexer))
+        q, k, block_indices, position_ids = self.pending.pop(id(attn.indexer))
         teacher = self.teachers.pop(id(attn), None)
-        h_idx = scores.shape[1]
+        h_idx = q.shape[1]
         if teacher is None:  # transformers' eager attention: its probabilities, zero outside the selected blocks
             weights = out[1].detach()  # [B, H_q, S, S]
             weights = (weights if self.sel is None else weights[self.sel]).float()
             teacher = weights.unflatten(1, (h_idx, -1)).mean(2)
-        s = scores.shape[-1]
-        allowed = block_keep(block_indices, s, attn.indexer.block_size,
-                             position_ids.expand(scores.shape[0], -1))
-        log_student = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
-        kl = (torch.xlogy(teacher, teacher) - teacher * log_student.masked_fill(~allowed, 0.0)).sum(-1)
-        self.kls.append(kl)  # [B, H_idx, S]
+        ix = attn.indexer
+        self.kls.append(run("indexer_kl", ix, q, k, teacher, block_indices, position_ids.expand(q.shape[0], -1),
+                            ix.block_size, ix.head_dim ** -0.5))  # [B, H_idx, S]
 
     def take(self, real: torch.Tensor) -> torch.Tensor:
         """Mean KL over the MSA layers, index heads and real query positions (real: bool [B, S])."""
@@ -307,7 +308,9 @@ class IndexerDistill:
 
 class RouterBalance:
     """Auxiliary-loss-free MoE balancing: count each router's expert loads in the forward, then move its
-    `e_score_correction_bias` by `rate` toward the mean load (down for overloaded experts)."""
+    `e_score_correction_bias` by `rate` toward the mean load (down for overloaded experts). The router's top-k
+    choice comes from a forward hook where the router module runs, or from its `load_sink`, which a compiled MoE
+    block (fast_paths.CompiledPieces) calls instead."""
 
     def __init__(self, model, rate: float):
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLTopKRouter
@@ -317,10 +320,23 @@ class RouterBalance:
         self.loads: dict[int, torch.Tensor] = {}
         self.enabled = False
         self.handles = [r.register_forward_hook(self._on_router) for r in self.routers]
+        for r in self.routers:
+            r.load_sink = functools.partial(self._count, r)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for r in self.routers:
+            del r.load_sink
 
     def _on_router(self, router, args, out):
-        if self.enabled:
-            self.loads[id(router)] = torch.bincount(out[2].flatten(), minlength=router.num_experts).float()
+        self._count(router, out[2])
+
+    def _count(self, router, top_k_index: torch.Tensor) -> None:
+        if self.enabled:  # a scatter, not bincount: no host sync for the output size on CUDA
+            idx = top_k_index.flatten()
+            self.loads[id(router)] = torch.zeros(router.num_experts, device=idx.device).index_add_(
+                0, idx, torch.ones(idx.shape, device=idx.device))
 
     @torch.no_grad()
     def update(self) -> float:
@@ -500,6 +516,17 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     sched = Schedule(tc.lr, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     distill, balance = IndexerDistill(model, tc.distill_rows, tc.seed + 11), RouterBalance(model, tc.bias_rate)
     distill.enabled = balance.enabled = True
+    pieces, compiling = None, {}
+    if tc.compile:
+        from m3serve.learn.fast_paths import CompiledPieces
+
+        pieces = CompiledPieces(model, tc.compile_backend)
+        compiling = {"backend": tc.compile_backend, "pieces": len(pieces.modules), "fallback": None}
+
+    def one_step(batch, dense: bool) -> dict:
+        return _target_step(model, opt, groups, distill, balance, batch, sched.lr(step), dense, device,
+                            tc.prompt_loss_weight)
+
     curve, t0 = [], time.time()
     ramp = SparseRamp(tc, random.Random(tc.seed + 7))
     model.train()
@@ -516,11 +543,31 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                 "blocks); the dense phase's weights are kept aside")
         dense = ramp.dense(step)
         try:
-            rec = _target_step(model, opt, groups, distill, balance, next(data), sched.lr(step), dense, device,
-                               tc.prompt_loss_weight)
+            batch, t_step = next(data), time.time()
+            try:
+                rec = one_step(batch, dense)
+            except torch.OutOfMemoryError:
+                raise  # not the compiler's fault: smaller batches (below)
+            except Exception as e:  # noqa: BLE001 - compiled: the compiler may be at fault; the step again, eager
+                if pieces is None:
+                    raise
+                compiling["fallback"] = f"step {step}: {type(e).__name__}: {e}"
+                log(f"target: compiled step {step} failed ({type(e).__name__}: {e}); eager from here\n"
+                    + traceback.format_exc())
+                pieces.undo()
+                pieces = None
+                opt.zero_grad(set_to_none=True)
+                distill.reset()
+                balance.loads.clear()
+                rec = one_step(batch, dense)
+            if step == 0 and pieces is not None:
+                compiling["first_step_s"] = round(time.time() - t_step, 1)
+                log(f"target: the first step, compiling {compiling['pieces']} pieces with "
+                    f"{tc.compile_backend}, took {compiling['first_step_s']} s")
         except torch.OutOfMemoryError as e:
             opt.zero_grad(set_to_none=True)
-            distill.kls, distill.pending, distill.teachers, distill.sel = [], {}, {}, None
+            distill.reset()
+            balance.loads.clear()
             if per_batch // 2 < MIN_TOKENS_PER_BATCH:
                 error = f"{type(e).__name__}: {e}"
                 log(f"target: step {step} ran out of memory at {per_batch} tokens per batch; stopping here")
@@ -547,8 +594,9 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             curve.append(rec)
             log("target " + json.dumps(rec))
     distill.remove()
-    for h in balance.handles:
-        h.remove()
+    balance.remove()
+    if pieces is not None:
+        pieces.undo()
     model.eval()
     wall = time.time() - t0
     top = profile.result()
@@ -558,7 +606,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     data.close()
     return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start, "tokens_per_batch": per_batch,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
-            "experts_implementation": experts,
+            "experts_implementation": experts, "compile": compiling or None,
             "padded_tokens": tokens, "real_tokens": real_tokens,
             "padded_tokens_per_s": round(tokens / max(wall, 1e-9)), "curve": curve, "profile": top,
             "profile_step_ms": profile.step_ms,

@@ -1,8 +1,11 @@
 """learn/fast_paths.py: the training step's fast attention, experts and indexer selection compute what
 transformers' eager MiniMaxM3VLForCausalLM computes (logits, gradients, the indexer's KL), dense and under the MSA
-top-k mask."""
+top-k mask; so do its compiled pieces (`--compile`), and a compiler error falls back to the eager step."""
 import copy
 import os
+import random
+import shutil
+import time
 
 import pytest
 import torch
@@ -12,8 +15,9 @@ pytest.importorskip("transformers")
 
 from m3serve.config import FULL, SPARSE  # noqa: E402
 from m3serve.learn.config import learned_config  # noqa: E402
-from m3serve.learn.fast_paths import ATTENTION, block_keep  # noqa: E402
-from m3serve.learn.train import DenseAttention, IndexerDistill, answer_loss, build_target  # noqa: E402
+from m3serve.learn.fast_paths import ATTENTION, CompiledPieces, block_keep  # noqa: E402
+from m3serve.learn.train import (DenseAttention, IndexerDistill, RouterBalance, TrainConfig, answer_loss,  # noqa: E402
+                                 build_target, train_target)
 
 MICRO = dict(hidden_size=32, head_dim=16, index_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
              index_n_heads=2, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
@@ -118,3 +122,152 @@ def test_a_deep_copy_runs_its_own_modules(pair):
         for a, b in zip(twin.modules(), fast.modules()):
             if "forward" in vars(a):
                 assert a.forward.__self__ is a and b.forward.__self__ is b
+
+
+# ---------------------------------------------------------------------------------------------- --compile
+
+def _step_outputs(model, ids, mask, dense: bool) -> dict:
+    """One forward and backward as a training step makes it (answer loss + the indexer's KL on 2 of the 3 rows,
+    router loads counted): the loss, KL, logits, gradients and router loads."""
+    distill, balance = IndexerDistill(model, rows=2, seed=4), RouterBalance(model, 0.01)
+    distill.enabled = balance.enabled = True
+    model.zero_grad(set_to_none=True)
+    with DenseAttention(model, dense):
+        logits = model(input_ids=ids).logits
+        distill.reset()  # the KL of the loss's forward only
+        loss = answer_loss(model, ids, mask)[0]
+    kl = distill.take(ids != 1)
+    (loss + kl).backward()
+    loads = [balance.loads[id(r)] for r in balance.routers]
+    distill.remove()
+    balance.remove()
+    return {"loss": loss.detach(), "kl": kl.detach(), "logits": logits.detach(), "loads": loads,
+            "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}}
+
+
+def _assert_same_step(got: dict, want: dict) -> None:
+    torch.testing.assert_close(got["logits"], want["logits"], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got["loss"], want["loss"], atol=2e-5, rtol=1e-4)
+    assert float(want["kl"]) > 0 and abs(float(got["kl"] - want["kl"])) <= 1e-4 * max(1.0, float(want["kl"]))
+    assert len(want["loads"]) == 2 and all(torch.equal(a, b) for a, b in zip(got["loads"], want["loads"]))
+    assert set(got["grads"]) == set(want["grads"]) and any(".indexer." in k for k in want["grads"])
+    for k in want["grads"]:
+        torch.testing.assert_close(got["grads"][k], want["grads"][k], atol=2e-5, rtol=2e-3, msg=k)
+
+
+@pytest.fixture()
+def compiled_pair(pair):
+    torch._dynamo.reset()
+    _, fast, ids, mask = pair
+    twin = copy.deepcopy(fast)
+    yield fast, twin, ids, mask
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_compiled_pieces_compute_the_eager_step(compiled_pair, dense):
+    """aot_eager traces the pieces as the compiler does (dynamo + autograd), two batch shapes (dynamic shapes):
+    the same logits, loss, indexer KL, router loads (from the router's `load_sink`: the compiled MoE block does not
+    call the router module) and gradients as the eager fast model."""
+    fast, twin, ids, mask = compiled_pair
+    pieces = CompiledPieces(twin, "aot_eager")
+    assert {type(m).__name__ for m, _ in pieces.modules} == {
+        "MiniMaxM3VLRMSNorm", "MiniMaxM3VLDenseMLP", "MiniMaxM3VLSparseMoeBlock", "MiniMaxM3VLRotaryEmbedding",
+        "MiniMaxM3VLAttention", "MiniMaxM3VLIndexer"}
+    for rows, s in ((3, 70), (2, 53)):
+        want = _step_outputs(fast, ids[:rows, :s], mask[:rows, :s], dense)
+        _assert_same_step(_step_outputs(twin, ids[:rows, :s], mask[:rows, :s], dense), want)
+    pieces.undo()  # the forwards install() swapped stay, the compiled ones are gone
+    assert [(n, m.forward.__func__.__name__) for n, m in twin.named_modules() if "forward" in vars(m)] == [
+        (n, m.forward.__func__.__name__) for n, m in fast.named_modules() if "forward" in vars(m)]
+    assert not any(hasattr(m, "compile_backend") for m in twin.modules())
+
+
+def test_the_sinks_are_what_the_compiled_step_reads(compiled_pair):
+    """Without its load sink the compiled MoE block leaves RouterBalance no loads (the equality above is the
+    sink's, not a hook's)."""
+    _, twin, ids, _ = compiled_pair
+    CompiledPieces(twin, "aot_eager")
+    balance = RouterBalance(twin, 0.01)
+    balance.enabled = True
+    for r in balance.routers:
+        del r.load_sink
+    with torch.no_grad():
+        twin(input_ids=ids)
+    assert balance.loads == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="inductor on CPU needs a C++ compiler")
+def test_inductor_pieces_compute_the_eager_step(compiled_pair):
+    """The real backend (C++ kernels on CPU): the sparse step as the eager fast model computes it (compiling takes
+    ~1.5 minutes on 2 cores, less with inductor's cache warm)."""
+    fast, twin, ids, mask = compiled_pair
+    CompiledPieces(twin, "inductor")
+    t0 = time.time()
+    _assert_same_step(_step_outputs(twin, ids, mask, False), _step_outputs(fast, ids, mask, False))
+    print(f"inductor: first compiled step {time.time() - t0:.1f} s")
+
+
+def _rows(n: int = 12) -> list:
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        length = rng.randrange(20, 70)
+        out.append(([rng.randrange(2, 256) for _ in range(length)], [0] * (length - 6) + [1] * 6, i % 2))
+    return out
+
+
+# 4 steps, dense then sparse, the KL over every row (no random draw a retried step would repeat)
+TRAIN = dict(out="-", device="cpu", max_steps=4, warmup_steps=1, tokens_per_batch=256, log_every=1, dense_frac=0.5,
+             sparse_ramp_frac=0.0, distill_rows=0, bias_rate=0.01)
+
+
+def _train(tc, log=lambda _m: None):
+    model = build_target(learned_config(256, 0, 1, **MICRO), torch.device("cpu"), 5)
+    return model, train_target(model, _rows(), tc, torch.device("cpu"), float("inf"), 1, log)
+
+
+@pytest.fixture(scope="module")
+def eager_training():
+    return _train(TrainConfig(**TRAIN))
+
+
+def _assert_same_training(got, want) -> None:
+    (mg, og), (mw, ow) = got, want
+    assert og["steps"] == ow["steps"] == 4 and [r["phase"] for r in ow["curve"]][::3] == ["dense", "sparse"]
+    for a, b in zip(og["curve"], ow["curve"], strict=True):
+        assert a["phase"] == b["phase"]
+        for k in ("loss", "indexer_kl", "grad_norm", "max_expert_load_ratio"):
+            assert a[k] == pytest.approx(b[k], rel=2e-3, abs=2e-4), (k, a, b)
+    sw, sg = mw.state_dict(), mg.state_dict()
+    assert any(bool(v.any()) for k, v in sw.items() if k.endswith("e_score_correction_bias"))  # balancing moved
+    for k in sw:
+        torch.testing.assert_close(sg[k], sw[k], atol=1e-4, rtol=1e-3, msg=k)
+    assert not any("compile_backend" in vars(m) for m in mg.modules())  # eager again after training
+
+
+def test_compiled_training_equals_eager_training(eager_training):
+    torch._dynamo.reset()
+    said = []
+    got = _train(TrainConfig(**TRAIN, compile=True, compile_backend="aot_eager"), said.append)
+    info = got[1]["compile"]
+    assert info["backend"] == "aot_eager" and info["fallback"] is None and info["first_step_s"] >= 0
+    assert any("compiling" in m for m in said)
+    _assert_same_training(got, want=eager_training)
+    assert eager_training[1]["compile"] is None
+
+
+def test_a_compiler_error_falls_back_to_the_eager_step(eager_training):
+    """A backend that raises (as inductor may on a device): the step runs again eagerly, the run goes on and
+    trains exactly as an eager run does; the log says why."""
+    def broken(gm, example_inputs):
+        raise RuntimeError("simulated compiler failure")
+
+    torch._dynamo.reset()
+    said = []
+    got = _train(TrainConfig(**TRAIN, compile=True, compile_backend=broken), said.append)
+    assert got[1]["compile"]["fallback"].startswith("step 0: ") and "simulated" in got[1]["compile"]["fallback"]
+    assert got[1]["stopped_by"] == "steps" and any("eager from here" in m for m in said)
+    _assert_same_training(got, want=eager_training)
+    torch._dynamo.reset()

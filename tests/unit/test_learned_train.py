@@ -209,6 +209,10 @@ def test_cli_parses_train_options():
     tc = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and v is not None})
     assert tc.budget_s == 30.0 and tc.tasks == ["arithmetic"] and tc.model_overrides == {"hidden_size": 64}
     assert tc.lr == TrainConfig.lr  # options not given keep the defaults
+    assert tc.compile is False
+    flags = [build_parser().parse_args(["train-learned", "--out", "x", *f]).compile
+             for f in ([], ["--compile"], ["--no-compile"])]
+    assert flags == [None, True, False]  # None: TrainConfig's default
 
 
 def test_experts_implementation_falls_back_to_the_loop(monkeypatch, trained):
