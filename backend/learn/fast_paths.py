@@ -10,7 +10,7 @@ loop synced with the host. `install(model)` swaps three pieces for ones that com
   the flash kernel runs); on an MSA layer under its top-k mask, the same call with a boolean mask built from the
   indexer's block indices (the memory-efficient kernel). The rows are right-padded and causal, so no padding mask
   is needed (the model is called with `input_ids` only). Attention probabilities are not returned; the indexer's
-  distillation asks for the teacher's (`TeacherSink`) on the few rows it covers.
+  distillation asks for the teacher's (the module's `teacher_sink`) on the few rows it covers.
 - **MoE experts**: every token through every expert as one batched matmul, weighted by its router weights (zero
   for experts it did not pick): the top-k sum without the per-expert loop and its host syncs. 8 small experts at
   top-2 cost 4x the MoE's FLOPs, far below the time the loop lost.

@@ -44,9 +44,8 @@ def render_turns(first: Example, turns: list[tuple[str, str]], tokenizer) -> tup
         if not prompt_text.startswith(text):  # a template that re-renders history, or a text we mispredicted
             return _render_turns_whole(first, turns, tokenizer)
         prompt = ids + tokenizer.encode(prompt_text[len(text):])
-        target = tokenizer.encode(answer) + [tokenizer.eos_token_id]
-        mask = mask + [0] * (len(prompt) - len(ids)) + [1] * len(target)
-        ids, whole = prompt + target, (prompt_text, len(prompt))
+        ids, mask = _answered(ids, mask, prompt, answer, tokenizer)
+        whole = (prompt_text, len(prompt))
         text = prompt_text + answer + tokenizer.eos_token
         messages.append({"role": "assistant", "content": answer})
     if whole is not None and tokenizer.encode(whole[0]) != ids[:whole[1]]:
@@ -65,8 +64,14 @@ def _render_turns_whole(first: Example, turns: list[tuple[str, str]], tokenizer)
                                                tokenize=True, **first.chat_template_kwargs)
         if prompt[:len(ids)] != ids:
             break
-        target = tokenizer.encode(answer) + [tokenizer.eos_token_id]
-        mask = mask + [0] * (len(prompt) - len(ids)) + [1] * len(target)
-        ids = prompt + target
+        ids, mask = _answered(ids, mask, prompt, answer, tokenizer)
         messages.append({"role": "assistant", "content": answer})
     return ids, mask
+
+
+def _answered(ids: list[int], mask: list[int], prompt: list[int], answer: str, tokenizer
+              ) -> tuple[list[int], list[int]]:
+    """The row `ids` (loss `mask`) grown to `prompt` (which extends it) plus `answer` and the end-of-turn token, the
+    loss on those."""
+    target = tokenizer.encode(answer) + [tokenizer.eos_token_id]
+    return prompt + target, mask + [0] * (len(prompt) - len(ids)) + [1] * len(target)

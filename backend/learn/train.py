@@ -503,8 +503,11 @@ def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_
 
 def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
                  log) -> dict:
+    def feed(tokens_per_batch: int, seed: int):
+        return prefetch(batches(rows, tokens_per_batch, random.Random(seed), pad_id), pin=device.type == "cuda")
+
     per_batch = tc.tokens_per_batch
-    data = prefetch(batches(rows, per_batch, random.Random(tc.seed), pad_id), pin=device.type == "cuda")
+    data = feed(per_batch, tc.seed)
     ids, mask, _, _ = next(data)
     from m3serve.learn.fast_paths import ATTENTION
 
@@ -527,6 +530,30 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         return _target_step(model, opt, groups, distill, balance, batch, sched.lr(step), dense, device,
                             tc.prompt_loss_weight)
 
+    def discard_step() -> None:
+        """Drop what a step that raised half-way left: gradients, the distillation's and the balance's records."""
+        opt.zero_grad(set_to_none=True)
+        distill.reset()
+        balance.loads.clear()
+
+    def step_or_eager(batch, dense: bool) -> dict:
+        """The step; compiled, a failure other than memory puts the eager forwards back and runs it again."""
+        nonlocal pieces
+        try:
+            return one_step(batch, dense)
+        except torch.OutOfMemoryError:
+            raise  # not the compiler's fault: smaller batches (train loop)
+        except Exception as e:  # noqa: BLE001 - compiled: the compiler may be at fault; the step again, eager
+            if pieces is None:
+                raise
+            compiling["fallback"] = f"step {step}: {type(e).__name__}: {e}"
+            log(f"target: compiled step {step} failed ({type(e).__name__}: {e}); eager from here\n"
+                + traceback.format_exc())
+            pieces.undo()
+            pieces = None
+            discard_step()
+            return one_step(batch, dense)
+
     curve, t0 = [], time.time()
     ramp = SparseRamp(tc, random.Random(tc.seed + 7))
     model.train()
@@ -543,31 +570,14 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                 "blocks); the dense phase's weights are kept aside")
         dense = ramp.dense(step)
         try:
-            batch, t_step = next(data), time.time()
-            try:
-                rec = one_step(batch, dense)
-            except torch.OutOfMemoryError:
-                raise  # not the compiler's fault: smaller batches (below)
-            except Exception as e:  # noqa: BLE001 - compiled: the compiler may be at fault; the step again, eager
-                if pieces is None:
-                    raise
-                compiling["fallback"] = f"step {step}: {type(e).__name__}: {e}"
-                log(f"target: compiled step {step} failed ({type(e).__name__}: {e}); eager from here\n"
-                    + traceback.format_exc())
-                pieces.undo()
-                pieces = None
-                opt.zero_grad(set_to_none=True)
-                distill.reset()
-                balance.loads.clear()
-                rec = one_step(batch, dense)
+            t_step = time.time()
+            rec = step_or_eager(next(data), dense)
             if step == 0 and pieces is not None:
                 compiling["first_step_s"] = round(time.time() - t_step, 1)
                 log(f"target: the first step, compiling {compiling['pieces']} pieces with "
                     f"{tc.compile_backend}, took {compiling['first_step_s']} s")
         except torch.OutOfMemoryError as e:
-            opt.zero_grad(set_to_none=True)
-            distill.reset()
-            balance.loads.clear()
+            discard_step()
             if per_batch // 2 < MIN_TOKENS_PER_BATCH:
                 error = f"{type(e).__name__}: {e}"
                 log(f"target: step {step} ran out of memory at {per_batch} tokens per batch; stopping here")
@@ -576,7 +586,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             data.close()
-            data = prefetch(batches(rows, per_batch, random.Random(tc.seed + step), pad_id), pin=device.type == "cuda")
+            data = feed(per_batch, tc.seed + step)
             log(f"target: step {step} ran out of memory; going on with {per_batch} tokens per batch")
             continue
         except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
@@ -710,6 +720,13 @@ def run(tc: TrainConfig) -> dict:
     from m3serve.learn.tokenizer import build_tokenizer
     from m3serve.learn.train_draft import train_and_save_draft
 
+    unknown = sorted(set(tc.task_weights) - set(TASKS))
+    if unknown:
+        raise ValueError(f"task_weights: unknown task(s) {unknown}; tasks are {list(TASKS)}")
+    if not tc.prompt_loss_weight >= 0:  # NaN too
+        raise ValueError(f"prompt_loss_weight must be 0 or more, got {tc.prompt_loss_weight}")
+    if tc.tokens_per_batch < MIN_TOKENS_PER_BATCH:
+        raise ValueError(f"tokens_per_batch must be at least {MIN_TOKENS_PER_BATCH}, got {tc.tokens_per_batch}")
     t_start = time.time()
     deadline = t_start + tc.budget_s
 
@@ -732,9 +749,6 @@ def run(tc: TrainConfig) -> dict:
     vocab = -(-tok["vocab_size"] // 64) * 64
     cfg = learned_config(vocab, tok["bos_token_id"], tok["eos_token_id"], **tc.model_overrides)
     pad_id = tok["pad_token_id"] if tok.get("pad_token_id") is not None else tok["eos_token_id"]
-    unknown = sorted(set(tc.task_weights) - set(TASKS))
-    if unknown:
-        raise ValueError(f"task_weights: unknown task(s) {unknown}; tasks are {list(TASKS)}")
     rows = make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, tc.workers, weights=tc.task_weights,
                      packed=tc.packed_turns)
     eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, tc.workers)

@@ -389,3 +389,16 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
     torch.testing.assert_close(total, ce[ans].mean() + 0.25 * ce[other].mean())
     torch.testing.assert_close(alone, ce[ans].mean())
     assert "prompt" not in stats0
+
+
+@pytest.mark.parametrize("field, value, match", [("prompt_loss_weight", -0.5, "prompt_loss_weight"),
+                                                 ("prompt_loss_weight", float("nan"), "prompt_loss_weight"),
+                                                 ("tokens_per_batch", 100, "tokens_per_batch"),
+                                                 ("tokens_per_batch", -1, "tokens_per_batch")])
+def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value, match):
+    from m3serve.learn.train import run
+
+    tc = TrainConfig(out=str(tmp_path / "m"), device="cpu", tasks=TASKS, train_examples=2, **{field: value})
+    with pytest.raises(ValueError, match=match):
+        run(tc)
+    assert not os.path.exists(os.path.join(tc.out, "model.safetensors"))

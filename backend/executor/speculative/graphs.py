@@ -103,8 +103,8 @@ class SpeculativeBuffers(DecodeBuffers):
         self.draft_index = torch.arange(max_seqs * k, dtype=i64, **z)
         self.no_rows = torch.zeros(0, dtype=i64, **z)
 
-    def speculative_step(self, batch: int, width: int, greedy: bool, filters: tuple[bool, bool, bool] = (True,) * 3
-                  ) -> StepInput:
+    def speculative_step(self, batch: int, width: int, greedy: bool,
+                         filters: tuple[bool, bool, bool] = (True,) * 3) -> StepInput:
         """A speculative StepInput over the buffers' leading rows (`batch` sequences, `width` table columns);
         `filters`: a sampled step's (needs_top_k, needs_top_p, needs_min_p)."""
         w, k = self.k + 1, self.k
@@ -112,8 +112,8 @@ class SpeculativeBuffers(DecodeBuffers):
         s.all_greedy = greedy
         s.needs_top_k, s.needs_top_p, s.needs_min_p = (False,) * 3 if greedy else filters
         speculative = SpeculativeInput(self.seq_index[:batch], self.seq_index[:batch], self.logits_indices[:batch],
-                                        self.num_drafts[:batch], self.draft_rows[:batch * k],
-                                        self.draft_index[:batch * k], self.no_rows, k)
+                                       self.num_drafts[:batch], self.draft_rows[:batch * k],
+                                       self.draft_index[:batch * k], self.no_rows, k)
         return StepInput(
             input_ids=self.input_ids[:batch * w], positions=self.positions[:batch * w],
             query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
