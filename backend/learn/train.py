@@ -355,30 +355,34 @@ class RouterBalance:
 def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor | None = None,
                 real: torch.Tensor | None = None, prompt_weight: float = 0.0
                 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits; with `task`
+    """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits (bool [B, S - 1],
+    False off the answers); with `task`
     (each row's task index) also the answer tokens' loss sum and count per task index, detached. With
     `prompt_weight` > 0 the loss adds that share of the mean cross-entropy of the other real tokens (`real`): the
     prompts' keys, arguments and facts that recur in the row teach the model to copy from its context (an answer-only
     loss left every copying task flat on the H200 runs of 2026-12-04); the answer loss alone is in "answer"."""
     hidden = model.model(input_ids=ids).last_hidden_state
-    sel = mask[:, 1:]
-    logits = model.lm_head(hidden[:, :-1][sel]).float()
-    gold = ids[:, 1:][sel]
-    losses = F.cross_entropy(logits, gold, reduction="none")
+    # every position's logits and cross-entropy, then masked sums: a boolean index (hidden[sel]) would sync the host
+    # with the device twice a step (its output size), and the step is host-bound
+    logits = model.lm_head(hidden[:, :-1]).float()
+    gold = ids[:, 1:]
+    losses = F.cross_entropy(logits.transpose(1, 2), gold, reduction="none")  # [B, S - 1]
+    sel = mask[:, 1:].to(losses.dtype)
+    total = (losses * sel).sum() / sel.sum().clamp_min(1.0)
+    hits = (logits.argmax(-1) == gold) & mask[:, 1:]  # [B, S - 1]: answer tokens predicted right
     if task is None:
-        return losses.mean(), logits.argmax(-1) == gold
-    token_task = task.to(ids.device)[:, None].expand_as(sel)[sel]
+        return total, hits
     n = len(TASKS)  # per-task sums by scatter: no host sync (the step's log record reads them only when it logs)
-    sums = torch.zeros(n, device=ids.device).index_add_(0, token_task, losses.detach())
-    counts = torch.zeros(n, device=ids.device).index_add_(0, token_task, torch.ones_like(losses))
-    stats = {"sum": sums, "count": counts, "answer": losses.mean().detach()}
-    total = losses.mean()
+    row_task = task.to(ids.device)
+    sums = torch.zeros(n, device=ids.device).index_add_(0, row_task, (losses * sel).sum(1).detach())
+    counts = torch.zeros(n, device=ids.device).index_add_(0, row_task, sel.sum(1))
+    stats = {"sum": sums, "count": counts, "answer": total.detach()}
     if prompt_weight > 0 and real is not None:
-        other = real[:, 1:] & ~sel
-        prompt = F.cross_entropy(model.lm_head(hidden[:, :-1][other]).float(), ids[:, 1:][other])
+        other = (real[:, 1:] & ~mask[:, 1:]).to(losses.dtype)
+        prompt = (losses * other).sum() / other.sum().clamp_min(1.0)
         stats["prompt"] = prompt.detach()
         total = total + prompt_weight * prompt
-    return total, logits.argmax(-1) == gold, stats
+    return total, hits, stats
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -641,7 +645,8 @@ def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: 
     opt.zero_grad(set_to_none=True)
     worst_load = balance.update()
     return {"phase": "dense" if dense else "sparse", "loss": lm.detach(), "task_loss": per_task,
-            "answer_token_acc": hits.float().mean(), "indexer_kl": kl.detach(), "lr": lr, "grad_norm": gnorm,
+            "answer_token_acc": hits.sum() / mask[:, 1:].sum().clamp_min(1), "indexer_kl": kl.detach(), "lr": lr,
+            "grad_norm": gnorm,
             "max_expert_load_ratio": worst_load, "padded_tokens": ids.numel(), "real_tokens": real_tokens}
 
 
