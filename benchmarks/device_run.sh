@@ -25,6 +25,11 @@
 # "server" and "soak" need tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
+# "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
+# 27), with transformers 5.25's wheels from .whl/ (installed to /tmp/site); where .ckpt/ holds a packed checkpoint
+# (part-aa ..., an earlier call's $OUT), it is unpacked to /tmp/ckpt and the run goes on from its weights (add
+# "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS). "evaltasks": `m3serve eval-tasks` on that checkpoint on the GPU
+# (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json.
 # $SANITIZER prefixes the GPU tests' python, e.g. "compute-sanitizer --tool memcheck --error-exitcode 9".
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
@@ -99,6 +104,20 @@ for step in ${STEPS:-tests msa qkv}; do
           | tee "$OUT/bench_tp.log" | grep "^|" ;;
     rank) CUDA_VISIBLE_DEVICES="${RANK_GPU:-0}" timeout "${RANK_TIMEOUT:-450}" python3 benchmarks/bench_rank.py \
             --out "$OUT/rank" ${RANK_ARGS:-} 2>&1 | tee "$OUT/bench_rank.log" | tail -40 ;;
+    train)
+      [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+      init=()
+      if ls .ckpt/part-* >/dev/null 2>&1; then
+        rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt && cat .ckpt/part-* | tar -x -C /tmp/ckpt
+        init=(--init-from "/tmp/ckpt/$(ls /tmp/ckpt)")
+      fi
+      PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TRAIN_TIMEOUT:-580}" python3 -m m3serve.cli \
+        train-learned --out /tmp/m3-tiny-learned --pack "$OUT" "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+      grep -v '^\[ *[0-9.]*s\] \(target\|draft\) {' "$OUT/train.log" | grep -v "Loading weights" | tail -25 ;;
+    evaltasks)
+      PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${EVAL_TIMEOUT:-120}" python3 -m m3serve.cli eval-tasks \
+        --model /tmp/m3-tiny-learned --device cuda --dtype bfloat16 --out "$OUT/eval.json" \
+        ${EVAL_ARGS:---n 50 --paths engine dspark-greedy} > "$OUT/eval.log" 2>&1; tail -20 "$OUT/eval.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

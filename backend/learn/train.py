@@ -43,7 +43,6 @@ import dataclasses
 import functools
 import io
 import json
-import multiprocessing
 import os
 import random
 import tarfile
@@ -54,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from m3serve.learn.data import FreshRows, make_rows, row_jobs
 from m3serve.learn.loop import Schedule, autocast, batches, collate, prefetch
 from m3serve.learn.tasks import TASKS
 
@@ -82,6 +82,9 @@ class TrainConfig:
     # (a step's cost grows with tokens x row length: the eager attention's and the indexer's [B, H, S, S] tensors,
     # so arithmetic, whose answers are short, packs fewer than retrieval, whose one context is long anyway)
     packed_turns: dict[str, int] = dataclasses.field(default_factory=lambda: {"arithmetic": 8, "retrieval": 32})
+    # render more rows with new seeds while the target trains (data.FreshRows), up to max_rows in all
+    fresh_rows: bool = True
+    max_rows: int = 600_000
     init_from: str | None = None  # start from this checkpoint's weights (a run that goes on in another device call)
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
@@ -113,56 +116,6 @@ class TrainConfig:
     # torch.compile the target step's small-op pieces (fast_paths.CompiledPieces); any compiler error: eager again
     compile: bool = False
     compile_backend: str = "inductor"
-
-
-# ---------------------------------------------------------------------------------------------- data
-
-_WORKER_TOKENIZER: dict[str, Any] = {}
-
-
-def _render_chunk(job: tuple[str, str, int, int, str, int]) -> list[tuple[list[int], list[int], int]]:
-    """(task, split, n, seed, tokenizer dir, problems per row) -> [(input_ids, loss_mask, task index)]; runs in a
-    worker."""
-    from m3serve.learn.render import render, render_turns
-    from m3serve.learn.tasks import make_examples, retrieval_follow_ups
-    from m3serve.text.tokenizer import Tokenizer
-
-    task, split, n, seed, tok_dir, per_row = job
-    tok = _WORKER_TOKENIZER.get(tok_dir)
-    if tok is None:
-        tok = _WORKER_TOKENIZER[tok_dir] = Tokenizer.from_pretrained(tok_dir)
-    ti = TASKS.index(task)
-    examples = make_examples(task, split, n, seed=seed)
-    if per_row <= 1:
-        return [(*render(ex, tok), ti) for ex in examples]
-    if task == "retrieval":  # one context, several of its keys asked in turn
-        rng = random.Random(seed)
-        return [(*render_turns(ex, retrieval_follow_ups(ex, per_row - 1, rng), tok), ti) for ex in examples]
-    groups = [examples[i:i + per_row] for i in range(0, len(examples), per_row)]  # several problems, one chat
-    return [(*render_turns(g[0], [(ex.messages[-1]["content"], ex.answer) for ex in g[1:]], tok), ti)
-            for g in groups]
-
-
-def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, workers: int = 0,
-              chunk: int = 500, weights: dict[str, float] | None = None, packed: dict[str, int] | None = None
-              ) -> list[tuple[list[int], list[int], int]]:
-    """Rendered rows of `n_per_task` examples per task (times `weights[task]`, default 1; `packed[task]` problems
-    per row, default 1); a task's examples come in chunks of `chunk` (a fifth of it for rows of over 8 problems, which
-    cost ~30 chat-template passes each: more jobs to spread), chunk c drawn with seed `seed * 1000 + c` (so
-    the rows do not depend on the number of workers)."""
-    counts = {t: max(1, round(n_per_task * (weights or {}).get(t, 1.0))) for t in tasks}
-    per_job = {t: max(1, chunk // 5) if (packed or {}).get(t, 1) > 8 else chunk for t in tasks}  # long rows: more jobs
-    jobs = [(t, split, min(per_job[t], counts[t] - c0), seed * 1000 + c0 // per_job[t], tok_dir,
-             (packed or {}).get(t, 1))
-            for t in tasks for c0 in range(0, counts[t], per_job[t])]
-    jobs.sort(key=lambda j: -j[5])  # the costliest (most problems per row) first: no straggler at the end
-    workers = workers or min(16, os.cpu_count() or 1)
-    if workers <= 1 or len(jobs) == 1:
-        parts = [_render_chunk(j) for j in jobs]
-    else:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(jobs))) as pool:
-            parts = pool.map(_render_chunk, jobs, chunksize=1)
-    return [row for part in parts for row in part]
 
 
 # ---------------------------------------------------------------------------------------------- the target
@@ -754,27 +707,39 @@ def run(tc: TrainConfig) -> dict:
     vocab = -(-tok["vocab_size"] // 64) * 64
     cfg = learned_config(vocab, tok["bos_token_id"], tok["eos_token_id"], **tc.model_overrides)
     pad_id = tok["pad_token_id"] if tok.get("pad_token_id") is not None else tok["eos_token_id"]
-    rows = make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, tc.workers, weights=tc.task_weights,
-                     packed=tc.packed_turns)
-    eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, tc.workers)
-    lengths = sorted(len(r[0]) for r in rows)
-    result["data"] = {"train_rows": len(rows), "eval_rows": len(eval_rows), "median_len": lengths[len(lengths) // 2],
-                      "max_len": lengths[-1], "answer_tokens": sum(sum(r[1]) for r in rows),
-                      "seconds": round(time.time() - t_start, 1)}
-    log("data " + json.dumps(result["data"]))
+    # the worker pool is forked here, before CUDA is first touched; it renders the first rows, then goes on with new
+    # seeds while the target trains (data.FreshRows)
+    rows: list = []
+    fresh = FreshRows(rows, lambda r: row_jobs(tc.out, tc.tasks, "train", tc.train_examples, tc.seed + 7919 * r,
+                                               weights=tc.task_weights, packed=tc.packed_turns),
+                      tc.workers, tc.max_rows)
+    try:
+        rows += make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, weights=tc.task_weights,
+                          packed=tc.packed_turns, pool=fresh.pool)
+        eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, pool=fresh.pool)
+        lengths = sorted(len(r[0]) for r in rows)
+        result["data"] = {"train_rows": len(rows), "eval_rows": len(eval_rows),
+                          "median_len": lengths[len(lengths) // 2], "max_len": lengths[-1],
+                          "answer_tokens": sum(sum(r[1]) for r in rows), "seconds": round(time.time() - t_start, 1)}
+        log("data " + json.dumps(result["data"]))
+        if tc.fresh_rows:
+            fresh.start()
 
-    # CUDA is first touched here, after the data workers (forked processes) are done
-    result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    model = build_target(cfg, device, tc.seed)
-    if tc.init_from:
-        load_weights(model, tc.init_from, tc.out)
-        log(f"target: weights from {tc.init_from}")
-    n_params = sum(p.numel() for p in model.parameters())
-    result["target_params"] = n_params
-    log(f"target: {n_params / 1e6:.2f}M parameters, layers {cfg.layer_types}, MLPs {cfg.mlp_layer_types}")
-    train_time = max(0.0, deadline - tc.reserve_s - time.time())
-    target_deadline = time.time() + train_time * (1 - tc.draft_frac)
-    result["target"] = train_target(model, rows, tc, device, target_deadline, pad_id, log)
+        # CUDA is first touched here, after the worker pool was forked
+        result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        model = build_target(cfg, device, tc.seed)
+        if tc.init_from:
+            load_weights(model, tc.init_from, tc.out)
+            log(f"target: weights from {tc.init_from}")
+        n_params = sum(p.numel() for p in model.parameters())
+        result["target_params"] = n_params
+        log(f"target: {n_params / 1e6:.2f}M parameters, layers {cfg.layer_types}, MLPs {cfg.mlp_layer_types}")
+        train_time = max(0.0, deadline - tc.reserve_s - time.time())
+        target_deadline = time.time() + train_time * (1 - tc.draft_frac)
+        result["target"] = train_target(model, rows, tc, device, target_deadline, pad_id, log)
+    finally:
+        result.setdefault("data", {})["fresh"] = fresh.stop()
+    log(f"data: {result['data']['fresh']['rows_added']} rows rendered while the target trained")
     log(f"target: {result['target']['steps']} steps in {result['target']['wall_s']} s "
         f"({result['target']['padded_tokens_per_s']} padded tokens/s), stopped by {result['target']['stopped_by']}")
     try:

@@ -1,0 +1,84 @@
+"""Training rows that keep coming while the target trains (m3serve.learn.data.FreshRows, issue 27)."""
+import json
+import os
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+os.environ.setdefault("USE_HUB_KERNELS", "0")
+
+from m3serve.learn.data import FreshRows, make_rows, row_jobs  # noqa: E402
+from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
+
+TASKS = ("arithmetic", "multi_turn")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tok"))
+    build_tokenizer(out)
+    return out
+
+
+def _wait(cond, timeout=60.0):
+    end = time.time() + timeout
+    while not cond() and time.time() < end:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_fresh_rows_arrive_with_new_seeds_up_to_the_cap_and_stop_ends_the_pool(tok_dir):
+    def jobs(r):
+        return row_jobs(tok_dir, TASKS, "train", 6, 1000 + r)
+
+    rows: list = []
+    fresh = FreshRows(rows, jobs, workers=1, max_rows=30)
+    try:
+        rows += make_rows(tok_dir, TASKS, "train", 6, 0, pool=fresh.pool)
+        first = [tuple(r[0]) for r in rows]
+        assert first == [tuple(r[0]) for r in make_rows(tok_dir, TASKS, "train", 6, 0, workers=1)]  # same rows
+        fresh.start()
+        assert _wait(lambda: fresh.added >= 12)
+    finally:
+        report = fresh.stop()
+    assert len(rows) <= 30 and report["rows_added"] == fresh.added == len(rows) - len(first) >= 12
+    new = [tuple(r[0]) for r in rows[len(first):]]
+    assert len(set(new) - set(first)) >= 10  # new seeds: new problems
+    assert report["error"] is None
+    n = len(rows)
+    time.sleep(0.3)
+    assert len(rows) == n  # stopped: nothing more arrives
+
+
+def test_a_failing_stream_reports_its_error_and_leaves_the_rows(tok_dir):
+    rows: list = [([1, 2], [0, 1], 0)]
+    fresh = FreshRows(rows, lambda r: [("no_such_task", "train", 2, r, tok_dir, 1)], workers=1)
+    fresh.start()
+    try:
+        assert _wait(lambda: fresh.error is not None)
+    finally:
+        report = fresh.stop()
+    assert report["error"].startswith("ValueError") and rows == [([1, 2], [0, 1], 0)]
+
+
+def test_a_whole_run_trains_on_rows_rendered_while_it_runs(tmp_path):
+    """train-learned end to end on a micro model: the run's log counts the rows that arrived during training, and
+    the checkpoint and log are written."""
+    from m3serve.config import FULL, SPARSE
+    from m3serve.learn.train import TrainConfig, run
+
+    micro = dict(hidden_size=32, head_dim=16, index_head_dim=16, num_attention_heads=2, num_key_value_heads=1,
+                 index_n_heads=1, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
+                 num_hidden_layers=2, layer_types=[FULL, SPARSE], mlp_layer_types=["dense", "sparse"],
+                 num_local_experts=4, index_block_size=8, index_topk_blocks=2)
+    tc = TrainConfig(out=str(tmp_path / "m"), device="cpu", tasks=TASKS, train_examples=8, eval_examples=4,
+                     workers=1, tokens_per_batch=4096, max_steps=40, warmup_steps=2, log_every=10, budget_s=600,
+                     reserve_s=0, draft_frac=0.0, draft_max_steps=2, draft_tokens_per_batch=1024, draft_anchors=4,
+                     model_overrides=micro, max_rows=200)
+    result = run(tc)
+    fresh = result["data"]["fresh"]
+    assert fresh["error"] is None and 0 < fresh["rows_added"] <= 200 - result["data"]["train_rows"]
+    assert result["target"]["steps"] == 40
+    with open(os.path.join(tc.out, "train_log.json")) as f:
+        assert json.load(f)["data"]["fresh"] == fresh
