@@ -88,26 +88,6 @@ def test_streams_equal_the_in_process_engine(proc_engine, tiny_model_dir):
     assert wait_until(lambda: pages_back(proc_engine), 10)
 
 
-@pytest.fixture
-def tokenizer_loads(monkeypatch):
-    """Every `Tokenizer` this process makes while the test runs: built (`from_pretrained` builds one) or unpickled
-    (shipped here from another process)."""
-    from m3serve.text.tokenizer import Tokenizer
-
-    loads, init = [], Tokenizer.__init__
-
-    def counting_init(self, *args, **kwargs):
-        loads.append("built")
-        init(self, *args, **kwargs)
-
-    def counting_setstate(self, state):
-        loads.append("unpickled")
-        self.__dict__.update(state)
-    monkeypatch.setattr(Tokenizer, "__init__", counting_init)
-    monkeypatch.setattr(Tokenizer, "__setstate__", counting_setstate, raising=False)
-    return loads
-
-
 def test_the_tokenizer_loads_in_the_engine_process_only(tiny_model_dir, tokenizer_loads):
     """The client neither loads the tokenizer nor gets it shipped: the text it asks for (TextOptions) is decoded in
     the engine process and comes in the outputs. The counter catches both ways a tokenizer could get here."""
