@@ -58,7 +58,7 @@ class _NullEngine:
         threading.Thread(target=self._run, name="null-engine", daemon=True).start()
 
     async def prepare(self, prompt=None, prompt_token_ids=None, sampling_params=None, reasoning_parser=None,
-                      chat_template_kwargs=None):
+                      chat_template_kwargs=None, text_options=None):
         n_prompt = len(prompt_token_ids) if prompt_token_ids else len(self.tokenizer.encode(prompt or ""))
         return n_prompt, sampling_params.max_tokens or 16
 

@@ -22,6 +22,26 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(d)
 
 
+@pytest.fixture
+def tokenizer_loads(monkeypatch):
+    """Every `Tokenizer` this process makes while the test runs: built (`from_pretrained` builds one) or unpickled
+    (shipped here from another process). With the engine in a process of its own, that process alone loads it."""
+    from m3serve.text.tokenizer import Tokenizer
+
+    loads, init = [], Tokenizer.__init__
+
+    def counting_init(self, *args, **kwargs):
+        loads.append("built")
+        init(self, *args, **kwargs)
+
+    def counting_setstate(self, state):
+        loads.append("unpickled")
+        self.__dict__.update(state)
+    monkeypatch.setattr(Tokenizer, "__init__", counting_init)
+    monkeypatch.setattr(Tokenizer, "__setstate__", counting_setstate, raising=False)
+    return loads
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -36,7 +36,7 @@ from m3serve.config import EngineConfig
 from m3serve.engine.faults import FailedOutput, RequestFailed, describe, is_device_fault
 from m3serve.engine.llm_engine import LLMEngine, PreparedRequest
 from m3serve.engine.outputs import RequestOutput
-from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
+from m3serve.engine.sampling_params import InvalidRequest, SamplingParams, TextOptions
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +129,12 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shut down")
 
     async def prepare(self, prompt=None, prompt_token_ids=None, sampling_params: SamplingParams | None = None,
-                      reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None
-                      ) -> PreparedRequest:
+                      reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None,
+                      text_options: TextOptions | None = None) -> PreparedRequest:
         """Validate and tokenize a request on the worker pool (InvalidRequest naming the option)."""
         self._check_alive()
         prepare = functools.partial(self.engine.prepare_request, prompt, prompt_token_ids, sampling_params,
-                                    reasoning_parser, chat_template_kwargs)
+                                    reasoning_parser, chat_template_kwargs, text_options)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
         except RuntimeError as e:
@@ -144,13 +144,14 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt=None, prompt_token_ids=None,
                        sampling_params: SamplingParams | None = None, reasoning_parser: str | None = None,
-                       chat_template_kwargs: dict | None = None, prepared: PreparedRequest | None = None):
+                       chat_template_kwargs: dict | None = None, text_options: TextOptions | None = None,
+                       prepared: PreparedRequest | None = None):
         """Yield the request's `RequestOutput` deltas until one has `finished=True`.
 
         `prompt` is a string or a list of chat messages (rendered with the model's chat template and
         `chat_template_kwargs`, `tools` included); or pass what `prepare` returned as `prepared`."""
         req = prepared if prepared is not None else await self.prepare(
-            prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs)
+            prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs, text_options)
         stream = _Stream(request_id, asyncio.get_running_loop())
         self._add(request_id, stream, req)
         # a caller that stops listening (closed, cancelled) frees the request's pages

@@ -3,8 +3,10 @@ holds: `AsyncLLMEngine` (engine/async_engine.py: the engine on threads of this p
 (engine/process_client.py: the client of the engine in a process of its own, engine/engine_process.py). Both
 implement every member with the same parameters (tests/unit/test_engine_client.py checks it).
 
-A request is validated and tokenized once, by `prepare`, in the process that runs the engine and holds its
-tokenizer; `submit` (outputs to a callable) or `generate` (an async iterator) then run what `prepare` returned.
+A request is validated and tokenized once, by `prepare`, in the process that runs the engine; `submit` (outputs to a
+callable) or `generate` (an async iterator) then run what `prepare` returned. The tokenizer is the engine's alone: a
+caller never holds it. Text a caller needs besides the streamed deltas (the prompt decoded, the logprobs' tokens,
+stop words given as token ids) it asks for with `TextOptions` (engine/sampling_params.py) and reads in the outputs.
 """
 from __future__ import annotations
 
@@ -14,13 +16,11 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class EngineClient(Protocol):
-    tokenizer: Any  # the engine's tokenizer (text contracts detokenize with it), None for an engine without one
-
     @property
     def max_model_len(self) -> int: ...
 
     async def prepare(self, prompt=None, prompt_token_ids=None, sampling_params=None, reasoning_parser=None,
-                      chat_template_kwargs=None) -> Any:
+                      chat_template_kwargs=None, text_options=None) -> Any:
         """Validate and tokenize a request (InvalidRequest naming the option); the result goes to submit/generate."""
 
     def submit(self, request_id: str, prepared: Any, sink: Callable[[object], None]) -> None:
@@ -28,7 +28,8 @@ class EngineClient(Protocol):
         ends it), in order, on an engine thread; it must be quick and must not block."""
 
     def generate(self, request_id: str, prompt=None, prompt_token_ids=None, sampling_params=None,
-                 reasoning_parser=None, chat_template_kwargs=None, prepared=None) -> AsyncIterator:
+                 reasoning_parser=None, chat_template_kwargs=None, text_options=None, prepared=None
+                 ) -> AsyncIterator:
         """Yield the request's `RequestOutput` deltas until one has finished=True."""
 
     async def abort(self, request_id: str) -> None: ...

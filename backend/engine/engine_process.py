@@ -224,7 +224,7 @@ def child_main(args: dict) -> None:
     try:
         _, config, factory = conn.recv()
         engine = build_engine(config, factory)
-        conn.send(("ready", dict(tokenizer=getattr(engine, "tokenizer", None), stats=engine.stats(),
+        conn.send(("ready", dict(stats=engine.stats(),  # not its tokenizer: text is decoded here, in the engine
                                  max_model_len=getattr(engine, "max_model_len", None) or config.max_model_len)))
     except BaseException as e:  # noqa: BLE001 - reported to the server process, then this process ends
         try:

@@ -12,6 +12,7 @@ string or max_tokens ending the sequence at that token, and streamed as one outp
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -25,7 +26,7 @@ from m3serve.config import ConfigError, EngineConfig, ModelConfig
 from m3serve.engine.block_manager import BlockManager
 from m3serve.engine.faults import FailedOutput, contained, describe
 from m3serve.engine.outputs import RequestOutput
-from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
+from m3serve.engine.sampling_params import InvalidRequest, SamplingParams, TextOptions
 from m3serve.engine.scheduler import ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
 from m3serve.engine.speculative_metrics import SpeculativeStats
@@ -50,6 +51,8 @@ class PreparedRequest:
     reasoning_parser: str | None
     thinking_mode: str | None
     assistant_prefix: str = ""  # rendered after the generation prompt: the reply's start, read by the parser
+    prompt_text: str | None = None  # the prompt decoded (TextOptions.prompt_text): its first output carries it
+    logprob_tokens: bool = False  # its outputs carry the text of each logprobs token (TextOptions.logprob_tokens)
 
 
 @dataclass
@@ -128,11 +131,19 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     def prepare_request(self, prompt=None, prompt_token_ids=None, sampling_params: SamplingParams | None = None,
-                        reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None
-                        ) -> PreparedRequest:
-        """Validate and tokenize (thread-safe: reads only immutable engine state). Raises InvalidRequest."""
+                        reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None,
+                        text_options: TextOptions | None = None) -> PreparedRequest:
+        """Validate and tokenize; decode what `text_options` asks (thread-safe: reads only immutable engine state).
+        Raises InvalidRequest."""
         sp = sampling_params if sampling_params is not None else SamplingParams()
         sp.validate()
+        options = text_options if text_options is not None else TextOptions()
+        options.validate()
+        if options.stop_words and self.tokenizer is not None:  # without a tokenizer they have no text: ignored
+            words = [w for w in (self.tokenizer.decode(ids, skip_special_tokens=False) for ids in options.stop_words)
+                     if w]
+            if words:
+                sp = dataclasses.replace(sp, stop=sp.stop + words)
         kwargs = dict(chat_template_kwargs or {})
         prefix = kwargs.pop("assistant_prefix", None) or ""
         if not isinstance(prefix, str):
@@ -177,7 +188,10 @@ class LLMEngine:
         parser = reasoning_parser if reasoning_parser is not None else self.config.reasoning_parser
         if parser is not None and parser not in REASONING_PARSERS:
             raise InvalidRequest("reasoning_parser", f"{parser!r} is not one of {list(REASONING_PARSERS)}")
-        return PreparedRequest(ids, sp, max_tokens, parser, kwargs.get("thinking_mode"), prefix)
+        prompt_text = (self.tokenizer.decode(ids, skip_special_tokens=False)
+                       if options.prompt_text and self.tokenizer is not None else None)
+        return PreparedRequest(ids, sp, max_tokens, parser, kwargs.get("thinking_mode"), prefix, prompt_text,
+                               options.logprob_tokens)
 
     def add_prepared(self, request_id: str, req: PreparedRequest) -> Sequence:
         if request_id in self.scheduler.requests:
@@ -190,7 +204,7 @@ class LLMEngine:
             if req.reasoning_parser is not None:
                 from m3serve.text.reasoning import MiniMaxM3ReasoningParser
                 parser = MiniMaxM3ReasoningParser(req.thinking_mode, req.assistant_prefix)
-            text = SequenceText(self.tokenizer, req.prompt_token_ids, sp, parser)
+            text = SequenceText(self.tokenizer, req.prompt_token_ids, sp, parser, req.prompt_text, req.logprob_tokens)
         seq = Sequence(request_id, next(self._arrivals), req.prompt_token_ids, sp, req.max_tokens, seed, text)
         self.scheduler.add(seq)
         self.prompt_tokens_total += seq.num_prompt_tokens
@@ -198,8 +212,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt=None, prompt_token_ids=None,
                     sampling_params: SamplingParams | None = None, reasoning_parser: str | None = None,
-                    chat_template_kwargs: dict | None = None) -> Sequence:
-        req = self.prepare_request(prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs)
+                    chat_template_kwargs: dict | None = None, text_options: TextOptions | None = None) -> Sequence:
+        req = self.prepare_request(prompt, prompt_token_ids, sampling_params, reasoning_parser, chat_template_kwargs,
+                                   text_options)
         return self.add_prepared(request_id, req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -396,13 +411,17 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_ids, text, reasoning, tops: list) -> RequestOutput:
         first = not seq.first_output_sent
         seq.first_output_sent = True
+        logprobs, seq_text = seq.sampling_params.logprobs is not None, seq.text
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=list(new_ids), text=text, reasoning_text=reasoning,
             finished=seq.is_finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, cumulative_logprob=seq.cumulative_logprob,
-            logprobs=None if seq.sampling_params.logprobs is None else list(tops),
+            logprobs=list(tops) if logprobs else None,
             prompt_token_ids=list(seq.prompt_token_ids) if first else [],
-            num_cached_tokens=seq.num_cached_tokens)
+            num_cached_tokens=seq.num_cached_tokens,
+            prompt_text=seq_text.prompt_text if first and seq_text is not None else None,
+            logprob_tokens=seq_text.token_texts(tops) if logprobs and seq_text is not None else None,
+            mid_character=seq_text is not None and seq_text.detok.mid_character)
 
     # ---- the executor's workers -------------------------------------------------------------------------
     def check_health(self) -> None:

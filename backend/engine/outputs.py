@@ -19,3 +19,9 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     prompt_token_ids: list[int] = field(default_factory=list)  # filled on the first output only
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at the latest admission)
+    # text the request asked for (`TextOptions`), decoded by the engine: its callers hold no tokenizer
+    prompt_text: str | None = None  # the prompt's ids decoded, on the first output only
+    logprob_tokens: list[dict[int, str]] | None = None  # per `logprobs` entry, the text of each of its tokens
+    # the tokens so far end inside a UTF-8 character: their text is held back until it completes (a client that
+    # decodes the ids itself waits for the next output)
+    mid_character: bool = False

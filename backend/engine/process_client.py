@@ -82,7 +82,6 @@ class EngineProcess:
         except BaseException:
             self._kill()
             raise
-        self.tokenizer = info["tokenizer"]
         self._max_model_len = info["max_model_len"]
         self._stats = info["stats"]
         self._receiver = threading.Thread(target=self._receive, name="m3serve-engine-receiver", daemon=True)
@@ -126,7 +125,7 @@ class EngineProcess:
             raise EngineDeadError(f"the engine process is gone: {e}") from None
 
     async def prepare(self, prompt=None, prompt_token_ids=None, sampling_params=None, reasoning_parser=None,
-                      chat_template_kwargs=None):
+                      chat_template_kwargs=None, text_options=None):
         """Validate and tokenize a request in the engine process (InvalidRequest naming the option)."""
         self._check_alive()
         fut: Future = Future()
@@ -135,7 +134,7 @@ class EngineProcess:
             self._pending[token] = fut
         self._send(("prepare", token, dict(prompt=prompt, prompt_token_ids=prompt_token_ids,
                                             sampling_params=sampling_params, reasoning_parser=reasoning_parser,
-                                            chat_template_kwargs=chat_template_kwargs)))
+                                            chat_template_kwargs=chat_template_kwargs, text_options=text_options)))
         if self._error is not None:  # died while it was being sent: the receiver may have failed the table first
             self._fail_pending()
         return await asyncio.wrap_future(fut)
@@ -156,11 +155,11 @@ class EngineProcess:
             raise
 
     async def generate(self, request_id: str, prompt=None, prompt_token_ids=None, sampling_params=None,
-                       reasoning_parser=None, chat_template_kwargs=None, prepared=None):
+                       reasoning_parser=None, chat_template_kwargs=None, text_options=None, prepared=None):
         """Yield the request's `RequestOutput` deltas until one has finished=True (as `AsyncLLMEngine.generate`)."""
         if prepared is None:
             prepared = await self.prepare(prompt, prompt_token_ids, sampling_params, reasoning_parser,
-                                          chat_template_kwargs)
+                                          chat_template_kwargs, text_options)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         self.submit(request_id, prepared, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
         async with contextlib.aclosing(drain(queue, lambda: self.abort_sync(request_id))) as outs:

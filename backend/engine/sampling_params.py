@@ -114,6 +114,25 @@ class SamplingParams:
         return cls(**kwargs)
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """What a request asks of the engine's tokenizer beyond `SamplingParams` (vLLM has no names for these; the Triton
+    contracts need them). The engine, the one process that loads the tokenizer, does the decoding; its caller gets
+    text only through the outputs."""
+
+    stop_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose text (decoded at `prepare`) is a stop string
+    prompt_text: bool = False  # the first output carries the prompt decoded (`RequestOutput.prompt_text`)
+    logprob_tokens: bool = False  # each logprobs entry's tokens decoded (`RequestOutput.logprob_tokens`)
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming a stop word that is not a sequence of token ids in [0, 2^31)."""
+        for word in self.stop_words:
+            if not isinstance(word, (tuple, list)):
+                raise InvalidRequest("stop_words", f"must hold sequences of token ids, got {_show(word)}")
+            for t in word:
+                _int(t, "stop_words", 0, INT32_MAX, f"must hold token ids in [0, {INT32_MAX}]")
+
+
 def _show(v: Any, limit: int = 60) -> str:
     """A value for an error message, cut short (a client may send a 10^6-digit number)."""
     text = repr(v) if not _is_int(v) or v.bit_length() < 200 else f"<an integer of {v.bit_length()} bits>"

@@ -16,9 +16,11 @@ class SequenceStatus(enum.Enum):
 
 
 class SequenceText:
-    """New token ids -> (content delta, reasoning delta, stopped on a stop string)."""
+    """New token ids -> (content delta, reasoning delta, stopped on a stop string); and the text a request asked for
+    besides (`TextOptions`): its prompt decoded (`prompt_text`, decoded at `prepare`), its logprobs' tokens."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], sp: SamplingParams, reasoning_parser=None):
+    def __init__(self, tokenizer, prompt_ids: list[int], sp: SamplingParams, reasoning_parser=None,
+                 prompt_text: str | None = None, logprob_tokens: bool = False):
         from m3serve.text.detokenizer import IncrementalDetokenizer
         from m3serve.text.stop_strings import StopStringMatcher
 
@@ -27,6 +29,15 @@ class SequenceText:
         self.reasoning = reasoning_parser
         self.min_tokens = sp.min_tokens
         self.stopped = False
+        self.prompt_text = prompt_text
+        self.logprob_tokens = logprob_tokens
+
+    def token_texts(self, tops: list[dict[int, float]]) -> list[dict[int, str]] | None:
+        """The text of each token of each logprobs entry (special tokens included), if the request asked for it."""
+        if not self.logprob_tokens:
+            return None
+        decode = self.detok.tokenizer.decode
+        return [{t: decode([t], skip_special_tokens=False) for t in top} for top in tops]
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:
         if self.reasoning is None:

@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_offset = max(len(self._ids) - PROMPT_CONTEXT_TOKENS, 0)
         self.output_text = ""
+        self.mid_character = False  # the text so far ends in U+FFFD (an incomplete UTF-8 sequence, held back)
 
     @property
     def output_ids(self) -> list[int]:
@@ -38,7 +39,8 @@ class IncrementalDetokenizer:
     def _step(self, final: bool) -> str:
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
+        self.mid_character = new_text.endswith(_REPLACEMENT) and not final
+        if len(new_text) <= len(prefix_text) or self.mid_character:
             return ""
         delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset

@@ -6,14 +6,16 @@ into `GenRequest`s and builds the response tensors of each from the engine's out
 is the wire's business (shapes, types, JSON, which inputs go together, the server's policies); the range of
 every option is the engine's business (`SamplingParams.validate`, `LLMEngine.prepare_request`), and an
 engine `InvalidRequest` comes back to the client under the name the client used (`client_error`):
-`request_output_len` when it sent that tensor, `sampling_parameters.max_tokens` when it sent JSON.
+`request_output_len` when it sent that tensor, `sampling_parameters.max_tokens` when it sent JSON. The contracts
+hold no tokenizer: text the responses need beyond the engine's deltas (a chat prompt's echo, the logprobs' tokens,
+multi-token stop words) the engine decodes, asked by `GenRequest.text_options`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
+from m3serve.engine.sampling_params import InvalidRequest, SamplingParams, TextOptions
 from m3serve.triton.schema import RequestError, json_value
 
 
@@ -42,12 +44,14 @@ class GenRequest:
     reasoning_parser: str | None = None
     batch_index: int = 0
     sources: dict[str, str] = field(default_factory=dict)  # engine option -> the name the client sent
+    text_options: TextOptions | None = None  # text the engine decodes for the responses (this process has no tokenizer)
 
     def engine_args(self) -> dict[str, Any]:
-        """Keyword arguments of `AsyncLLMEngine.generate` / `prepare`."""
+        """Keyword arguments of `EngineClient.prepare` / `generate`."""
         return dict(prompt=self.messages if self.messages is not None else self.prompt,
                     prompt_token_ids=self.prompt_token_ids, sampling_params=self.sampling,
-                    reasoning_parser=self.reasoning_parser, chat_template_kwargs=self.chat_template_kwargs)
+                    reasoning_parser=self.reasoning_parser, chat_template_kwargs=self.chat_template_kwargs,
+                    text_options=self.text_options)
 
 
 @dataclass
@@ -97,9 +101,8 @@ class Contract:
     # engine option -> client name, for options no source was recorded for
     ENGINE_FIELDS: dict[str, str] = {}
 
-    def __init__(self, defaults: Defaults, tokenizer=None):
+    def __init__(self, defaults: Defaults):
         self.defaults = defaults
-        self.tokenizer = tokenizer
 
     def parse(self, tensors: dict, params: str | dict | None, request_id: str = ""
               ) -> list[GenRequest] | StopRequest:

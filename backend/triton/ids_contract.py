@@ -6,19 +6,18 @@ item, tagged with batch_index; a batch of B becomes B engine requests answered o
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from m3serve.engine.sampling_params import TextOptions
 from m3serve.triton.contract import Contract, GenRequest, StopRequest, request_parameters, sampling_params
 from m3serve.triton.schema import RequestError, batch_rows, number
 
 
 class IdsContract(Contract):
-    ENGINE_FIELDS = {"prompt": "input_ids", "prompt_token_ids": "input_ids", "request_id": "request_id"}
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    ENGINE_FIELDS = {"prompt": "input_ids", "prompt_token_ids": "input_ids", "request_id": "request_id",
+                     "stop_words": "stop_words_list", "stop": "stop_words_list"}
 
     def parse(self, tensors: dict[str, np.ndarray], params: str | dict | None, request_id: str = ""
               ) -> list[GenRequest] | StopRequest:
@@ -93,20 +92,16 @@ class IdsContract(Contract):
         stop_ids = [end_id] if end_id is not None and end_id >= 0 else []
         if end_id is not None:
             put("ignore_eos", True, "end_id")
-        stop_strs = []
+        stop_words = []  # words of several tokens: the engine decodes them into stop strings
         if "stop_words_list" in tensors:
             for w in parse_word_list(_word_rows(tensors, "stop_words_list", batch)[b], "stop_words_list"):
                 if len(w) == 1:
                     stop_ids.append(w[0])
-                elif self.tokenizer is not None:
-                    s = self._decode(w)
-                    if s:
-                        stop_strs.append(s)
+                else:
+                    stop_words.append(tuple(w))
         if stop_ids:
             names = [n for n in ("end_id", "stop_words_list") if n in tensors]
             put("stop_token_ids", stop_ids, ", ".join(names))
-        if stop_strs:
-            put("stop", stop_strs, "stop_words_list")
         log_probs = bool(get("return_log_probs"))
         if log_probs:
             d["logprobs"] = 0
@@ -114,14 +109,11 @@ class IdsContract(Contract):
         exclude = bool(get("exclude_input_in_output"))
         return GenRequest(sampling=sampling_params(d, sources), prompt_token_ids=[int(t) for t in row.tolist()],
                           stream=stream, prepend_input=not stream and not exclude,
-                          returns=frozenset({"log_probs"} if log_probs else ()), batch_index=b, sources=sources)
+                          returns=frozenset({"log_probs"} if log_probs else ()), batch_index=b, sources=sources,
+                          text_options=TextOptions(stop_words=tuple(stop_words)) if stop_words else None)
 
     def stream(self, req: GenRequest) -> "IdsStream":
-        hold = None
-        if self.tokenizer is not None and self.defaults.utf8_stream_boundaries:
-            tok = self.tokenizer
-            hold = utf8_incomplete(lambda ids: tok.decode(ids, skip_special_tokens=True))
-        return IdsStream(req, hold)
+        return IdsStream(req, self.defaults.utf8_stream_boundaries)
 
 
 def _row_scalar(tensors: dict, name: str, b: int, batch: int):
@@ -179,14 +171,15 @@ def to_word_list(batch_words: list[list[list[int]]]) -> np.ndarray:
 class IdsStream:
     """Engine outputs -> TensorRT-LLM-contract tensors for one batch item ([1, beam=1, T] shapes).
 
-    Streaming responses carry only the new tokens; with `hold` (a predicate on the pending ids) tokens that
-    end inside a UTF-8 character are held back until the character completes, so a detokenizer after
-    this model (the ensemble's postprocessing) decodes every response on its own correctly.
+    Streaming responses carry only the new tokens; with `hold`, tokens that end inside a UTF-8 character (the
+    engine's detokenizer says so: `RequestOutput.mid_character`) are held back until the character completes, so
+    a detokenizer after this model (the ensemble's postprocessing) decodes every response on its own correctly.
     """
 
-    def __init__(self, req: GenRequest, hold: Callable[[list[int]], bool] | None = None):
+    def __init__(self, req: GenRequest, hold: bool = False):
         self.req = req
         self.hold = hold
+        self._mid_character = False
         self._pending: list[int] = []
         self._pending_lp: list[float] = []
         self._all: list[int] = []
@@ -206,6 +199,7 @@ class IdsStream:
         lps += [0.0] * (len(ids) - len(lps))
         self._pending += ids
         self._pending_lp += lps
+        self._mid_character = out.mid_character
         if out.cumulative_logprob is not None:
             self.cumulative_logprob = float(out.cumulative_logprob)
         if out.finished:
@@ -219,7 +213,7 @@ class IdsStream:
     def take(self, final: bool) -> dict[str, np.ndarray] | None:
         r = self.req
         if r.stream:
-            if not final and (not self._pending or (self.hold is not None and self.hold(self._pending))):
+            if not final and (not self._pending or (self.hold and self._mid_character)):
                 return None
             ids, lps = self._pending, self._pending_lp
         else:
@@ -243,10 +237,3 @@ class IdsStream:
             t["cum_log_probs"] = np.array([[self.cumulative_logprob or 0.0]], dtype=np.float32)
             t["output_log_probs"] = np.array(lps, dtype=np.float32).reshape(1, 1, -1)
         return t
-
-
-def utf8_incomplete(decode: Callable[[list[int]], str]) -> Callable[[list[int]], bool]:
-    """A `hold` predicate: the pending ids decode to text ending in U+FFFD (a split character)."""
-    def hold(ids: list[int]) -> bool:
-        return decode(ids).endswith("\ufffd")
-    return hold

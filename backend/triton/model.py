@@ -16,7 +16,10 @@ Threads of an LLM instance (text / ids):
   engine loop        asyncio loop starting each Triton request's engine requests (`engine.prepare`, `submit`)
   engine receiver    `EngineProcess`'s: reads the engine process's events, hands each output straight to the
                      responder's queue (the step loop, the request preparation and the detokenizers run in the
-                     engine process; with engine_process "false" they are threads here, AsyncLLMEngine's)
+                     engine process, the only one that loads the tokenizer; with engine_process "false" they are
+                     threads here, AsyncLLMEngine's)
+The model drives the engine only through `EngineClient` (engine/client.py) and holds no tokenizer: the contracts ask
+the engine for the text they answer with (`TextOptions`).
   responder          the only thread that calls into the server: send / is_cancelled / metrics / model control
 
 A dead engine (a device fault: see engine/faults.py): the responder fails the open requests with UNAVAILABLE,
@@ -189,14 +192,13 @@ class TritonPythonModel:
         from m3serve.engine.faults import RequestFailed
         from m3serve.engine.sampling_params import InvalidRequest
         self._EngineDeadError, self._InvalidRequest, self._RequestFailed = EngineDeadError, InvalidRequest, RequestFailed
-        self.tokenizer = self.engine.tokenizer
         defaults = Defaults(
             max_tokens=int(self.params.get("default_max_tokens") or 16),
             reasoning_parser=cfg.reasoning_parser,
             utf8_stream_boundaries=_truthy(self.params.get("utf8_stream_boundaries"), True),
             trust_request_chat_template=_truthy(self.params.get("trust_request_chat_template"), False),
         )
-        self.contract = (TextContract if self.role == "text" else IdsContract)(defaults, self.tokenizer)
+        self.contract = (TextContract if self.role == "text" else IdsContract)(defaults)
         self.server = server_launch()
         self.control_mode = self.server.control_mode if self.server is not None else None
         if self.control_mode != "explicit":

@@ -10,10 +10,11 @@ generation prompt (the reply starts with it: the gateway's forced tool calls); a
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from m3serve.engine.sampling_params import TextOptions
 from m3serve.triton.contract import (UNSUPPORTED_SAMPLING, Contract, GenRequest, request_parameters,
                                      sampling_params, source_name)
 from m3serve.triton.schema import (TEXT_ALIASES, TEXT_RETURN_SWITCHES, RequestError, bool_scalar, json_value,
@@ -44,9 +45,13 @@ class TextContract(Contract):
             returns.add("reasoning")
 
         merged, sources = self._sampling_options(tensors, params)
+        # the engine decodes what the response echoes: a chat prompt as it rendered it, the logprobs' tokens
+        echo, logprob_tokens = prepend and messages is not None, "logprobs" in returns
+        options = TextOptions(prompt_text=echo, logprob_tokens=logprob_tokens) if echo or logprob_tokens else None
         return [GenRequest(sampling=sampling_params(merged, sources), prompt=prompt, messages=messages,
                            chat_template_kwargs=ctk, stream=stream, prepend_input=prepend,
-                           returns=frozenset(returns), reasoning_parser=parser, sources=sources)]
+                           returns=frozenset(returns), reasoning_parser=parser, sources=sources,
+                           text_options=options)]
 
     def _prompt(self, tensors) -> tuple[str | None, list | None, dict | None]:
         prompt = str_scalar(tensors, "text_input")
@@ -111,8 +116,7 @@ class TextContract(Contract):
         return super().client_field(req, engine_field)
 
     def stream(self, req: GenRequest) -> "TextStream":
-        tok = self.tokenizer
-        return TextStream(req, (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else None)
+        return TextStream(req)
 
 
 class TextStream:
@@ -122,12 +126,11 @@ class TextStream:
     non-final response would carry nothing (no empty "priming" responses: TTFT stays honest).
     Streaming: text_output / logprobs / num_output_tokens are deltas, cumulative_logprob is cumulative,
     finish_reason reads "None" until the FINAL response. Non-streaming: one response with everything
-    (the prompt first when it is prepended: a chat prompt as the engine rendered it).
+    (the prompt first when it is prepended: a chat prompt as the engine rendered it, its `prompt_text`).
     """
 
-    def __init__(self, req: GenRequest, decode: Callable[[list[int]], str] | None = None):
+    def __init__(self, req: GenRequest):
         self.req = req
-        self.decode = decode
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._n_new = 0
@@ -142,8 +145,8 @@ class TextStream:
     def add(self, out) -> None:
         if out.num_prompt_tokens:
             self.num_input = out.num_prompt_tokens
-        if out.prompt_token_ids and self.req.prepend_input and self._prompt_text is None and self.decode:
-            self._prompt_text = self.decode(list(out.prompt_token_ids))
+        if out.prompt_text is not None and self.req.prepend_input and self._prompt_text is None:
+            self._prompt_text = out.prompt_text
         if out.text:
             self._text.append(out.text)
         if out.reasoning_text:
@@ -154,18 +157,19 @@ class TextStream:
         if out.cumulative_logprob is not None:
             self.cumulative_logprob = float(out.cumulative_logprob)
         if self._logprobs is not None and out.logprobs:
-            for tid, entry in zip(out.new_token_ids, out.logprobs):
-                self._logprobs.append(self._logprob_entry(tid, entry))
+            texts = out.logprob_tokens or [{}] * len(out.logprobs)
+            for tid, entry, text in zip(out.new_token_ids, out.logprobs, texts):
+                self._logprobs.append(self._logprob_entry(tid, entry, text))
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason
 
-    def _logprob_entry(self, tid: int, entry: dict) -> dict:
+    @staticmethod
+    def _logprob_entry(tid: int, entry: dict, texts: dict) -> dict:
         """{token id: {logprob, rank, decoded_token}}: the sampled token first (as in vLLM's dicts, so a client
-        tells it from the top-n), then the others by rank."""
+        tells it from the top-n), then the others by rank. `texts`: the tokens' text, as the engine decoded it."""
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-        tops = {str(int(t)): {"logprob": float(lp), "rank": rank,
-                              "decoded_token": self.decode([int(t)]) if self.decode else None}
+        tops = {str(int(t)): {"logprob": float(lp), "rank": rank, "decoded_token": texts.get(t)}
                 for rank, (t, lp) in enumerate(ranked, 1)}
         sampled = str(int(tid))
         first = tops.pop(sampled, {"logprob": None, "rank": None, "decoded_token": None})

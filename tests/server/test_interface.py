@@ -13,7 +13,8 @@ from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest
 from m3serve.triton.contract import Defaults
 from m3serve.triton.ensemble_steps import Postprocessing, Preprocessing
-from m3serve.triton.ids_contract import IdsContract, IdsStream, parse_word_list, to_word_list, utf8_incomplete
+from m3serve.engine.sampling_params import TextOptions
+from m3serve.triton.ids_contract import IdsContract, IdsStream, parse_word_list, to_word_list
 from m3serve.triton.responder import DELTAS_PER_ROUND, Group, Item, Responder
 from m3serve.triton.schema import INVALID_ARG, RequestError
 from m3serve.triton.text_contract import TextContract, TextStream
@@ -27,10 +28,11 @@ def b(v):
     return np.array([v], dtype=bool)
 
 
-def out(ids, text="", finished=False, reason=None, n_prompt=3, reasoning="", prompt_ids=()):
+def out(ids, text="", finished=False, reason=None, n_prompt=3, reasoning="", prompt_ids=(), prompt_text=None,
+        mid_character=False):
     return RequestOutput("r", list(ids), text=text, reasoning_text=reasoning, finished=finished,
                          finish_reason=reason, num_prompt_tokens=n_prompt, cumulative_logprob=-1.5,
-                         prompt_token_ids=list(prompt_ids))
+                         prompt_token_ids=list(prompt_ids), prompt_text=prompt_text, mid_character=mid_character)
 
 
 def text(tensors, params="", defaults=None):
@@ -159,12 +161,15 @@ def test_text_stream_deltas_and_final():
 
 def test_logprob_entries_put_the_sampled_token_first():
     """A sampled token outside the top-n (or below the top) comes first, with its own logprob and rank, so a
-    client (the OpenAI gateway) can tell it from the top-n; the others follow by rank."""
+    client (the OpenAI gateway) can tell it from the top-n; the others follow by rank. Each token's text is the
+    engine's (the request asks for it: TextOptions.logprob_tokens)."""
     req = text({"text_input": s("hi"), "stream": b(True), "return_logprobs": b(True),
                 "sampling_parameters": s('{"logprobs": 2}')})
-    ts = TextStream(req, lambda ids_: "".join(f"<{i}>" for i in ids_))
+    assert req.engine_args()["text_options"] == TextOptions(logprob_tokens=True)
+    ts = TextStream(req)
     o = out([9, 4], "xy")
     o.logprobs = [{9: -3.0, 1: -0.5, 2: -1.0}, {4: -0.2, 3: -0.9}]
+    o.logprob_tokens = [{t: f"<{t}>" for t in e} for e in o.logprobs]
     ts.add(o)
     entries = json.loads(ts.take(False)["logprobs"].reshape(-1)[0])
     assert [list(e) for e in entries] == [["9", "1", "2"], ["4", "3"]]
@@ -179,30 +184,46 @@ def test_non_stream_prepends_prompt():
     assert ts.take(False) is None
     ts.add(out([2], "b", finished=True, reason="stop"))
     assert ts.take(True)["text_output"].tolist() == [b"hi ab"]
-    # a chat prompt is rendered by the engine: the echo is its prompt ids decoded
+    assert req.text_options is None  # the prompt is the client's text: nothing to decode
+    # a chat prompt is rendered by the engine: the echo is its prompt ids, decoded by the engine on request
     req = text({"messages": s('[{"role": "user", "content": "x"}]'), "exclude_input_in_output": b(False)})
-    ts = TextStream(req, lambda ids_: "".join(f"<{i}>" for i in ids_))
-    ts.add(out([1], "a", prompt_ids=[4, 5]))
+    assert req.engine_args()["text_options"] == TextOptions(prompt_text=True)
+    ts = TextStream(req)
+    ts.add(out([1], "a", prompt_ids=[4, 5], prompt_text="<4><5>"))
     ts.add(out([2], "b", finished=True, reason="stop"))
     assert ts.take(True)["text_output"].tolist() == [b"<4><5>ab"]
+    assert text({"messages": s('[{"role": "user", "content": "x"}]')}).text_options is None  # no echo asked
 
 
 def test_ids_stream_holds_split_utf8_and_tags_batch_index():
+    """Tokens the engine's detokenizer says end inside a UTF-8 character wait for the one that completes it."""
     req = ids({"input_ids": np.array([[1, 2, 3]], np.int32), "streaming": np.array([[True]])})[0]
-    table = {10: b"\xe4", 11: b"\xbd", 12: b"\xa0", 13: b"!"}
-
-    def decode(ids_):
-        return b"".join(table[i] for i in ids_).decode("utf-8", "replace")
-    st = IdsStream(req, utf8_incomplete(decode))
-    st.add(out([10]))
+    st = IdsContract(Defaults()).stream(req)
+    st.add(out([10], mid_character=True))
     assert st.take(False) is None
-    st.add(out([11]))
+    st.add(out([11], mid_character=True))
     assert st.take(False) is None
     st.add(out([12]))
     t = st.take(False)
     assert t["output_ids"].tolist() == [[[10, 11, 12]]] and t["batch_index"].tolist() == [[0]]
-    st.add(out([13], finished=True, reason="length"))
-    assert st.take(True)["output_ids"].tolist() == [[[13]]]
+    st.add(out([13], mid_character=True, finished=True, reason="length"))
+    assert st.take(True)["output_ids"].tolist() == [[[13]]]  # the final response holds nothing back
+    st = IdsContract(Defaults(utf8_stream_boundaries=False)).stream(req)
+    st.add(out([10], mid_character=True))
+    assert st.take(False)["output_ids"].tolist() == [[[10]]]
+
+
+def test_ids_stop_words_of_several_tokens_go_to_the_engine():
+    """One-token words are stop token ids; longer ones travel as ids, for the engine to decode (this process holds
+    no tokenizer), and its errors about them name stop_words_list."""
+    words = to_word_list([[[7], [5, 6], [8, 9, 10]]])
+    r = ids({"input_ids": np.array([[1, 2]], np.int32), "stop_words_list": words})[0]
+    assert r.sampling.stop_token_ids == [7] and r.sampling.stop == []
+    assert r.engine_args()["text_options"] == TextOptions(stop_words=((5, 6), (8, 9, 10)))
+    ic = IdsContract(Defaults())
+    for field in ("stop_words", "stop"):
+        assert ic.client_error(r, InvalidRequest(field, "x")).field == "stop_words_list"
+    assert ids({"input_ids": np.array([[1, 2]], np.int32)})[0].text_options is None
 
 
 def test_word_lists_round_trip():

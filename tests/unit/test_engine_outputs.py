@@ -2,7 +2,7 @@
 ignore_eos, the reasoning parser, aborts (waiting, mid-prefill, mid-decode) and the LLM wrapper."""
 import pytest
 
-from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
+from m3serve.engine.sampling_params import InvalidRequest, SamplingParams, TextOptions
 
 PROMPT = "def add(a, b):"
 
@@ -180,6 +180,37 @@ def test_assistant_prefix_starts_the_reply(make_engine, eu, tiny_loaded):
         with pytest.raises(InvalidRequest) as e:
             eng.add_request("bad", **{"chat_template_kwargs": {"assistant_prefix": "x"}, **kwargs})
         assert e.value.field == "assistant_prefix"
+
+
+def test_text_options_the_engine_decodes_for_its_caller(make_engine, eu, tiny_loaded, base_output):
+    """TextOptions: stop words given as token ids stop at their text; the prompt decoded on the first output only;
+    the text of every logprobs token. A caller (the Triton model) holds no tokenizer and reads these instead."""
+    tok = tiny_loaded[2]
+    toks, full = base_output
+    stop, before, _ = _boundary_stop(tok, toks)
+    word = tuple(tok.encode(stop))
+    assert len(word) > 1
+    out_toks, reason, outs = run_one(make_engine(), eu, greedy(30, ignore_eos=True),
+                                     text_options=TextOptions(stop_words=(word, (7, 8))))
+    assert reason == "stop" and "".join(o.text for o in outs) == before and len(out_toks) < 30
+    msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    _, _, outs = run_one(make_engine(), eu, greedy(4, ignore_eos=True, logprobs=2), prompt=msgs,
+                         text_options=TextOptions(prompt_text=True, logprob_tokens=True))
+    assert outs[0].prompt_text == tok.decode(outs[0].prompt_token_ids, skip_special_tokens=False)
+    assert outs[0].prompt_text.startswith(tok.apply_chat_template(msgs)[:20])
+    assert all(o.prompt_text is None for o in outs[1:])
+    entries = [(e, t) for o in outs for e, t in zip(o.logprobs, o.logprob_tokens)]
+    assert len(entries) == 4 and all(len(e) >= 2 for e, _ in entries)
+    assert all(t == {i: tok.decode([i], skip_special_tokens=False) for i in e} for e, t in entries)
+    _, _, outs = run_one(make_engine(), eu, greedy(4, ignore_eos=True, logprobs=2))  # asked for nothing
+    assert all(o.prompt_text is None and o.logprob_tokens is None for o in outs)
+    _, _, outs = run_one(make_engine(), eu, greedy(30, ignore_eos=True))
+    so_far = [t for o in outs for t in o.new_token_ids]  # mid_character: the ids so far end inside a character
+    assert [o.mid_character for o in outs] == [
+        tok.decode(so_far[:o.num_output_tokens]).endswith("\ufffd") and not o.finished for o in outs]
+    with pytest.raises(InvalidRequest) as e:
+        make_engine().add_request("bad", prompt=PROMPT, text_options=TextOptions(stop_words=((1, -2),)))
+    assert e.value.field == "stop_words"
 
 
 def test_invalid_requests_disturb_nothing(make_engine, eu):

@@ -1,5 +1,6 @@
 """EngineProcess: the engine in a process of its own (the Triton model's default). Its streams equal the in-process
-engine's; bad requests come back as InvalidRequest naming the option; abort frees the pages; a receiver that raises
+engine's; the tokenizer loads in the engine process only (the text a caller asks for comes in the outputs); bad
+requests come back as InvalidRequest naming the option; abort frees the pages; a receiver that raises
 loses only its request; an engine that dies (device fault) or a process that is killed ends every open stream with
 EngineDeadError and turns the engine unhealthy; a factory that fails reports its traceback; shutdown leaves no
 process and no thread behind."""
@@ -14,7 +15,7 @@ import pytest
 from m3serve.config import EngineConfig
 from m3serve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from m3serve.engine.process_client import EngineProcess
-from m3serve.engine.sampling_params import InvalidRequest, SamplingParams
+from m3serve.engine.sampling_params import InvalidRequest, SamplingParams, TextOptions
 from support.procs import wait_until
 
 HERE = os.path.abspath(__file__)
@@ -83,9 +84,30 @@ def test_streams_equal_the_in_process_engine(proc_engine, tiny_model_dir):
         assert [t for o in g for t in o.new_token_ids] == [t for o in w for t in o.new_token_ids]
         assert "".join(o.text for o in g) == "".join(o.text for o in w)
         assert g[-1].finished and g[-1].finish_reason == "length"
-    assert proc_engine.tokenizer.encode("hello") == local.tokenizer.encode("hello")
     assert proc_engine.max_model_len == 256
     assert wait_until(lambda: pages_back(proc_engine), 10)
+
+
+def test_the_tokenizer_loads_in_the_engine_process_only(tiny_model_dir, tokenizer_loads):
+    """The client neither loads the tokenizer nor gets it shipped: the text it asks for (TextOptions) is decoded in
+    the engine process and comes in the outputs. The counter catches both ways a tokenizer could get here."""
+    from m3serve.text.tokenizer import Tokenizer
+
+    eng = EngineProcess(config(tiny_model_dir))
+    try:
+        msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+        outs = asyncio.run(collect(eng, "c", prompt=msgs, sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1),
+            text_options=TextOptions(prompt_text=True, logprob_tokens=True)))
+    finally:
+        eng.shutdown()
+    assert tokenizer_loads == [] and not hasattr(eng, "tokenizer")
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    assert outs[0].prompt_text == tok.decode(outs[0].prompt_token_ids, skip_special_tokens=False)
+    assert [{i: tok.decode([i], skip_special_tokens=False) for i in e} for o in outs for e in o.logprobs] \
+        == [t for o in outs for t in o.logprob_tokens]
+    pickle.loads(pickle.dumps(tok))
+    assert tokenizer_loads == ["built", "unpickled"]
 
 
 def test_bad_requests_name_the_option(proc_engine):

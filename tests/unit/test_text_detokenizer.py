@@ -100,3 +100,19 @@ def test_single_int_and_output_ids(tok):
     detok = IncrementalDetokenizer(tok, [1, 2, 3])
     text = "".join(detok.add(i) for i in ids) + detok.flush()
     assert text == "abc 你" and detok.output_ids == ids
+
+
+def test_mid_character_says_when_text_is_held_for_a_split_character(tok):
+    """`mid_character` is True exactly while the ids so far end inside a UTF-8 character (what a client decoding the
+    ids itself must wait for: m3_ids' utf8_stream_boundaries)."""
+    ids = tok.encode("a 🚀 b 你好")
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    seen = []
+    for k, i in enumerate(ids, 1):
+        detok.add(i)
+        seen.append(detok.mid_character)
+        assert detok.mid_character == tok.decode(ids[:k]).endswith(RF), k
+    assert any(seen) and not all(seen)  # the text does split a character somewhere
+    detok.add(ids[:1])
+    detok.flush()
+    assert not detok.mid_character
