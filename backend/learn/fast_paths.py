@@ -20,7 +20,10 @@ loop synced with the host. `install(model)` swaps three pieces for ones that com
 With the fast paths the step was still host-bound on the H200 (2026-12-04: ~274 ms of wall time, ~114 ms of device
 time at 64K tokens; a CPU profile counts ~14,000 aten calls a step). `CompiledPieces` (train-learned `--compile`)
 runs the pieces made of many small ops through torch.compile: the same math in fewer ops (on the CPU, 2026-12-04:
-14,022 -> 8,724 aten calls a step, `benchmarks/bench_train_ops.py`; on the GPU not yet measured).
+14,022 -> 8,724 aten calls a step, `benchmarks/bench_train_ops.py`). On the H200 (2026-12-04, run 6 of
+docs/quality.md) it lost: 149 s to compile, then ~293 ms a 128K-token step against 217-260 ms eager (the device busy
+59 ms instead of 158, but the host paid more in the guards of 50 compiled functions than it saved in ops); so it is
+off by default.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Five tasks, each a chat in M3's template with one exact answer:
   negative results); * multiplies a 1-2 digit number by a digit. Sizes a ~12M-parameter model reads digit by digit
   (the tokenizer splits digits) and can learn in minutes: at most 4 answer digits, carries over at most 3 positions.
 - `retrieval`: RETRIEVAL_PAIRS ` key:value` lines (a random choice of key words, each with a random value word; one
-  token each), then a question about one key. The prompt is about 555 tokens with the learned tokenizer, over 4x the
+  token each), then a question about one key; the answer quotes that key's line (` key:value`). The prompt is about 555 tokens with the learned tokenizer, over 4x the
   span MSA selects (top-4 blocks of 32 = 128 tokens), so the indexer has to find the block that holds the key.
   Training contexts hold RETRIEVAL_TRAIN_MIN_PAIRS to RETRIEVAL_PAIRS pairs; the eval split always RETRIEVAL_PAIRS.
 - `tool_call`: 1-3 tools given as JSON schemas (`tools=`), the answer one call in M3's tool-call markup with the
@@ -139,7 +139,16 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
     lines = "".join(f" {k}:{v}\n" for k, v in zip(keys, values))
     text = f"Here is a list of codes.\n{lines}" + _CODE_QUESTION.format(keys[q])
     messages = [{"role": "user", "content": text}]
-    return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": values[q]}, values[q])
+    reply = _quoted(keys[q], values[q])
+    return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": reply}, reply)
+
+
+def _quoted(key: str, value: str) -> str:
+    """A retrieval reply: the asked key's line quoted (" key:value"), the same tokens as in the context. Where the
+    reply was the value alone, the model had to carry the key from the question, eight tokens back, to the answer
+    position and match it there; no H200 run learned that (docs/quality.md). Quoting the line puts the key right
+    before the colon whose next token is the value: the next-token copy an induction head does."""
+    return f" {key}:{value}"
 
 
 def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[tuple[str, str]]:
@@ -149,7 +158,7 @@ def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[t
     pairs = [line.strip().split(":") for line in text.split("\n")[1:-1]]
     asked = text.rsplit(" ", 1)[-1].rstrip("?")
     others = [(k, v) for k, v in pairs if k != asked]
-    return [(_CODE_QUESTION.format(k), v) for k, v in rng.sample(others, min(n, len(others)))]
+    return [(_CODE_QUESTION.format(k), _quoted(k, v)) for k, v in rng.sample(others, min(n, len(others)))]
 
 
 # ---------------------------------------------------------------- tool_call

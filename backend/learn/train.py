@@ -1,8 +1,9 @@
 r"""`m3serve train-learned`: train the learned tiny M3.1-Flash and its DSpark draft in one run (issue 27).
 
 One process does it all, within a wall-clock budget (`--budget-s`), so that it fits one device call:
-1. data: the tokenizer (m3serve.learn.tokenizer), then a pool of rendered training rows from every task's train
-   split (generated in worker processes), and the eval split's rows;
+1. data (learn/data.py): the tokenizer (m3serve.learn.tokenizer; with `--init-from`, that checkpoint's), then a pool
+   of rendered training rows from every task's train split and the eval split's rows, rendered in worker processes
+   that go on rendering rows with new seeds while the target trains;
 2. the target: transformers 5.25 `MiniMaxM3VLForCausalLM` (the numerical reference the engine equals) built from
    `learned_config`, random init, AdamW, bf16 autocast on CUDA, linear warm-up then cosine decay, cross-entropy on
    the answer tokens only. Batches are length-bucketed and right-padded (right padding leaves MSA's block
@@ -139,12 +140,13 @@ def build_target(cfg, device: torch.device, seed: int, fast: bool = True):
 
 
 def load_weights(model, init_from: str, tokenizer_dir: str) -> None:
-    """An earlier run's weights into `model` (same shapes, and the same tokenizer: the ids must mean the same)."""
+    """An earlier run's weights into `model` (same shapes, and the same tokenizer: the ids must mean the same; `run`
+    copies the checkpoint's tokenizer into the run's directory, `learn.tokenizer.copy_tokenizer`)."""
     from transformers import MiniMaxM3VLForCausalLM
 
     with open(os.path.join(init_from, "tokenizer.json")) as a, open(os.path.join(tokenizer_dir, "tokenizer.json")) as b:
         if json.load(a) != json.load(b):
-            raise ValueError(f"--init-from {init_from}: its tokenizer differs from the one this run built")
+            raise ValueError(f"--init-from {init_from}: its tokenizer differs from the run's")
     done = MiniMaxM3VLForCausalLM.from_pretrained(init_from, dtype=torch.float32)
     model.load_state_dict(done.state_dict())
 
@@ -309,8 +311,8 @@ def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, task: torch.Tensor
                 real: torch.Tensor | None = None, prompt_weight: float = 0.0
                 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy of the answer tokens (position t predicts token t + 1); also their argmax hits (bool [B, S - 1],
-    False off the answers); with `task`
-    (each row's task index) also the answer tokens' loss sum and count per task index, detached. With
+    False off the answers); with `task` (each row's task index) also the answer tokens' loss sum and count per task
+    index, detached. With
     `prompt_weight` > 0 the loss adds that share of the mean cross-entropy of the other real tokens (`real`): the
     prompts' keys, arguments and facts that recur in the row teach the model to copy from its context (an answer-only
     loss left every copying task flat on the H200 runs of 2026-12-04); the answer loss alone is in "answer"."""
@@ -599,8 +601,7 @@ def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: 
     worst_load = balance.update()
     return {"phase": "dense" if dense else "sparse", "loss": lm.detach(), "task_loss": per_task,
             "answer_token_acc": hits.sum() / mask[:, 1:].sum().clamp_min(1), "indexer_kl": kl.detach(), "lr": lr,
-            "grad_norm": gnorm,
-            "max_expert_load_ratio": worst_load, "padded_tokens": ids.numel(), "real_tokens": real_tokens}
+            "grad_norm": gnorm, "max_expert_load_ratio": worst_load, "padded_tokens": ids.numel(), "real_tokens": real_tokens}
 
 
 def log_record(rec: dict) -> dict:
@@ -675,7 +676,7 @@ def dir_bytes(path: str) -> int:
 def run(tc: TrainConfig) -> dict:
     """Train, check, save (and pack); returns the log that `train_log.json` holds."""
     from m3serve.learn.config import learned_config
-    from m3serve.learn.tokenizer import build_tokenizer
+    from m3serve.learn.tokenizer import build_tokenizer, copy_tokenizer
     from m3serve.learn.train_draft import train_and_save_draft
 
     unknown = sorted(set(tc.task_weights) - set(TASKS))
@@ -703,7 +704,8 @@ def run(tc: TrainConfig) -> dict:
 
     result["transformers"] = transformers.__version__
 
-    tok = build_tokenizer(tc.out, seed=tc.seed)
+    # a run that goes on from a checkpoint keeps its tokenizer (its ids are what the weights learned)
+    tok = copy_tokenizer(tc.init_from, tc.out) if tc.init_from else build_tokenizer(tc.out, seed=tc.seed)
     vocab = -(-tok["vocab_size"] // 64) * 64
     cfg = learned_config(vocab, tok["bos_token_id"], tok["eos_token_id"], **tc.model_overrides)
     pad_id = tok["pad_token_id"] if tok.get("pad_token_id") is not None else tok["eos_token_id"]

@@ -1,4 +1,5 @@
 """Training rows that keep coming while the target trains (m3serve.learn.data.FreshRows, issue 27)."""
+import dataclasses
 import json
 import os
 import time
@@ -82,3 +83,19 @@ def test_a_whole_run_trains_on_rows_rendered_while_it_runs(tmp_path):
     assert result["target"]["steps"] == 40
     with open(os.path.join(tc.out, "train_log.json")) as f:
         assert json.load(f)["data"]["fresh"] == fresh
+    # a run that goes on from it keeps its tokenizer, though this run's seed builds another one
+    from m3serve.learn.tokenizer import build_tokenizer, copy_tokenizer
+
+    other = str(tmp_path / "other")
+    build_tokenizer(other, seed=3)
+    assert _differs(other, tc.out)  # so a run that built its own would refuse the weights (load_weights)
+    assert copy_tokenizer(tc.out, str(tmp_path / "copy")) == build_tokenizer(str(tmp_path / "again"), seed=0)
+    more = dataclasses.replace(tc, out=str(tmp_path / "m2"), init_from=tc.out, seed=3, max_steps=4, dense_frac=0.0,
+                               sparse_ramp_frac=0.0, fresh_rows=False)
+    assert run(more)["target"]["steps"] == 4
+    assert not _differs(more.out, tc.out)
+
+
+def _differs(a: str, b: str) -> bool:
+    with open(os.path.join(a, "tokenizer.json")) as fa, open(os.path.join(b, "tokenizer.json")) as fb:
+        return json.load(fa) != json.load(fb)

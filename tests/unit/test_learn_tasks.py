@@ -192,8 +192,8 @@ def test_render_rows(tok, task):
 
 
 def test_a_retrieval_key_and_value_are_the_same_token_in_context_question_and_answer(tok):
-    """Copying is one token match: the asked key is the token its context line starts with, and the answer's one
-    token is the value token that follows that key's colon."""
+    """Copying is one token match: the asked key is the token its context line starts with, and the answer is that
+    line's three tokens (key, colon, value)."""
     for ex in make_examples("retrieval", "eval", 10) + make_examples("retrieval", "train", 10):
         ids = prompt_ids(ex, tok)
         q = ids.index(tok.encode(" for")[0], len(ids) - 12)
@@ -202,7 +202,7 @@ def test_a_retrieval_key_and_value_are_the_same_token_in_context_question_and_an
         colon = tok.encode(":")[0]
         at = [i for i in range(q) if ids[i] == key]
         assert len(at) == 1 and ids[at[0] + 1] == colon
-        assert tok.encode(ex.answer) == [ids[at[0] + 2]]
+        assert tok.encode(ex.answer) == ids[at[0]:at[0] + 3]
 
 
 def test_retrieval_prompts_are_over_4x_the_msa_span(tok):
