@@ -29,7 +29,10 @@
 # 27), with transformers 5.25's wheels from .whl/ (installed to /tmp/site); where .ckpt/ holds a packed checkpoint
 # (part-aa ..., an earlier call's $OUT), it is unpacked to /tmp/ckpt and the run goes on from its weights (add
 # "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS). "evaltasks": `m3serve eval-tasks` on that checkpoint on the GPU
-# (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json.
+# (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json. "learnedspec":
+# benchmarks/bench_learned_spec.py on that checkpoint (or on $LSPEC_MODEL; where neither exists, on .ckpt/'s packed
+# one, unpacked to /tmp/ckpt) $LSPEC_ARGS (DSpark vs plain tok/s on its eval tasks at batch 1 and 8, bf16) into
+# $OUT/bench_learned_spec.json.
 # $SANITIZER prefixes the GPU tests' python, e.g. "compute-sanitizer --tool memcheck --error-exitcode 9".
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
@@ -53,6 +56,10 @@ install_server() {
   fi
   rm -rf "$purelib/m3serve" && cp -r /tmp/p/m3serve "$purelib/m3serve"
   python3 -c 'import numpy; print("numpy", numpy.__version__)'
+}
+unpack_ckpt() {  # .ckpt/part-* (a packed checkpoint: an earlier call's $OUT) into /tmp/ckpt; prints its folder
+  rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt && cat .ckpt/part-* | tar -x -C /tmp/ckpt
+  echo "/tmp/ckpt/$(ls /tmp/ckpt)"
 }
 for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
@@ -107,10 +114,7 @@ for step in ${STEPS:-tests msa qkv}; do
     train)
       [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
       init=()
-      if ls .ckpt/part-* >/dev/null 2>&1; then
-        rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt && cat .ckpt/part-* | tar -x -C /tmp/ckpt
-        init=(--init-from "/tmp/ckpt/$(ls /tmp/ckpt)")
-      fi
+      ls .ckpt/part-* >/dev/null 2>&1 && init=(--init-from "$(unpack_ckpt)")
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TRAIN_TIMEOUT:-580}" python3 -m m3serve.cli \
         train-learned --out /tmp/m3-tiny-learned --pack "$OUT" "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
       grep -v '^\[ *[0-9.]*s\] \(target\|draft\) {' "$OUT/train.log" | grep -v "Loading weights" | tail -25 ;;
@@ -118,6 +122,13 @@ for step in ${STEPS:-tests msa qkv}; do
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${EVAL_TIMEOUT:-120}" python3 -m m3serve.cli eval-tasks \
         --model /tmp/m3-tiny-learned --device cuda --dtype bfloat16 --out "$OUT/eval.json" \
         ${EVAL_ARGS:---n 50 --paths engine dspark-greedy} > "$OUT/eval.log" 2>&1; tail -20 "$OUT/eval.log" ;;
+    learnedspec)
+      model="${LSPEC_MODEL:-/tmp/m3-tiny-learned}"
+      [ ! -d "$model" ] && ls .ckpt/part-* >/dev/null 2>&1 && model="$(unpack_ckpt)"
+      PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${LSPEC_TIMEOUT:-240}" python3 \
+        benchmarks/bench_learned_spec.py --model "$model" --device cuda --dtype bfloat16 \
+        --out "$OUT/bench_learned_spec.json" ${LSPEC_ARGS:-} > "$OUT/bench_learned_spec.log" 2>&1
+      tail -25 "$OUT/bench_learned_spec.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

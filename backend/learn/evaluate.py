@@ -38,6 +38,7 @@ DEFAULT_PATHS = ("reference", "engine")
 SLACK_TOKENS = 16  # tokens allowed past the longest answer of a task
 DSPARK = {"method": "dspark", "num_speculative_tokens": 7}
 SAMPLED_SEED = 1234
+MAX_MODEL_LEN = 2048
 QUANT_MODULES = ("experts", "shared_experts:mxfp8")
 
 
@@ -92,10 +93,25 @@ def generate_reference(model_dir: str, sets, tok, budgets, device: str, dtype: s
     return out, {}
 
 
-def _spec_counters(llm) -> tuple[int, int, int]:
+def spec_counters(llm) -> tuple[int, int, int]:
+    """The engine's cumulative (drafts, drafted tokens, accepted tokens); (0, 0, 0) without speculation."""
     s = llm.engine.stats()
     return s.get("spec_decode_num_drafts", 0), s.get("spec_decode_num_draft_tokens", 0), \
         s.get("spec_decode_num_accepted_tokens", 0)
+
+
+def spec_acceptance(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
+    """Acceptance between two `spec_counters` readings: rate, mean accepted length (tokens per speculative step,
+    the bonus token included), drafts."""
+    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+    return {"acceptance_rate": accepted / max(drafted, 1),
+            "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0, "num_drafts": drafts}
+
+
+def engine_options(device: str, dtype: str, max_model_len: int = MAX_MODEL_LEN, speculative: bool = False) -> dict:
+    """`LLM` options of the engine paths (with `speculative`, dspark-greedy's)."""
+    eng = dict(device=device, dtype=dtype, max_model_len=max_model_len, seed=0)
+    return dict(eng, speculative_config=dict(DSPARK)) if speculative else eng
 
 
 def generate_engine(model_dir: str, sets, tok, budgets, sampled: bool = False, **engine_kwargs):
@@ -113,17 +129,14 @@ def generate_engine(model_dir: str, sets, tok, budgets, sampled: bool = False, *
     texts, extra = {}, {}
     with LLM(model=model_dir, **engine_kwargs) as llm:
         for tasks in groups:
-            before = _spec_counters(llm)
+            before = spec_counters(llm)
             prompts = [prompt_ids(ex, tok) for t in tasks for ex in sets[t]]
             sps = [params(t, i) for t in tasks for i in range(len(sets[t]))]
             outs = iter(llm.generate(prompts, sps))
             for t in tasks:
                 texts[t] = [reply_text(tok, next(outs).token_ids) for _ in sets[t]]
             if spec:
-                drafts, drafted, accepted = (a - b for a, b in zip(_spec_counters(llm), before))
-                extra[tasks[0]] = {"acceptance_rate": accepted / max(drafted, 1),
-                                   "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
-                                   "num_drafts": drafts}
+                extra[tasks[0]] = spec_acceptance(before, spec_counters(llm))
     return texts, extra
 
 
@@ -208,7 +221,7 @@ def _quantized(model_dir: str, tmp: str) -> str:
 def path_runner(path: str, model_dir: str, tmp: str, device: str, dtype: str, triton_url: str | None,
                 max_model_len: int) -> Callable:
     """A function (sets, tok, budgets) -> (texts, extra) for `path`."""
-    eng = dict(device=device, dtype=dtype, max_model_len=max_model_len, seed=0)
+    eng = engine_options(device, dtype, max_model_len)
     if path == "reference":
         return lambda s, t, b: generate_reference(model_dir, s, t, b, device, dtype)
     if path == "engine":
@@ -219,7 +232,8 @@ def path_runner(path: str, model_dir: str, tmp: str, device: str, dtype: str, tr
         return lambda s, t, b: generate_engine(_quantized(model_dir, tmp), s, t, b, kv_cache_dtype="nvfp4",
                                                attention_config={"indexer_kv_dtype": "nvfp4"}, **eng)
     if path == "dspark-greedy":
-        return lambda s, t, b: generate_engine(model_dir, s, t, b, speculative_config=dict(DSPARK), **eng)
+        return lambda s, t, b: generate_engine(model_dir, s, t, b, **engine_options(device, dtype, max_model_len,
+                                                                                    speculative=True))
     if path == "dspark-sampled":
         return lambda s, t, b: generate_engine(model_dir, s, t, b, sampled=True, **eng, speculative_config=dict(
             DSPARK, draft_sample_method="probabilistic"))
@@ -239,7 +253,7 @@ def score(sets, texts) -> dict[str, dict]:
 
 
 def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "cpu", dtype: str = "auto",
-             triton_url: str | None = None, seed: int = 0, tasks=TASKS, max_model_len: int = 2048,
+             triton_url: str | None = None, seed: int = 0, tasks=TASKS, max_model_len: int = MAX_MODEL_LEN,
              slack: int = SLACK_TOKENS, log: Callable[[str], None] | None = None,
              on_path: Callable[[dict], None] | None = None) -> dict:
     """Run `paths` on `n` eval examples per task; the report dict (also what --out writes). `on_path(report)` is
@@ -313,10 +327,11 @@ def format_table(report: dict) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
-def _commit() -> str | None:
+def _commit(where: str | None = None) -> str | None:
+    """HEAD of the git checkout holding `where` (default: this file); None outside one."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+                              cwd=where or os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 

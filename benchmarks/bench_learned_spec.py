@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""DSpark speculation with a draft that has learned: tokens/s with speculation vs plain decoding on the learned tiny
+model's own eval tasks (m3serve.learn.tasks), on the engine, at each batch size (issue 28: "with the learned model's
+draft, tokens per second with speculation beat plain decoding on its tasks at batch 1 and 8").
+
+    python benchmarks/bench_learned_spec.py --model /tmp/m3-tiny-learned --out /tmp/lspec.json        (H200)
+    python benchmarks/bench_learned_spec.py --model M --device cpu --dtype float32 --n 2 --batches 1,2  (CPU check)
+
+The workload is `m3serve eval-tasks`' (learn/evaluate.py, whose helpers this script calls): per task --n held-out
+eval examples (seed --seed), each prompt rendered by the chat template as the engine path renders it, greedy, the
+task's token budget (its longest answer + eos + 16 tokens), stopping at eos. Two engines, each built once and used
+for every task and batch size, as eval-tasks builds its `engine` and `dspark-greedy` paths (`engine_options`:
+max_model_len 2048, seed 0; CUDA graphs where the engine takes them by default, on CUDA; the speculative one with
+DSpark, --k drafts, greedy drafts), except that prefix caching is off: each prompt runs several times per engine
+(a warm-up and a measured pass per batch size), and reusing an earlier pass's KV would leave the prefill out of the
+measured time.
+
+Per batch size B: the engine keeps B requests in flight (a new one is added as soon as one finishes; the engine's
+own in-flight batching runs them); first a warm-up pass over the first --warmup-n prompts of every task (compiles,
+captures the graphs of the buckets the pass reaches), then each task's prompts, timed: tok/s = output tokens (eos
+included) / the wall time from the first request added to the last one finished (prefill included). Per task and
+B: plain and speculative tok/s, the speedup, the mean accepted length (tokens a speculative step emits, the bonus
+token included) and acceptance rate from the engine's spec_decode counters over that task's pass (as eval-tasks
+reads them), the steps each engine ran, the most requests its scheduler ran at once (max_running: B when the task
+has B prompts or more), the exact-match accuracy of the plain replies, and whether the greedy replies are identical
+(they must be: `mismatches` shows the first ones that differ). The row "all" sums the tasks.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import itertools
+import json
+import os
+import shlex
+import sys
+import time
+
+import torch
+
+from m3serve import LLM, SamplingParams
+from m3serve.learn.evaluate import (_commit, _device_name, engine_options, eval_sets, reply_text, score,
+                                    spec_acceptance, spec_counters, token_budgets, unlike)
+from m3serve.learn.render import prompt_ids
+from m3serve.learn.tasks import TASKS
+from m3serve.text.tokenizer import Tokenizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_ids = itertools.count()  # request ids, unique over every pass
+
+
+def run_pass(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int
+             ) -> tuple[list[list[int]], float, int]:
+    """Greedy replies (token ids) of `prompts`, at most `batch` requests in flight; the pass's wall time; the most
+    requests the engine's scheduler ran at once."""
+    eng, out = llm.engine, [[] for _ in prompts]
+    live: dict[str, int] = {}
+    most = 0
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    nxt = 0
+
+    def add() -> None:
+        nonlocal nxt
+        rid = f"lspec-{next(_ids)}"
+        eng.add_request(rid, prompt_token_ids=prompts[nxt], sampling_params=sp)
+        live[rid], nxt = nxt, nxt + 1
+
+    t0 = time.perf_counter()
+    while nxt < min(batch, len(prompts)):
+        add()
+    while eng.has_unfinished_requests():
+        most = max(most, len(eng.scheduler.running))
+        for o in eng.step():
+            out[live[o.request_id]] += o.new_token_ids
+            if o.finished:
+                if o.finish_reason == "error":
+                    raise RuntimeError(f"request {o.request_id} failed: {getattr(o, 'error', '')}")
+                del live[o.request_id]
+                if nxt < len(prompts):
+                    add()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, most
+
+
+def measure(llm: LLM, prompts: dict[str, list[list[int]]], budgets: dict[str, int], batch: int, warmup_n: int,
+            tok) -> dict[str, dict]:
+    """The warm-up pass, then per task: replies (text), output tokens, seconds, steps, acceptance."""
+    for task, ps in prompts.items():
+        run_pass(llm, ps[:warmup_n], budgets[task], batch)
+    res = {}
+    for task, ps in prompts.items():
+        steps, before = llm.engine.stats()["num_steps"], spec_counters(llm)
+        ids, seconds, most = run_pass(llm, ps, budgets[task], batch)
+        res[task] = {"texts": [reply_text(tok, r) for r in ids], "tokens": sum(map(len, ids)), "seconds": seconds,
+                     "steps": llm.engine.stats()["num_steps"] - steps, "max_running": most,
+                     **spec_acceptance(before, spec_counters(llm))}
+    return res
+
+
+def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, mismatches: dict) -> dict:
+    p_tok_s, s_tok_s = plain["tokens"] / plain["seconds"], spec["tokens"] / spec["seconds"]
+    return {"task": task, "batch": batch, "plain_tok_s": p_tok_s, "spec_tok_s": s_tok_s, "speedup": s_tok_s / p_tok_s,
+            "mean_accepted_length": spec["mean_accepted_length"], "acceptance_rate": spec["acceptance_rate"],
+            "num_drafts": spec["num_drafts"], "plain_tokens": plain["tokens"], "spec_tokens": spec["tokens"],
+            "plain_seconds": plain["seconds"], "spec_seconds": spec["seconds"], "plain_steps": plain["steps"],
+            "spec_steps": spec["steps"], "max_running": max(plain["max_running"], spec["max_running"]),
+            "plain_accuracy": accuracy,
+            "identical": mismatches["n"] == 0, "mismatches": mismatches}
+
+
+def total(task_rows: list[dict]) -> dict:
+    """The "all" row of one batch size: tokens, seconds, steps and drafts summed; acceptance weighted by drafts."""
+    s = {k: sum(r[k] for r in task_rows) for k in ("plain_tokens", "spec_tokens", "plain_seconds", "spec_seconds",
+                                                    "plain_steps", "spec_steps", "num_drafts")}
+    drafts = max(s["num_drafts"], 1)
+    most = max(r["max_running"] for r in task_rows)
+    plain = {"tokens": s["plain_tokens"], "seconds": s["plain_seconds"], "steps": s["plain_steps"], "max_running": most}
+    spec = {"tokens": s["spec_tokens"], "seconds": s["spec_seconds"], "steps": s["spec_steps"], "max_running": most,
+            "num_drafts": s["num_drafts"],
+            "mean_accepted_length": sum(r["mean_accepted_length"] * r["num_drafts"] for r in task_rows) / drafts,
+            "acceptance_rate": sum(r["acceptance_rate"] * r["num_drafts"] for r in task_rows) / drafts}
+    mism = {"n": sum(r["mismatches"]["n"] for r in task_rows), "of": sum(r["mismatches"]["of"] for r in task_rows),
+            "first": []}
+    acc = [r["plain_accuracy"] for r in task_rows]
+    return row("all", task_rows[0]["batch"], plain, spec, sum(acc) / len(acc), mism)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| task | batch | plain tok/s | spec tok/s | speedup | mean accepted | acceptance | plain steps "
+            "| spec steps | plain accuracy | identical |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = []
+    for r in rows:
+        same = "yes" if r["identical"] else f"NO ({r['mismatches']['n']} of {r['mismatches']['of']})"
+        lines.append(f"| {r['task']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
+                     f"| {r['speedup']:.2f} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.3f} "
+                     f"| {r['plain_steps']} | {r['spec_steps']} | {100 * r['plain_accuracy']:.1f}% | {same} |")
+    return "\n".join([head] + lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a learned checkpoint (transformers layout, DSpark in dspark/)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--batches", default="1,8", help="requests in flight at once")
+    ap.add_argument("--n", type=int, default=50, help="eval prompts per task")
+    ap.add_argument("--warmup-n", type=int, default=None, help="prompts per task of the warm-up pass (default --n)")
+    ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    ap.add_argument("--seed", type=int, default=0, help="eval set seed")
+    ap.add_argument("--out", default=None, help="JSON results (a markdown table is printed)")
+    a = ap.parse_args(argv)
+    batches = [int(b) for b in a.batches.split(",")]
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    tok = Tokenizer.from_pretrained(a.model)
+    sets = eval_sets(a.n, a.seed, tuple(a.tasks))
+    budgets = token_budgets(sets, tok)
+    prompts = {t: [prompt_ids(ex, tok) for ex in exs] for t, exs in sets.items()}
+    warmup_n = a.n if a.warmup_n is None else a.warmup_n
+
+    results: dict[str, dict[int, dict]] = {}
+    for mode in ("plain", "spec"):
+        opts = engine_options(a.device, a.dtype, speculative=mode == "spec")
+        if mode == "spec":
+            opts["speculative_config"]["num_speculative_tokens"] = a.k
+        t0 = time.perf_counter()
+        with LLM(model=a.model, enable_prefix_caching=False, **opts) as llm:
+            print(f"{mode}: engine built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            results[mode] = {b: measure(llm, prompts, budgets, b, warmup_n, tok) for b in batches}
+        del llm  # its weights and KV pool go before the next engine sizes its pool from the free memory
+        gc.collect()
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        print(f"{mode}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    rows = []
+    for b in batches:
+        plain, spec = results["plain"][b], results["spec"][b]
+        texts = {t: plain[t]["texts"] for t in sets}
+        acc = score(sets, texts)
+        diff = unlike(texts, {t: spec[t]["texts"] for t in sets})
+        task_rows = [row(t, b, plain[t], spec[t], acc[t]["accuracy"], diff[t]) for t in sets]
+        rows += task_rows + [total(task_rows)]
+
+    res = {"date": started, "device_name": _device_name(a.device), "torch": torch.__version__,
+           "command": "python benchmarks/bench_learned_spec.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+           "commit": os.environ.get("COMMIT") or _commit(HERE), "model": a.model, "device": a.device,
+           "dtype": a.dtype, "k": a.k, "n_per_task": a.n, "warmup_n": warmup_n, "seed": a.seed, "batches": batches,
+           "tasks": list(sets), "budgets": budgets, "rows": rows,
+           "identical": all(r["identical"] for r in rows)}
+    print(f"\n{res['device_name']}, {a.dtype}, {a.model}, K={a.k}, {a.n} prompts per task, commit {res['commit']}\n")
+    print(table(rows))
+    if not res["identical"]:
+        print("\ngreedy replies differ between plain and speculative decoding (see 'mismatches' in the JSON)")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""benchmarks/bench_learned_spec.py end to end on the CPU: a random-weight learned checkpoint with a random DSpark
+draft, eval-tasks' prompts, plain and speculative engines at batch 1 and 2 (the H200 run's code path)."""
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TASKS = ["arithmetic", "multi_turn"]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_learned_spec",
+                                                  os.path.join(ROOT, "benchmarks", "bench_learned_spec.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_learned_spec_runs(tmp_path, capsys):
+    from m3serve.learn.config import make_learned
+    from m3serve.learn.evaluate import eval_sets, token_budgets
+    from m3serve.text.tokenizer import Tokenizer
+
+    model = str(tmp_path / "m")
+    make_learned(model, dtype="float32", random_dspark=True)
+    out = tmp_path / "lspec.json"
+    assert _bench().main(["--model", model, "--device", "cpu", "--dtype", "float32", "--n", "2", "--warmup-n", "1",
+                          "--batches", "1,2", "--tasks", *TASKS, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"date", "device_name", "command", "commit", "torch"} <= set(res)
+    assert "bench_learned_spec.py" in res["command"] and "--batches 1,2" in res["command"]
+    assert res["k"] == 7 and res["batches"] == [1, 2] and res["tasks"] == TASKS
+    # eval-tasks' budgets for the same eval sets
+    assert res["budgets"] == token_budgets(eval_sets(2, 0, TASKS), Tokenizer.from_pretrained(model))
+    rows = res["rows"]
+    assert [(r["task"], r["batch"]) for r in rows] == [(t, b) for b in (1, 2) for t in TASKS + ["all"]]
+    for r in rows:
+        # greedy: speculation changes no reply (fp32 on the CPU), so both engines emit the same tokens
+        assert r["identical"] and r["mismatches"]["n"] == 0 and r["plain_tokens"] == r["spec_tokens"] > 0
+        assert r["plain_tok_s"] == r["plain_tokens"] / r["plain_seconds"]
+        assert r["speedup"] == r["spec_tok_s"] / r["plain_tok_s"]
+        assert r["num_drafts"] > 0 and 1.0 <= r["mean_accepted_length"] <= 8.0 and 0 <= r["acceptance_rate"] <= 1
+        assert 0 < r["spec_steps"] <= r["plain_steps"]
+        assert r["max_running"] == r["batch"]  # 2 prompts per task: batch 2 runs both at once, batch 1 one by one
+    for b in (1, 2):
+        by = {r["task"]: r for r in rows if r["batch"] == b}
+        assert by["all"]["plain_tokens"] == sum(by[t]["plain_tokens"] for t in TASKS)
+        assert by["all"]["num_drafts"] == sum(by[t]["num_drafts"] for t in TASKS)
+    # batch 2 runs a task's 2 prompts together: fewer steps than one by one
+    assert rows[5]["plain_steps"] < rows[2]["plain_steps"]
+    assert res["identical"] is True
+    table = capsys.readouterr().out
+    assert "| arithmetic | 1 |" in table and "| all | 2 |" in table and "NO (" not in table
+
+
+def test_differing_replies_are_reported():
+    """A speculative reply unlike the plain one: the row says so, the table too, and the "all" row counts it."""
+    from m3serve.learn.evaluate import unlike
+
+    bench = _bench()
+    plain = {"tokens": 10, "seconds": 1.0, "steps": 10, "max_running": 1}
+    spec = dict(plain, seconds=0.5, steps=4, num_drafts=4, mean_accepted_length=2.5, acceptance_rate=0.25)
+    diff = unlike({"a": ["x", "y"], "b": ["z"]}, {"a": ["x", "w"], "b": ["z"]})
+    rows = [bench.row("a", 1, plain, spec, 0.5, diff["a"]), bench.row("b", 1, plain, spec, 1.0, diff["b"])]
+    assert not rows[0]["identical"] and rows[0]["mismatches"]["first"] == [{"i": 1, "engine": "y", "path": "w"}]
+    assert rows[1]["identical"] and rows[0]["speedup"] == 2.0
+    every = bench.total(rows)
+    assert not every["identical"] and every["mismatches"]["n"] == 1 and every["mismatches"]["of"] == 3
+    assert every["mean_accepted_length"] == 2.5 and every["plain_accuracy"] == 0.75
+    assert "NO (1 of 2)" in bench.table(rows) and "NO (1 of 3)" in bench.table([every])
