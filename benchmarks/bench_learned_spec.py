@@ -17,13 +17,14 @@ measured time.
 
 Per batch size B: the engine keeps B requests in flight (a new one is added as soon as one finishes; the engine's
 own in-flight batching runs them); first a warm-up pass over the first --warmup-n prompts of every task (compiles,
-captures the graphs of the buckets the pass reaches), then each task's prompts, timed: tok/s = output tokens (eos
-included) / the wall time from the first request added to the last one finished (prefill included). Per task and
-B: plain and speculative tok/s, the speedup, the mean accepted length (tokens a speculative step emits, the bonus
-token included) and acceptance rate from the engine's spec_decode counters over that task's pass (as eval-tasks
-reads them), the steps each engine ran, the most requests its scheduler ran at once (max_running: B when the task
-has B prompts or more), the exact-match accuracy of the plain replies, and whether the greedy replies are identical
-(they must be: `mismatches` shows the first ones that differ). The row "all" sums the tasks.
+captures the speculative graphs of the buckets the pass reaches), then each task's prompts, timed: tok/s = output
+tokens (eos included) / the wall time from the first request added to the last one finished (prefill included).
+Per task and B: plain and speculative tok/s, the speedup, the mean accepted length (tokens a speculative step
+emits, the bonus token included) and acceptance rate from the engine's spec_decode counters over that task's pass
+(as eval-tasks reads them), the steps each engine ran and its mixed steps (a prefill beside decodes: run eagerly),
+the most requests its scheduler ran at once (max_running: B when the task has B prompts or more), the exact-match
+accuracy of the plain replies, and whether the greedy replies are identical (they must be: `mismatches` shows the
+first ones that differ). The row "all" sums the tasks.
 """
 from __future__ import annotations
 
@@ -91,10 +92,12 @@ def measure(llm: LLM, prompts: dict[str, list[list[int]]], budgets: dict[str, in
         run_pass(llm, ps[:warmup_n], budgets[task], batch)
     res = {}
     for task, ps in prompts.items():
-        steps, before = llm.engine.stats()["num_steps"], spec_counters(llm)
+        st, before = llm.engine.stats(), spec_counters(llm)
         ids, seconds, most = run_pass(llm, ps, budgets[task], batch)
+        after = llm.engine.stats()
         res[task] = {"texts": [reply_text(tok, r) for r in ids], "tokens": sum(map(len, ids)), "seconds": seconds,
-                     "steps": llm.engine.stats()["num_steps"] - steps, "max_running": most,
+                     "steps": after["num_steps"] - st["num_steps"],
+                     "mixed_steps": after["num_mixed_steps"] - st["num_mixed_steps"], "max_running": most,
                      **spec_acceptance(before, spec_counters(llm))}
     return res
 
@@ -105,7 +108,8 @@ def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, 
             "mean_accepted_length": spec["mean_accepted_length"], "acceptance_rate": spec["acceptance_rate"],
             "num_drafts": spec["num_drafts"], "plain_tokens": plain["tokens"], "spec_tokens": spec["tokens"],
             "plain_seconds": plain["seconds"], "spec_seconds": spec["seconds"], "plain_steps": plain["steps"],
-            "spec_steps": spec["steps"], "max_running": max(plain["max_running"], spec["max_running"]),
+            "spec_steps": spec["steps"], "plain_mixed_steps": plain["mixed_steps"],
+            "spec_mixed_steps": spec["mixed_steps"], "max_running": max(plain["max_running"], spec["max_running"]),
             "plain_accuracy": accuracy,
             "identical": mismatches["n"] == 0, "mismatches": mismatches}
 
@@ -113,11 +117,14 @@ def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, 
 def total(task_rows: list[dict]) -> dict:
     """The "all" row of one batch size: tokens, seconds, steps and drafts summed; acceptance weighted by drafts."""
     s = {k: sum(r[k] for r in task_rows) for k in ("plain_tokens", "spec_tokens", "plain_seconds", "spec_seconds",
-                                                    "plain_steps", "spec_steps", "num_drafts")}
+                                                    "plain_steps", "spec_steps", "num_drafts", "plain_mixed_steps",
+                                                    "spec_mixed_steps")}
     drafts = max(s["num_drafts"], 1)
     most = max(r["max_running"] for r in task_rows)
-    plain = {"tokens": s["plain_tokens"], "seconds": s["plain_seconds"], "steps": s["plain_steps"], "max_running": most}
-    spec = {"tokens": s["spec_tokens"], "seconds": s["spec_seconds"], "steps": s["spec_steps"], "max_running": most,
+    plain = {"tokens": s["plain_tokens"], "seconds": s["plain_seconds"], "steps": s["plain_steps"],
+             "mixed_steps": s["plain_mixed_steps"], "max_running": most}
+    spec = {"tokens": s["spec_tokens"], "seconds": s["spec_seconds"], "steps": s["spec_steps"],
+            "mixed_steps": s["spec_mixed_steps"], "max_running": most,
             "num_drafts": s["num_drafts"],
             "mean_accepted_length": sum(r["mean_accepted_length"] * r["num_drafts"] for r in task_rows) / drafts,
             "acceptance_rate": sum(r["acceptance_rate"] * r["num_drafts"] for r in task_rows) / drafts}
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--batches", default="1,8", help="requests in flight at once")
     ap.add_argument("--n", type=int, default=50, help="eval prompts per task")
-    ap.add_argument("--warmup-n", type=int, default=None, help="prompts per task of the warm-up pass (default --n)")
+    ap.add_argument("--warmup-n", type=int, default=16, help="prompts per task of the warm-up pass (at most --n)")
     ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--seed", type=int, default=0, help="eval set seed")
@@ -158,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = eval_sets(a.n, a.seed, tuple(a.tasks))
     budgets = token_budgets(sets, tok)
     prompts = {t: [prompt_ids(ex, tok) for ex in exs] for t, exs in sets.items()}
-    warmup_n = a.n if a.warmup_n is None else a.warmup_n
+    warmup_n = min(a.warmup_n, a.n)
 
     results: dict[str, dict[int, dict]] = {}
     for mode in ("plain", "spec"):
@@ -168,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with LLM(model=a.model, enable_prefix_caching=False, **opts) as llm:
             print(f"{mode}: engine built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-            results[mode] = {b: measure(llm, prompts, budgets, b, warmup_n, tok) for b in batches}
+            results[mode] = {}
+            for b in batches:
+                results[mode][b] = measure(llm, prompts, budgets, b, warmup_n, tok)
+                print(f"{mode}: batch {b} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         del llm  # its weights and KV pool go before the next engine sizes its pool from the free memory
         gc.collect()
         if a.device.startswith("cuda"):

@@ -42,6 +42,8 @@ def test_bench_learned_spec_runs(tmp_path, capsys):
         assert r["num_drafts"] > 0 and 1.0 <= r["mean_accepted_length"] <= 8.0 and 0 <= r["acceptance_rate"] <= 1
         assert 0 < r["spec_steps"] <= r["plain_steps"]
         assert r["max_running"] == r["batch"]  # 2 prompts per task: batch 2 runs both at once, batch 1 one by one
+        if r["batch"] == 1:  # one request at a time: no prefill beside a decode
+            assert r["plain_mixed_steps"] == r["spec_mixed_steps"] == 0
     for b in (1, 2):
         by = {r["task"]: r for r in rows if r["batch"] == b}
         assert by["all"]["plain_tokens"] == sum(by[t]["plain_tokens"] for t in TASKS)
@@ -58,7 +60,7 @@ def test_differing_replies_are_reported():
     from m3serve.learn.evaluate import unlike
 
     bench = _bench()
-    plain = {"tokens": 10, "seconds": 1.0, "steps": 10, "max_running": 1}
+    plain = {"tokens": 10, "seconds": 1.0, "steps": 10, "mixed_steps": 0, "max_running": 1}
     spec = dict(plain, seconds=0.5, steps=4, num_drafts=4, mean_accepted_length=2.5, acceptance_rate=0.25)
     diff = unlike({"a": ["x", "y"], "b": ["z"]}, {"a": ["x", "w"], "b": ["z"]})
     rows = [bench.row("a", 1, plain, spec, 0.5, diff["a"]), bench.row("b", 1, plain, spec, 1.0, diff["b"])]
