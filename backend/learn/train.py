@@ -601,7 +601,8 @@ def _target_step(model, opt, groups, distill, balance, batch, lr: float, dense: 
     worst_load = balance.update()
     return {"phase": "dense" if dense else "sparse", "loss": lm.detach(), "task_loss": per_task,
             "answer_token_acc": hits.sum() / mask[:, 1:].sum().clamp_min(1), "indexer_kl": kl.detach(), "lr": lr,
-            "grad_norm": gnorm, "max_expert_load_ratio": worst_load, "padded_tokens": ids.numel(), "real_tokens": real_tokens}
+            "grad_norm": gnorm, "max_expert_load_ratio": worst_load, "padded_tokens": ids.numel(),
+            "real_tokens": real_tokens}
 
 
 def log_record(rec: dict) -> dict:
