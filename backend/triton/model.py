@@ -18,9 +18,9 @@ Threads of an LLM instance (text / ids):
                      responder's queue (the step loop, the request preparation and the detokenizers run in the
                      engine process, the only one that loads the tokenizer; with engine_process "false" they are
                      threads here, AsyncLLMEngine's)
+  responder          the only thread that calls into the server: send / is_cancelled / metrics / model control
 The model drives the engine only through `EngineClient` (engine/client.py) and holds no tokenizer: the contracts ask
 the engine for the text they answer with (`TextOptions`).
-  responder          the only thread that calls into the server: send / is_cancelled / metrics / model control
 
 A dead engine (a device fault: see engine/faults.py): the responder fails the open requests with UNAVAILABLE,
 new ones are refused, and, when the server runs with --model-control-mode=explicit, the responder unloads the
