@@ -687,6 +687,9 @@ def run(tc: TrainConfig) -> dict:
         raise ValueError(f"prompt_loss_weight must be 0 or more, got {tc.prompt_loss_weight}")
     if tc.tokens_per_batch < MIN_TOKENS_PER_BATCH:
         raise ValueError(f"tokens_per_batch must be at least {MIN_TOKENS_PER_BATCH}, got {tc.tokens_per_batch}")
+    for name in ("workers", "max_rows"):
+        if getattr(tc, name) < 0:
+            raise ValueError(f"{name} must be 0 or more, got {getattr(tc, name)}")
     t_start = time.time()
     deadline = t_start + tc.budget_s
 

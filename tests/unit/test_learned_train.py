@@ -394,7 +394,8 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
 @pytest.mark.parametrize("field, value, match", [("prompt_loss_weight", -0.5, "prompt_loss_weight"),
                                                  ("prompt_loss_weight", float("nan"), "prompt_loss_weight"),
                                                  ("tokens_per_batch", 100, "tokens_per_batch"),
-                                                 ("tokens_per_batch", -1, "tokens_per_batch")])
+                                                 ("tokens_per_batch", -1, "tokens_per_batch"),
+                                                 ("workers", -2, "workers"), ("max_rows", -1, "max_rows")])
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value, match):
     from m3serve.learn.train import run
 
