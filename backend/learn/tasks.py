@@ -9,7 +9,8 @@ Five tasks, each a chat in M3's template with one exact answer:
   token each), then a question about one key; the answer quotes that key's line (` key:value`). The prompt is about
   555 tokens with the learned tokenizer, over 4x the span MSA selects (top-4 blocks of 32 = 128 tokens), so the
   indexer has to find the block that holds the key.
-  Training contexts hold RETRIEVAL_TRAIN_MIN_PAIRS to RETRIEVAL_PAIRS pairs; the eval split always RETRIEVAL_PAIRS.
+  Training contexts hold RETRIEVAL_TRAIN_MIN_PAIRS to RETRIEVAL_PAIRS pairs, log-uniformly (`retrieval_train_pairs`);
+  the eval split always RETRIEVAL_PAIRS.
 - `tool_call`: 1-3 tools given as JSON schemas (`tools=`), the answer one call in M3's tool-call markup with the
   arguments the user's message names.
 - `reasoning`: a two-step word problem; thinking enabled, the answer is a short trace inside M3's think tags, then
@@ -29,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import random
 import zlib
 from typing import Any
@@ -43,7 +45,7 @@ TASKS = ("arithmetic", "retrieval", "tool_call", "reasoning", "multi_turn")
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 8  # 1 in 8 problems is held out for eval
 RETRIEVAL_PAIRS = 112  # eval contexts: over 4x the span MSA selects
-RETRIEVAL_TRAIN_MIN_PAIRS = 8  # training contexts hold 8-64 pairs: an induction circuit forms sooner among fewer keys
+RETRIEVAL_TRAIN_MIN_PAIRS = 2  # training contexts hold 2-112 pairs: a lookup is learned sooner among fewer keys
 END_OF_TURN = EOS_TOKEN + "\n"  # what the template writes after an assistant reply
 
 THINK_OFF = {"thinking_mode": "disabled"}
@@ -142,6 +144,14 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
     messages = [{"role": "user", "content": text}]
     reply = _quoted(keys[q], values[q])
     return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": reply}, reply)
+
+
+def retrieval_train_pairs(rng: random.Random) -> int:
+    """The pairs of one training context, log-uniform over RETRIEVAL_TRAIN_MIN_PAIRS..RETRIEVAL_PAIRS: half the contexts
+    hold at most ~15 pairs, where the lookup is easiest to learn (1 of 2-15 keys to match), and the rest reach the eval's
+    length. (Uniform over 8-112, most contexts were long; three H200 runs left retrieval at chance.)"""
+    lo, hi = RETRIEVAL_TRAIN_MIN_PAIRS, RETRIEVAL_PAIRS
+    return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
 
 
 def _quoted(key: str, value: str) -> str:
@@ -301,7 +311,7 @@ def make_examples(task: str, split: str, n: int, seed: int = 0) -> list[Example]
     out: list[Example] = []
     while len(out) < n:
         if task == "retrieval" and split == "train":  # contexts of every length up to the eval's
-            key, build = _retrieval(rng, rng.randint(RETRIEVAL_TRAIN_MIN_PAIRS, RETRIEVAL_PAIRS))
+            key, build = _retrieval(rng, retrieval_train_pairs(rng))
         else:
             key, build = _GENERATORS[task](rng)
         if split_of(task, key) == split:

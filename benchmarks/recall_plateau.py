@@ -1,0 +1,169 @@
+"""How fast a model learns in-context associative recall (issue 27: the learned model's retrieval stayed at chance).
+
+Synthetic token ids, no tokenizer: each row is P (key, value) pairs (keys from 256 ids, values from 200), a separator,
+then the same keys asked again in a random order, each followed by its value; the loss is on those values alone. A
+model that only learned to pick some value of the context scores 1/P; one with an induction head scores 1. The models:
+
+- `m3`: the learned model's architecture at micro size (transformers' MiniMaxM3VLForCausalLM through
+  `learn.train.build_target`: QK-norm, partial RoPE, MSA layers, MoE), with transformers' own init unless
+  --init-std re-draws every matrix;
+- `plain`: a pre-LayerNorm GPT with full RoPE, no QK-norm and PyTorch's default init (the control), with --qk-norm,
+  --rotary-fraction 0.5 or --init-std to add one M3 trait at a time.
+
+    python benchmarks/recall_plateau.py --arch m3 --pairs 4 --steps 1000 --out /tmp/recall.json
+
+One thread; about 0.1 s a step for `m3` at 4 pairs on the project's CPU machine. Findings: docs/quality.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 512
+KEYS, VALUES = (10, 266), (300, 500)  # id ranges
+SEPARATOR = 3
+HIDDEN, LAYERS, HEADS = 128, 4, 4
+
+
+class PlainGPT(nn.Module):
+    """Pre-LayerNorm decoder: RoPE on the first `rotary_fraction` of each head, optional RMS QK-norm, GELU MLP."""
+
+    def __init__(self, qk_norm: bool = False, rotary_fraction: float = 1.0, norm: str = "layer", mlp: str = "gelu"):
+        super().__init__()
+        norm_of = (lambda: nn.LayerNorm(HIDDEN)) if norm == "layer" else (lambda: nn.RMSNorm(HIDDEN))
+        self.swiglu = mlp == "swiglu"
+        self.head_dim = HIDDEN // HEADS
+        self.rot = int(self.head_dim * rotary_fraction) // 2 * 2
+        self.qk_norm = qk_norm
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            ln1=norm_of(), qkv=nn.Linear(HIDDEN, 3 * HIDDEN, bias=False), out=nn.Linear(HIDDEN, HIDDEN, bias=False),
+            ln2=norm_of(), up=nn.Linear(HIDDEN, (8 if self.swiglu else 4) * HIDDEN),
+            down=nn.Linear(4 * HIDDEN, HIDDEN))) for _ in range(LAYERS))
+        self.norm = norm_of()
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, self.rot, 2).float() / max(self.rot, 1)))
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:
+        ang = torch.outer(torch.arange(x.shape[2], dtype=torch.float32), self.inv_freq)
+        cos, sin = ang.cos(), ang.sin()
+        a, b = x[..., :self.rot:2], x[..., 1:self.rot:2]
+        return torch.cat([torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2), x[..., self.rot:]], -1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        for layer in self.layers:
+            q, k, v = layer["qkv"](layer["ln1"](x)).view(b, s, 3, HEADS, self.head_dim).permute(2, 0, 3, 1, 4)
+            if self.qk_norm:
+                q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
+            a = F.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True)
+            x = x + layer["out"](a.transpose(1, 2).reshape(b, s, HIDDEN))
+            h = layer["up"](layer["ln2"](x))
+            h = F.silu(h[..., ::2]) * h[..., 1::2] if self.swiglu else F.gelu(h)
+            x = x + layer["down"](h)
+        return self.head(self.norm(x))
+
+
+def m3_model(mlp: str, kv_heads: int, seed: int):
+    from m3serve.config import FULL, SPARSE
+    from m3serve.learn.config import learned_config
+    from m3serve.learn.train import build_target
+
+    cfg = learned_config(VOCAB, 0, 1, hidden_size=HIDDEN, head_dim=HIDDEN // HEADS, index_head_dim=32,
+                         num_attention_heads=HEADS, num_key_value_heads=kv_heads, index_n_heads=kv_heads,
+                         intermediate_size=128, dense_intermediate_size=256, shared_intermediate_size=128,
+                         num_hidden_layers=LAYERS, layer_types=[FULL, SPARSE] * (LAYERS // 2),
+                         mlp_layer_types=["dense"] * LAYERS if mlp == "dense" else ["dense"] + ["sparse"] * (LAYERS - 1),
+                         num_local_experts=4, index_block_size=32, index_topk_blocks=4)
+    model = build_target(cfg, torch.device("cpu"), seed)
+    return model, lambda ids: model(input_ids=ids).logits
+
+
+def batch(pairs: int, rows: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [rows, 4P + 1] and the bool mask of the answered values."""
+    keys = torch.stack([torch.randperm(KEYS[1] - KEYS[0], generator=g)[:pairs] + KEYS[0] for _ in range(rows)])
+    values = torch.randint(*VALUES, (rows, pairs), generator=g)
+    order = torch.stack([torch.randperm(pairs, generator=g) for _ in range(rows)])
+    asked = torch.stack([keys.gather(1, order), values.gather(1, order)], 2).flatten(1)
+    ids = torch.cat([torch.stack([keys, values], 2).flatten(1), torch.full((rows, 1), SEPARATOR), asked], 1)
+    answered = torch.zeros_like(ids, dtype=torch.bool)
+    answered[:, 2 * pairs + 2::2] = True
+    return ids, answered
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", choices=["m3", "plain"], default="m3")
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--rows", type=int, default=32, help="rows per step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--init-std", type=float, help="re-draw every matrix (not the indexer's) from N(0, std)")
+    p.add_argument("--init-only", help="with --init-std: only the matrices whose names hold one of these "
+                   "comma-separated parts (plain: embed, qkv, out, up, down, head)")
+    p.add_argument("--embed-std", type=float, help="then re-draw the token embedding from N(0, std)")
+    p.add_argument("--mlp", choices=["moe", "dense"], default="moe", help="m3: MoE layers after the first, or none")
+    p.add_argument("--kv-heads", type=int, default=2, help="m3")
+    p.add_argument("--qk-scale", type=float, help="m3: start the attention QK-norm scales (1 + weight) here")
+    p.add_argument("--qk-norm", action="store_true", help="plain")
+    p.add_argument("--rotary-fraction", type=float, default=1.0, help="plain")
+    p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="plain: LayerNorm or RMSNorm")
+    p.add_argument("--plain-mlp", choices=["gelu", "swiglu"], default="gelu", help="plain")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    if a.arch == "m3":
+        model, logits_of = m3_model(a.mlp, a.kv_heads, a.seed)
+    else:
+        model = PlainGPT(a.qk_norm, a.rotary_fraction, a.norm, a.plain_mlp)
+        logits_of = model
+    if a.init_std is not None:
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                parts = a.init_only.split(",") if a.init_only else [""]
+                if w.ndim >= 2 and ".indexer." not in name and any(x in name for x in parts):
+                    w.normal_(0.0, a.init_std)
+    if a.embed_std is not None:
+        with torch.no_grad():
+            (model.model.embed_tokens if a.arch == "m3" else model.embed).weight.normal_(0.0, a.embed_std)
+    if a.qk_scale is not None and a.arch == "m3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.fill_(a.qk_scale - 1.0)
+                layer.self_attn.k_norm.weight.fill_(a.qk_scale - 1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(a.seed + 1)
+    curve, t0 = [], time.time()
+    for step in range(1, a.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = a.lr * min(1.0, step / 30)
+        ids, answered = batch(a.pairs, a.rows, g)
+        logits = logits_of(ids)[:, :-1].float()
+        sel, gold = answered[:, 1:], ids[:, 1:]
+        loss = F.cross_entropy(logits[sel], gold[sel])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % a.log_every == 0 or step == a.steps:
+            acc = (logits.argmax(-1)[sel] == gold[sel]).float().mean().item()
+            curve.append({"step": step, "loss": round(loss.item(), 4), "acc": round(acc, 4)})
+            print(json.dumps(curve[-1] | {"s": round(time.time() - t0, 1)}), flush=True)
+    result = {"args": vars(a), "chance_from_context": 1 / a.pairs, "curve": curve}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

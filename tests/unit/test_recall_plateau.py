@@ -1,0 +1,35 @@
+"""benchmarks/recall_plateau.py: the rows ask what the context says, and both models train on them."""
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "recall_plateau.py"
+spec = importlib.util.spec_from_file_location("recall_plateau", _PATH)
+rp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rp)
+
+
+def test_every_answered_value_is_the_one_its_key_has_in_the_context():
+    pairs = 6
+    ids, answered = rp.batch(pairs, 5, torch.Generator().manual_seed(3))
+    assert ids.shape == (5, 4 * pairs + 1) and answered.sum().item() == 5 * pairs
+    for row, mask in zip(ids.tolist(), answered.tolist()):
+        context = dict(zip(row[0:2 * pairs:2], row[1:2 * pairs:2]))
+        assert len(context) == pairs and row[2 * pairs] == rp.SEPARATOR
+        asked = [(row[i - 1], row[i]) for i, m in enumerate(mask) if m]
+        assert sorted(k for k, _ in asked) == sorted(context)  # every key asked once
+        assert all(context[k] == v for k, v in asked)
+        assert all(rp.KEYS[0] <= k < rp.KEYS[1] for k in context)
+        assert all(rp.VALUES[0] <= v < rp.VALUES[1] for v in context.values())
+
+
+@pytest.mark.parametrize("args", [["--arch", "plain", "--qk-norm", "--rotary-fraction", "0.5"],
+                                  ["--arch", "m3", "--mlp", "dense", "--init-std", "0.05"]])
+def test_a_short_run_lowers_the_loss_and_writes_its_curve(args, tmp_path):
+    out = tmp_path / "r.json"
+    r = rp.main(args + ["--steps", "40", "--log-every", "10", "--rows", "8", "--out", str(out)])
+    loss = [c["loss"] for c in r["curve"]]
+    assert len(loss) == 4 and loss[-1] < loss[0] and all(0 <= c["acc"] <= 1 for c in r["curve"])
+    assert out.read_text().count('"step"') == 4
