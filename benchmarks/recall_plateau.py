@@ -5,10 +5,11 @@ then the same keys asked again in a random order, each followed by its value; th
 model that only learned to pick some value of the context scores 1/P; one with an induction head scores 1. The models:
 
 - `m3`: the learned model's architecture at micro size (transformers' MiniMaxM3VLForCausalLM through
-  `learn.train.build_target`: QK-norm, partial RoPE, MSA layers, MoE), with transformers' own init unless
-  --init-std re-draws every matrix;
-- `plain`: a pre-LayerNorm GPT with full RoPE, no QK-norm and PyTorch's default init (the control), with --qk-norm,
-  --rotary-fraction 0.5 or --init-std to add one M3 trait at a time.
+  `learn.train.build_target`: QK-norm, partial RoPE, MSA layers, MoE), with transformers' own init; --mlp dense,
+  --kv-heads 4, --all-full and --qk-scale change one trait;
+- `plain`: a pre-LayerNorm GPT with full RoPE, no QK-norm and PyTorch's default init (the control); --qk-norm,
+  --rotary-fraction 0.5, --norm rms and --plain-mlp swiglu add one M3 trait at a time.
+Either: --init-std re-draws every matrix (or those --init-only names), then --embed-std the token embedding.
 
     python benchmarks/recall_plateau.py --arch m3 --pairs 4 --steps 1000 --out /tmp/recall.json
 
@@ -70,16 +71,17 @@ class PlainGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def m3_model(mlp: str, kv_heads: int, seed: int):
+def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False):
     from m3serve.config import FULL, SPARSE
     from m3serve.learn.config import learned_config
     from m3serve.learn.train import build_target
 
+    layers = [FULL] * LAYERS if all_full else [FULL, SPARSE] * (LAYERS // 2)
+    mlps = ["dense"] * LAYERS if mlp == "dense" else ["dense"] + ["sparse"] * (LAYERS - 1)
     cfg = learned_config(VOCAB, 0, 1, hidden_size=HIDDEN, head_dim=HIDDEN // HEADS, index_head_dim=32,
                          num_attention_heads=HEADS, num_key_value_heads=kv_heads, index_n_heads=kv_heads,
                          intermediate_size=128, dense_intermediate_size=256, shared_intermediate_size=128,
-                         num_hidden_layers=LAYERS, layer_types=[FULL, SPARSE] * (LAYERS // 2),
-                         mlp_layer_types=["dense"] * LAYERS if mlp == "dense" else ["dense"] + ["sparse"] * (LAYERS - 1),
+                         num_hidden_layers=LAYERS, layer_types=layers, mlp_layer_types=mlps,
                          num_local_experts=4, index_block_size=32, index_topk_blocks=4)
     model = build_target(cfg, torch.device("cpu"), seed)
     return model, lambda ids: model(input_ids=ids).logits
@@ -110,6 +112,7 @@ def main(argv=None) -> dict:
     p.add_argument("--embed-std", type=float, help="then re-draw the token embedding from N(0, std)")
     p.add_argument("--mlp", choices=["moe", "dense"], default="moe", help="m3: MoE layers after the first, or none")
     p.add_argument("--kv-heads", type=int, default=2, help="m3")
+    p.add_argument("--all-full", action="store_true", help="m3: every layer full attention (no MSA layer)")
     p.add_argument("--qk-scale", type=float, help="m3: start the attention QK-norm scales (1 + weight) here")
     p.add_argument("--qk-norm", action="store_true", help="plain")
     p.add_argument("--rotary-fraction", type=float, default=1.0, help="plain")
@@ -122,7 +125,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     if a.arch == "m3":
-        model, logits_of = m3_model(a.mlp, a.kv_heads, a.seed)
+        model, logits_of = m3_model(a.mlp, a.kv_heads, a.seed, a.all_full)
     else:
         model = PlainGPT(a.qk_norm, a.rotary_fraction, a.norm, a.plain_mlp)
         logits_of = model

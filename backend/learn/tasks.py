@@ -147,9 +147,9 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
 
 
 def retrieval_train_pairs(rng: random.Random) -> int:
-    """The pairs of one training context, log-uniform over RETRIEVAL_TRAIN_MIN_PAIRS..RETRIEVAL_PAIRS: half the contexts
-    hold at most ~15 pairs, where the lookup is easiest to learn (1 of 2-15 keys to match), and the rest reach the eval's
-    length. (Uniform over 8-112, most contexts were long; three H200 runs left retrieval at chance.)"""
+    """The pairs of one training context, log-uniform over RETRIEVAL_TRAIN_MIN_PAIRS..RETRIEVAL_PAIRS: half the
+    contexts hold at most ~15 pairs, where the lookup is easiest to learn (1 of 2-15 keys to match), and the rest reach
+    the eval's length. (Uniform over 8-112, most contexts were long; three H200 runs left retrieval at chance.)"""
     lo, hi = RETRIEVAL_TRAIN_MIN_PAIRS, RETRIEVAL_PAIRS
     return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
 
