@@ -122,6 +122,15 @@ def main(argv=None) -> dict:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--out")
     a = p.parse_args(argv)
+    if not 1 <= a.pairs <= KEYS[1] - KEYS[0]:
+        p.error(f"--pairs must be 1..{KEYS[1] - KEYS[0]} (the key ids), got {a.pairs}")
+    for name in ("steps", "rows", "log_every"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(a, name)}")
+    if not 0 <= a.rotary_fraction <= 1:
+        p.error(f"--rotary-fraction must be 0..1, got {a.rotary_fraction}")
+    if a.init_only and a.init_std is None:
+        p.error("--init-only needs --init-std")
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     if a.arch == "m3":
@@ -130,9 +139,9 @@ def main(argv=None) -> dict:
         model = PlainGPT(a.qk_norm, a.rotary_fraction, a.norm, a.plain_mlp)
         logits_of = model
     if a.init_std is not None:
+        parts = a.init_only.split(",") if a.init_only else [""]
         with torch.no_grad():
             for name, w in model.named_parameters():
-                parts = a.init_only.split(",") if a.init_only else [""]
                 if w.ndim >= 2 and ".indexer." not in name and any(x in name for x in parts):
                     w.normal_(0.0, a.init_std)
     if a.embed_std is not None:

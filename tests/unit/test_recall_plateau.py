@@ -33,3 +33,12 @@ def test_a_short_run_lowers_the_loss_and_writes_its_curve(args, tmp_path):
     loss = [c["loss"] for c in r["curve"]]
     assert len(loss) == 4 and loss[-1] < loss[0] and all(0 <= c["acc"] <= 1 for c in r["curve"])
     assert out.read_text().count('"step"') == 4
+
+
+@pytest.mark.parametrize("args", [["--pairs", "0"], ["--pairs", "257"], ["--steps", "0"], ["--log-every", "0"],
+                                  ["--rotary-fraction", "1.5"], ["--init-only", "embed"]])
+def test_a_bad_option_is_refused_before_any_work(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        rp.main(args)
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and args[0] in captured.err and not captured.out  # named, and no step ran
