@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from m3serve.learn.fast_paths import swiglu
+
 VOCAB = 512
 KEYS, VALUES = (10, 266), (300, 500)  # id ranges
 SEPARATOR = 3
@@ -37,7 +39,8 @@ class PlainGPT(nn.Module):
     def __init__(self, qk_norm: bool = False, rotary_fraction: float = 1.0, norm: str = "layer", mlp: str = "gelu"):
         super().__init__()
         norm_of = (lambda: nn.LayerNorm(HIDDEN)) if norm == "layer" else (lambda: nn.RMSNorm(HIDDEN))
-        self.swiglu = mlp == "swiglu"
+        self.mlp = mlp
+        self.swiglu = mlp.startswith("swiglu")
         self.head_dim = HIDDEN // HEADS
         self.rot = int(self.head_dim * rotary_fraction) // 2 * 2
         self.qk_norm = qk_norm
@@ -66,12 +69,23 @@ class PlainGPT(nn.Module):
             a = F.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True)
             x = x + layer["out"](a.transpose(1, 2).reshape(b, s, HIDDEN))
             h = layer["up"](layer["ln2"](x))
-            h = F.silu(h[..., ::2]) * h[..., 1::2] if self.swiglu else F.gelu(h)
+            if self.mlp == "swiglu-oai":  # M3's: clamped, sigmoid(1.702 gate), up + 1
+                h = swiglu(h, 1.702, 7.0)
+            elif self.mlp == "swiglu-noclamp":  # M3's without its clamps
+                h = swiglu(h, 1.702, float("inf"))
+            elif self.mlp == "swiglu-plus1":  # M3's up + 1 alone
+                gate, up = h.chunk(2, -1)
+                h = F.silu(gate) * (up + 1.0)
+            elif self.mlp == "swiglu-alpha":  # M3's sigmoid(1.702 gate) alone
+                gate, up = h.chunk(2, -1)
+                h = gate * torch.sigmoid(1.702 * gate) * up
+            else:
+                h = F.silu(h[..., ::2]) * h[..., 1::2] if self.swiglu else F.gelu(h)
             x = x + layer["down"](h)
         return self.head(self.norm(x))
 
 
-def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False):
+def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False, fast: bool = True):
     from m3serve.config import FULL, SPARSE
     from m3serve.learn.config import learned_config
     from m3serve.learn.train import build_target
@@ -83,7 +97,7 @@ def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False):
                          intermediate_size=128, dense_intermediate_size=256, shared_intermediate_size=128,
                          num_hidden_layers=LAYERS, layer_types=layers, mlp_layer_types=mlps,
                          num_local_experts=4, index_block_size=32, index_topk_blocks=4)
-    model = build_target(cfg, torch.device("cpu"), seed)
+    model = build_target(cfg, torch.device("cpu"), seed, fast)
     return model, lambda ids: model(input_ids=ids).logits
 
 
@@ -99,6 +113,15 @@ def batch(pairs: int, rows: int, g: torch.Generator) -> tuple[torch.Tensor, torc
     return ids, answered
 
 
+def _std(text: str) -> float | str:
+    if text == "fan-in":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a standard deviation or 'fan-in', got {text!r}") from None
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=["m3", "plain"], default="m3")
@@ -106,18 +129,26 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--rows", type=int, default=32, help="rows per step")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--init-std", type=float, help="re-draw every matrix (not the indexer's) from N(0, std)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's, on the matrices but the embedding")
+    p.add_argument("--train-init", choices=["fan_in", "transformers"],
+                   help="m3: learn/train.py's fresh_init (with --mlp-frozen-steps: the MLPs' down projections zeroed)")
+    p.add_argument("--init-std", type=_std, help="re-draw every matrix (not the indexer's) from N(0, std); "
+                   "'fan-in': each from N(0, 1/fan_in), fan_in its last dimension")
     p.add_argument("--init-only", help="with --init-std: only the matrices whose names hold one of these "
                    "comma-separated parts (plain: embed, qkv, out, up, down, head)")
     p.add_argument("--embed-std", type=float, help="then re-draw the token embedding from N(0, std)")
+    p.add_argument("--zero", help="then zero the parameters whose names hold one of these comma-separated parts "
+                   "(e.g. m3: down_proj; plain: down.weight)")
+    p.add_argument("--mlp-frozen-steps", type=int, default=0, help="the MLPs' learning rate 0 for this many steps")
     p.add_argument("--mlp", choices=["moe", "dense"], default="moe", help="m3: MoE layers after the first, or none")
     p.add_argument("--kv-heads", type=int, default=2, help="m3")
     p.add_argument("--all-full", action="store_true", help="m3: every layer full attention (no MSA layer)")
+    p.add_argument("--eager", action="store_true", help="m3: transformers' own forward (not learn/fast_paths.py)")
     p.add_argument("--qk-scale", type=float, help="m3: start the attention QK-norm scales (1 + weight) here")
     p.add_argument("--qk-norm", action="store_true", help="plain")
     p.add_argument("--rotary-fraction", type=float, default=1.0, help="plain")
     p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="plain: LayerNorm or RMSNorm")
-    p.add_argument("--plain-mlp", choices=["gelu", "swiglu"], default="gelu", help="plain")
+    p.add_argument("--plain-mlp", choices=["gelu", "swiglu", "swiglu-oai", "swiglu-noclamp", "swiglu-plus1", "swiglu-alpha"], default="gelu", help="plain")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--out")
@@ -129,35 +160,54 @@ def main(argv=None) -> dict:
             p.error(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(a, name)}")
     if not 0 <= a.rotary_fraction <= 1:
         p.error(f"--rotary-fraction must be 0..1, got {a.rotary_fraction}")
+    if a.train_init and a.arch != "m3":
+        p.error("--train-init is the learned model's (--arch m3)")
     if a.init_only and a.init_std is None:
         p.error("--init-only needs --init-std")
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     if a.arch == "m3":
-        model, logits_of = m3_model(a.mlp, a.kv_heads, a.seed, a.all_full)
+        model, logits_of = m3_model(a.mlp, a.kv_heads, a.seed, a.all_full, not a.eager)
     else:
         model = PlainGPT(a.qk_norm, a.rotary_fraction, a.norm, a.plain_mlp)
         logits_of = model
+    if a.train_init:
+        from m3serve.learn.train import fresh_init
+
+        fresh_init(model, a.train_init, a.seed, silent_mlps=a.mlp_frozen_steps > 0)
     if a.init_std is not None:
         parts = a.init_only.split(",") if a.init_only else [""]
         with torch.no_grad():
             for name, w in model.named_parameters():
                 if w.ndim >= 2 and ".indexer." not in name and any(x in name for x in parts):
-                    w.normal_(0.0, a.init_std)
+                    w.normal_(0.0, w.shape[-1] ** -0.5 if a.init_std == "fan-in" else a.init_std)
     if a.embed_std is not None:
         with torch.no_grad():
             (model.model.embed_tokens if a.arch == "m3" else model.embed).weight.normal_(0.0, a.embed_std)
+    if a.zero:
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if any(x in name for x in a.zero.split(",")):
+                    w.zero_()
     if a.qk_scale is not None and a.arch == "m3":
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.fill_(a.qk_scale - 1.0)
                 layer.self_attn.k_norm.weight.fill_(a.qk_scale - 1.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    embed = model.model.embed_tokens.weight if a.arch == "m3" else model.embed.weight
+    mlp_parts = (".mlp.",) if a.arch == "m3" else (".up.", ".down.")
+    groups = {}
+    for name, w in model.named_parameters():
+        decay = w.ndim >= 2 and w is not embed
+        groups.setdefault((decay, any(x in name for x in mlp_parts)), []).append(w)
+    opt = torch.optim.AdamW([{"params": ws, "weight_decay": a.weight_decay if decay else 0.0, "mlp": mlp}
+                             for (decay, mlp), ws in groups.items()], lr=a.lr, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(a.seed + 1)
     curve, t0 = [], time.time()
     for step in range(1, a.steps + 1):
         for group in opt.param_groups:
-            group["lr"] = a.lr * min(1.0, step / 30)
+            frozen = group["mlp"] and step <= a.mlp_frozen_steps
+            group["lr"] = 0.0 if frozen else a.lr * min(1.0, step / 30)
         ids, answered = batch(a.pairs, a.rows, g)
         logits = logits_of(ids)[:, :-1].float()
         sel, gold = answered[:, 1:], ids[:, 1:]

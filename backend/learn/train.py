@@ -87,6 +87,13 @@ class TrainConfig:
     fresh_rows: bool = True
     max_rows: int = 600_000
     init_from: str | None = None  # start from this checkpoint's weights (a run that goes on in another device call)
+    # a fresh target's init (not with init_from; docs/quality.md, "Why retrieval stays at chance"): "fan_in" every
+    # matrix but the indexer's from N(0, 1 / (3 fan_in)) (PyTorch's Linear scale) and the token embedding from
+    # N(0, 1); "transformers" its own (every matrix and the embedding N(0, 0.02))
+    init: str = "fan_in"
+    # of the planned steps: the MLPs (dense, router, experts, shared expert) start silent (their down projections
+    # zero) and frozen for this share, so that attention forms its context lookups first (fresh targets only)
+    mlp_warmup_frac: float = 0.25
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -137,6 +144,31 @@ def build_target(cfg, device: torch.device, seed: int, fast: bool = True):
     if fast:
         install(model)
     return model
+
+
+INITS = ("fan_in", "transformers")
+
+
+def fresh_init(model, init: str, seed: int, silent_mlps: bool) -> None:
+    """A fresh target's init (TrainConfig.init), then, with `silent_mlps`, every MLP's down projection zeroed (the
+    MLPs add nothing to the residual stream until they learn). The indexer keeps transformers' init."""
+    if init not in INITS:
+        raise ValueError(f"init must be one of {list(INITS)}, got {init!r}")
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        if init == "fan_in":
+            for name, w in model.named_parameters():
+                if w.ndim >= 2 and ".indexer." not in name:
+                    std = 1.0 if "embed_tokens" in name else (3 * w.shape[-1]) ** -0.5
+                    w.copy_(torch.randn(w.shape, generator=g) * std)
+        if silent_mlps:
+            for w in mlp_parameters(model, "down_proj"):
+                w.zero_()
+
+
+def mlp_parameters(model, part: str = "") -> list[torch.nn.Parameter]:
+    """The parameters of every layer's MLP (dense MLP, router, experts, shared expert) whose names hold `part`."""
+    return [w for name, w in model.named_parameters() if ".mlp." in name and part in name]
 
 
 def load_weights(model, init_from: str, tokenizer_dir: str) -> None:
@@ -438,6 +470,27 @@ class SparseRamp:
         return self.rng.random() >= (step - self.start + 1) / (self.full - self.start)
 
 
+class MlpWarmup:
+    """The MLPs frozen (no gradients: the optimizer skips them) for the first `frac` of the planned steps."""
+
+    def __init__(self, model, frac: float):
+        self.frac, self.params = frac, mlp_parameters(model) if frac > 0 else []
+        self.frozen, self.start = bool(self.params), 0
+        for w in self.params:
+            w.requires_grad_(False)
+
+    def tick(self, step: int, total: int, log) -> None:
+        if self.frozen and step >= self.frac * total:
+            self.release()
+            self.start = step
+            log(f"target: the MLPs learn from step {step}")
+
+    def release(self) -> None:
+        for w in self.params:
+            w.requires_grad_(True)
+        self.frozen = False
+
+
 def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_batch: int, log) -> dict:
     """The final weights or the dense phase's (set aside when the ramp began), whichever has the higher mean
     teacher-forced exact match with the sparse mask on (the mask the engine runs), so that a sparse phase that went
@@ -515,6 +568,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
 
     curve, t0 = [], time.time()
     ramp = SparseRamp(tc, random.Random(tc.seed + 7))
+    mlps = MlpWarmup(model, 0.0 if tc.init_from else tc.mlp_warmup_frac)
     model.train()
     step, tokens, real_tokens = 0, 0, 0
     error = None
@@ -522,6 +576,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
         profile.tick(step)
+        mlps.tick(step, sched.total, log)
         if ramp.start is None and step >= tc.dense_frac * sched.total:
             ramp.begin(step, sched.total)
             ramp.snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -562,6 +617,9 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                    "planned_steps": sched.total}
             curve.append(rec)
             log("target " + json.dumps(rec))
+    if mlps.frozen:  # stopped before the MLPs' turn: the model leaves trainable as it came
+        mlps.release()
+        mlps.start = None
     distill.remove()
     balance.remove()
     if pieces is not None:
@@ -573,7 +631,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         log(f"target: profile of steps (ms per step {profile.step_ms}) " + json.dumps(top[:20]))
     model.dense_snapshot = ramp.snapshot  # read (and dropped) by keep_better
     data.close()
-    return {"steps": step, "planned_steps": sched.total, "sparse_from_step": ramp.start, "tokens_per_batch": per_batch,
+    return {"steps": step, "planned_steps": sched.total, "mlps_from_step": mlps.start,
+            "sparse_from_step": ramp.start, "tokens_per_batch": per_batch,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts, "compile": compiling or None,
             "padded_tokens": tokens, "real_tokens": real_tokens,
@@ -690,6 +749,10 @@ def run(tc: TrainConfig) -> dict:
     for name in ("workers", "max_rows"):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name} must be 0 or more, got {getattr(tc, name)}")
+    if tc.init not in INITS:
+        raise ValueError(f"init must be one of {list(INITS)}, got {tc.init!r}")
+    if not 0 <= tc.mlp_warmup_frac < 1:
+        raise ValueError(f"mlp_warmup_frac must be in [0, 1), got {tc.mlp_warmup_frac}")
     t_start = time.time()
     deadline = t_start + tc.budget_s
 
@@ -737,6 +800,9 @@ def run(tc: TrainConfig) -> dict:
         if tc.init_from:
             load_weights(model, tc.init_from, tc.out)
             log(f"target: weights from {tc.init_from}")
+        else:
+            fresh_init(model, tc.init, tc.seed, tc.mlp_warmup_frac > 0)
+            log(f"target: {tc.init} init; MLPs silent and frozen for {tc.mlp_warmup_frac:.0%} of the steps")
         n_params = sum(p.numel() for p in model.parameters())
         result["target_params"] = n_params
         log(f"target: {n_params / 1e6:.2f}M parameters, layers {cfg.layer_types}, MLPs {cfg.mlp_layer_types}")

@@ -26,9 +26,9 @@ from m3serve.learn.config import learned_config  # noqa: E402
 from m3serve.learn.render import prompt_ids  # noqa: E402
 from m3serve.learn.tasks import make_examples, retrieval_follow_ups  # noqa: E402
 from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
-from m3serve.learn.train import (DenseAttention, IndexerDistill, SparseRamp, TrainConfig, answer_loss,  # noqa: E402
-                                 batches, build_target, collate, exact_match, keep_better, load_weights, make_rows,
-                                 pack,
+from m3serve.learn.train import (DenseAttention, IndexerDistill, MlpWarmup, SparseRamp, TrainConfig,  # noqa: E402
+                                 answer_loss, batches, build_target, collate, exact_match, fresh_init, keep_better,
+                                 load_weights, make_rows, mlp_parameters, pack,
                                  pick_experts_implementation, save_target, train_target)
 from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
 from m3serve.text.tokenizer import Tokenizer  # noqa: E402
@@ -52,6 +52,7 @@ def trained(tmp_path_factory):
     rows = make_rows(out, TASKS, "train", tc.train_examples, 0)
     eval_rows = make_rows(out, TASKS, "eval", tc.eval_examples, 1)
     model = build_target(cfg, torch.device("cpu"), 0)
+    fresh_init(model, tc.init, 0, tc.mlp_warmup_frac > 0)  # as `run` starts a fresh target
     pad = tok["eos_token_id"]
     far = float("inf")
     target = train_target(model, rows, tc, torch.device("cpu"), far, pad, lambda _msg: None)
@@ -66,6 +67,7 @@ def test_training_lowers_the_losses(trained):
     curve = trained["target"]["curve"]
     # the ramp runs from step index 18 (0.3 x 60) over 0.15 x 60 = 9 steps: logged at steps 1, 10, 20 .. 60
     assert trained["target"]["steps"] == 60 and trained["target"]["sparse_from_step"] == 18
+    assert trained["target"]["mlps_from_step"] == 15  # 0.25 x 60: the MLPs learn from there
     assert trained["target"]["sparse_full_from_step"] == 27
     phases = [r["phase"] for r in curve]
     assert phases[:2] == ["dense"] * 2 and phases[3:] == ["sparse"] * 4, phases
@@ -395,7 +397,10 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
                                                  ("prompt_loss_weight", float("nan"), "prompt_loss_weight"),
                                                  ("tokens_per_batch", 100, "tokens_per_batch"),
                                                  ("tokens_per_batch", -1, "tokens_per_batch"),
-                                                 ("workers", -2, "workers"), ("max_rows", -1, "max_rows")])
+                                                 ("workers", -2, "workers"), ("max_rows", -1, "max_rows"),
+                                                 ("init", "xavier", "init must be one of"),
+                                                 ("mlp_warmup_frac", 1.0, "mlp_warmup_frac"),
+                                                 ("mlp_warmup_frac", -0.1, "mlp_warmup_frac")])
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value, match):
     from m3serve.learn.train import run
 
@@ -403,3 +408,49 @@ def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value
     with pytest.raises(ValueError, match=match):
         run(tc)
     assert not os.path.exists(os.path.join(tc.out, "model.safetensors"))
+
+
+def test_a_fresh_target_starts_at_the_fan_in_scale_with_silent_mlps(trained):
+    """init 'fan_in': each matrix N(0, 1 / (3 fan_in)), the embedding N(0, 1), the indexer as transformers drew it;
+    silent MLPs: every down projection zero. 'transformers' keeps transformers' own draw."""
+    cfg = trained["cfg"]
+    built = build_target(cfg, torch.device("cpu"), seed=4)
+    reference = copy.deepcopy(built.state_dict())
+    fresh_init(built, "fan_in", seed=4, silent_mlps=True)
+    for name, w in built.named_parameters():
+        if ".indexer." in name or w.ndim < 2:
+            assert torch.equal(w, reference[name]), name
+        elif "down_proj" in name and ".mlp." in name:
+            assert not w.any(), name
+        else:
+            want = 1.0 if "embed_tokens" in name else (3 * w.shape[-1]) ** -0.5
+            assert abs(w.std().item() / want - 1) < 0.15, (name, w.std().item(), want)
+    assert len(mlp_parameters(built, "down_proj")) == cfg.num_hidden_layers + (cfg.num_hidden_layers - 1)
+    kept = build_target(cfg, torch.device("cpu"), seed=4)
+    fresh_init(kept, "transformers", seed=4, silent_mlps=False)
+    assert all(torch.equal(w, reference[k]) for k, w in kept.state_dict().items())
+    with pytest.raises(ValueError, match="init must be one of"):
+        fresh_init(kept, "xavier", seed=4, silent_mlps=False)
+
+
+def test_frozen_mlps_do_not_move_until_their_share_of_the_steps_is_over(trained):
+    """MlpWarmup: no MLP parameter takes a gradient before frac x the planned steps; attention learns meanwhile. A
+    run that stops inside the warm-up hands its MLPs back trainable."""
+    model = build_target(trained["cfg"], torch.device("cpu"), seed=5)
+    fresh_init(model, "fan_in", seed=5, silent_mlps=True)
+    warm = MlpWarmup(model, 0.5)
+    assert warm.frozen and not any(w.requires_grad for w in mlp_parameters(model))
+    warm.tick(4, 10, lambda _m: None)
+    assert warm.frozen
+    warm.tick(5, 10, lambda _m: None)
+    assert not warm.frozen and warm.start == 5 and all(w.requires_grad for w in mlp_parameters(model))
+    tc = dataclasses.replace(trained["tc"], max_steps=4, mlp_warmup_frac=0.9, profile_steps=0)
+    before = copy.deepcopy(model.state_dict())
+    out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], lambda _m: None)
+    assert out["steps"] == 4 and out["mlps_from_step"] is None, out["stopped_by"]
+    after = model.state_dict()
+    mlp = [k for k in after if ".mlp." in k and "bias" not in k]
+    attn = [k for k in after if ".self_attn.q_proj" in k]
+    assert mlp and all(torch.equal(after[k], before[k]) for k in mlp)
+    assert attn and all(not torch.equal(after[k], before[k]) for k in attn)
+    assert all(w.requires_grad for w in mlp_parameters(model))
