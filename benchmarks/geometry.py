@@ -291,3 +291,43 @@ def step_bytes(wb: dict, cfg: ModelConfig, batch: int, context: int, experts_tou
     for part in wb["layers"]:
         total += part["attention"] + part["mlp"] + (next(moe) * part["expert"] if part["moe"] else 0)
     return int(total + batch * kv_read_bytes(cfg, kv_dtype, index_dtype, context))
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct routed experts `tokens` tokens touch in one MoE layer when each token's top_k are a uniform random
+    choice, independent of the other tokens': E (1 - (1 - k / E)^T). (A random model routes about so; a trained one's
+    neighbouring tokens may share more experts.)"""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def draft_bytes(draft, k: int, context: int, batch: int, draft_head_rows: int | None = None) -> int:
+    """Bytes the draft side of one speculative step must read: the draft's own weights once (layers, fc, norms,
+    confidence head), the Markov head's W2 once per draft position (k), the target's lm_head rows it drafts from once
+    (every row, or `draft_head_rows` of them with a reduced draft vocabulary), and each sequence's FP8 draft KV over
+    the context (every draft layer)."""
+    cfg = draft.config
+    markov = draft.markov_head
+    w2 = _storage_bytes([markov.markov_w2.weight]) if markov is not None else 0
+    own = _storage_bytes(list(draft.parameters()) + list(draft.buffers())) - w2
+    lm = draft.shared.lm_head
+    head = _storage_bytes(list(lm.parameters()) + list(lm.buffers()))
+    if draft_head_rows is not None:
+        head = head * draft_head_rows // cfg.vocab_size
+    kv = batch * cfg.num_hidden_layers * context * 2 * cfg.num_key_value_heads * cfg.head_dim  # FP8: one byte
+    return own + k * w2 + head + kv
+
+
+def speculative_floor(wb: dict, cfg: ModelConfig, draft, batch: int, context: int, k: int,
+                      draft_head_rows: int | None = None, kv_dtype: str = "nvfp4", index_dtype: str = "nvfp4") -> dict:
+    """The byte floor of one speculative step (the target's forward over k + 1 tokens per sequence, which touches the
+    routed experts of (k + 1) x batch tokens and reads the cache once, plus the draft side, `draft_bytes`) against a
+    plain decode step's (the experts of `batch` tokens), routing uniform (`expected_experts`). `ratio` is the fewest
+    plain steps a speculative step can cost where both are bound by their bytes."""
+    moe = sum(1 for part in wb["layers"] if part["moe"])
+    touched = lambda tokens: [expected_experts(cfg.num_local_experts, cfg.num_experts_per_tok, tokens)] * moe  # noqa: E731
+    plain = step_bytes(wb, cfg, batch, context, touched(batch), kv_dtype, index_dtype)
+    verify = step_bytes(wb, cfg, batch * (k + 1), context, touched(batch * (k + 1)), kv_dtype, index_dtype)
+    verify -= batch * k * kv_read_bytes(cfg, kv_dtype, index_dtype, context)  # k + 1 queries read one cache
+    draft_side = draft_bytes(draft, k, context, batch, draft_head_rows)
+    return {"plain": plain, "verify": verify, "draft": draft_side, "speculative": verify + draft_side,
+            "ratio": (verify + draft_side) / plain}
