@@ -42,8 +42,9 @@ def test_tp4_speculation_greedy_equals_plain(tiny_model_dir):
 
 def test_tp2_speculation_with_a_draft_vocab_equals_tp1(tiny_model_dir, tmp_path):
     """A draft vocabulary crowded into rank 1's half of the vocabulary (70 ids below 256, 150 above: rank 0's share
-    padded to rank 1's rows, so the gathered logits have padding between the ranks' real columns): greedy output equals plain decoding, sampled output and its accepted drafts equal TP 1
-    with the same draft vocabulary (every rank gathers the same subset logits and draws the same drafts)."""
+    padded to rank 1's rows, so the gathered logits have padding between the ranks' real columns): greedy output
+    equals plain decoding, sampled output and its accepted drafts equal TP 1 with the same draft vocabulary (every
+    rank gathers the same subset logits and draws the same drafts; picking the wrong columns fails it)."""
     from m3serve.model.dspark_tiny import make_tiny_dspark
 
     ids = list(range(300, 450)) + list(range(70))

@@ -105,7 +105,8 @@ def _with_tensor(src, dst, tensor):
     return str(dst)
 
 
-def test_bad_draft_vocab_options_and_checkpoints_are_refused(tiny_loaded, tiny_draft, vocab_draft_dir, tmp_path):
+def test_bad_draft_vocab_options_and_checkpoints_are_refused(tiny_loaded, tiny_draft, vocab_draft_dir, tiny_model_dir,
+                                                             tmp_path):
     base = {"method": "dspark", "num_speculative_tokens": 3}
     for bad in (0, -4, True, "32768", 2.5):
         (problem,) = SpeculativeConfig.problems({**base, "draft_vocab_size": bad})
@@ -134,6 +135,10 @@ def test_bad_draft_vocab_options_and_checkpoints_are_refused(tiny_loaded, tiny_d
     assert load_dspark(str(tmp_path / "out"), target, "cpu", torch.float32)[0].vocab_ids is None
     with pytest.raises(ConfigError, match="duplicate id"):
         select_draft_vocab(torch.tensor([5, 5]), 2, 512)
+    # the writer (make-tiny, the benchmarks' geometry, the learned trainer) refuses what the loader would
+    for ids, msg in (([7, 3, 7], "duplicate id"), ([1, 600], "outside the vocabulary")):
+        with pytest.raises(ConfigError, match=msg):
+            make_tiny_dspark(tiny_model_dir, str(tmp_path / "w"), draft_vocab_ids=ids)
 
 
 def _engine(make_engine, draft_dir, graphs, **spec):

@@ -115,8 +115,9 @@ class SpeculativeDecoder:
         self.graphs = None  # SpeculativeGraphs (executor/speculative/graphs.py) once `enable_graphs` ran
         self._hook: ProposalHook | None = None
         log.info("speculative decoding: DSpark draft %s (%d layers, taps %s), %d tokens per step, %s drafts, %s "
-                 "verification, draft cache %s, draft vocabulary %d, confidence threshold %g; attention_backend %r recorded (the draft's "
-                 "context attention: the paged kernel on CUDA, torch elsewhere)", config.draft_dir(model_dir),
+                 "verification, draft cache %s, draft vocabulary %d ids, confidence threshold %g; attention_backend %r "
+                 "recorded (the draft's context attention: the paged kernel on CUDA, torch elsewhere)",
+                 config.draft_dir(model_dir),
                  cfg.num_hidden_layers, self.draft.tap_layers, k, config.draft_sample_method,
                  config.rejection_sample_method, self.kv_dtype, self.draft_columns, config.confidence_threshold,
                  config.attention_backend)

@@ -49,7 +49,8 @@ def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead
                  vocab_ids: torch.Tensor | None = None) -> Proposal:
     """The sequential Markov loop over K slots: h [S, K, H], base_logits U fp32 [S, K, V], anchors [S].
     keep_logits=False: `Proposal.logits` is None (the engine's step: no [S, K, V] copy). vocab_ids [N]: U and the
-    Markov bias are over a draft vocabulary's columns (the draft's `vocab_ids`); draws (a callable's too) are columns."""
+    Markov bias are over a draft vocabulary's columns (the draft's `vocab_ids`); draws (a callable's too) are
+    columns."""
     if method not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"draft_sample_method {method!r} is not one of {list(DRAFT_SAMPLE_METHODS)}")
     if method == "probabilistic" and draws is None:
