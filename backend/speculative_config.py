@@ -14,6 +14,9 @@ Keys:
                            "float16" | "float32"
   attention_backend        accepted and recorded (the draft's context attention: the paged decode kernel on CUDA)
   model                    the draft checkpoint directory (default: <model>/dspark)
+  draft_vocab_size         N >= 1: the draft proposes from the first N ids of its checkpoint's `draft_vocab_ids`
+                           (most frequent first) only, reading N lm_head rows instead of the vocabulary's; checked
+                           at load (model/dspark_vocab.py). Absent or null: the whole vocabulary.
   confidence_threshold     0 (off) .. 1: verify only the drafts before the first one whose confidence-head score
                            falls below it (DeepSpec's static threshold; lossless). Needs a confidence head.
   confidence_scheduling    false (default) | true: before each step the engine picks one verify width for every
@@ -72,6 +75,7 @@ class SpeculativeConfig:
     confidence_threshold: float = 0.0
     confidence_scheduling: bool = False
     confidence_cost_table: list | None = None
+    draft_vocab_size: int | None = None
 
     @classmethod
     def problems(cls, raw: Any) -> list[str]:
@@ -99,6 +103,9 @@ class SpeculativeConfig:
         for key in ("attention_backend", "model"):
             if g(key) is not None and not (isinstance(g(key), str) and g(key)):
                 bad(key, f"must be a non-empty string, got {g(key)!r}")
+        n = g("draft_vocab_size")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            bad("draft_vocab_size", f"must be an integer >= 1 (or null: the whole vocabulary), got {n!r}")
         thr = g("confidence_threshold", 0.0)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr < 1.0:
             bad("confidence_threshold", f"must be a number in [0, 1), got {thr!r}")

@@ -59,6 +59,14 @@ verify phase x (60 - L) / L; a plain step = its measured time + (its decode forw
 (60 - L) / L (the forward graph of the batch replayed and the lm_head over the batch's rows, timed with CUDA events
 after the plain run). Projected speedup = tau x plain / speculative step, efficiency = plain / speculative step.
 
+--draft-vocab N: the draft proposes from N ids only (speculative_config `draft_vocab_size`, model/dspark_vocab.py):
+its base logits read N lm_head rows instead of the vocabulary's, its Markov head N rows of W2. The subset, written
+into the draft checkpoint before the speculative engine loads it, is what a frequency-ranked draft vocabulary would
+hold here: the tokens the plain runs produced (every batch's, most frequent first), then seeded random ids up to N.
+Controlled acceptance stays inside the subset (a known token outside it is not proposed: controlled.py), so the
+recorded continuations must be in it; a token the recording run produced but the plain runs did not (a near-tie)
+falls back to the draft's own token there.
+
 --confidence-scheduling: a third engine with confidence-scheduled verification (executor/speculative/confidence.py) and
 the measured cost table, for each p (p > 0) at each batch size: the controlled proposals' confidence is p, the
 true chance of each drafted token (a calibrated head); the workload runs once to capture every width's graphs,
@@ -244,6 +252,19 @@ def run_sched(eng: LLMEngine, results: dict, b: int, ps: list[float], prompts: l
                     "sched_match": sum(x == y for x, y in zip(r["tokens"], results[("plain", b)]["tokens"])) / b})
 
 
+def draft_vocab(results: dict, batches: list[int], n: int, vocab_size: int) -> list[int]:
+    """N distinct ids, most frequent first: the plain runs' output tokens by count, then seeded random ids."""
+    counts: dict[int, int] = {}
+    for b in batches:
+        for seq in results[("plain", b)]["tokens"]:
+            for t in seq:
+                counts[t] = counts.get(t, 0) + 1
+    ids = sorted(counts, key=lambda t: (-counts[t], t))[:n]
+    seen = set(ids)
+    fill = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(2)).tolist()
+    return ids + [t for t in fill if t not in seen][:n - len(ids)]
+
+
 def describe(a) -> tuple[str, str]:
     """(the device, the model geometry) of the run."""
     dev = platform.processor() or "cpu" if a.smoke else torch.cuda.get_device_name()
@@ -276,7 +297,8 @@ def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
             "eager_steps": r["eager_steps"], "steps": r["steps"],
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b,
             "recorded": sum(x == y for x, y in zip(r["tokens"], results[("spec", b, 0.0)]["tokens"])) / b,
-            "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"], "repeat": r["repeat"]})
+            "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"], "repeat": r["repeat"],
+            "draft_columns": r["draft_columns"]})
         out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
 
@@ -297,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="token budget per step (default: the largest batch's prompts, at least 4096: one prefill "
                          "step, no mixed steps; see 'recorded')")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="the draft proposes from N ids only (draft_vocab_size): the plain runs' tokens, then random")
     ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
     ap.add_argument("--confidence-scheduling", action="store_true",
                     help="also confidence-scheduled verification, with the cost table these runs measured")
@@ -317,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         kv = dict(kv_cache_dtype="nvfp4", attention_config={"indexer_kv_dtype": "nvfp4"})
     cfg = model.config
     tmp = tempfile.mkdtemp(prefix="bench_spec_")
-    write_draft(model, os.path.join(tmp, "dspark"), a.draft_layers, a.k, 16 if a.smoke else 256)
+    if not a.draft_vocab:  # with one, written once the plain runs tell the subset
+        write_draft(model, os.path.join(tmp, "dspark"), a.draft_layers, a.k, 16 if a.smoke else 256)
     print(f"built the model and its draft in {time.perf_counter() - t_build:.1f} s", flush=True)
 
     bs = cfg.index_block_size
@@ -329,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                   num_gpu_blocks_override=pages, enable_prefix_caching=False, enforce_eager=a.smoke, **kv)
     speculative_config = {"method": "dspark", "num_speculative_tokens": a.k,
                           "draft_sample_method": a.draft_sample_method, "kv_cache_dtype": a.draft_kv_cache_dtype}
+    if a.draft_vocab:
+        if not 1 <= a.draft_vocab <= cfg.vocab_size:
+            ap.error(f"--draft-vocab must be in 1..{cfg.vocab_size} (the vocabulary)")
+        speculative_config["draft_vocab_size"] = a.draft_vocab
     g = torch.Generator().manual_seed(1)
     prompts = {b: [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(b)]
                for b in batches}
@@ -338,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         engines["sched"] = None
     rows, results = [], {}
     for name, opts in engines.items():
+        if name == "spec" and a.draft_vocab:  # the subset, from the plain runs' tokens (written before loading)
+            write_draft(model, os.path.join(tmp, "dspark"), a.draft_layers, a.k, 16 if a.smoke else 256,
+                        draft_vocab(results, batches, a.draft_vocab, cfg.vocab_size))
         if name == "sched":
             opts = dict(engines["spec"], speculative_config={
                 **speculative_config, "confidence_scheduling": True,
@@ -377,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["repeat"] = None if first is None else \
                     sum(x == y for x, y in zip(r["tokens"], first["tokens"])) / b
                 r["stats"] = eng.speculative_stats.as_dict()
+                r["draft_columns"] = drafter.draft_columns  # N with a draft vocabulary, else the vocabulary
                 # steps that did not replay the graphs (prefill excluded: run_batch times decode steps only)
                 r["eager_steps"] = r["steps"] - (graphs.num_steps - static0 if graphs is not None else 0)
                 if graphs is not None:  # a second pass, CUDA events between the phases: the split
@@ -394,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     dev, geometry = describe(a)
     print(f"\n{dev}, torch {torch.__version__}; {geometry}, {a.layers} layers, draft {a.draft_layers} layer(s), "
-          f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, speculative steps "
+          f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, draft vocabulary "
+          f"{a.draft_vocab or 'all'}, speculative steps "
           f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
             "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | eager steps | match | recorded | "

@@ -142,8 +142,11 @@ def bench_prompt_ids(n: int) -> list[int]:
     return [3 + (7919 * i) % 497 for i in range(n)]
 
 
-def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, markov_rank: int) -> None:
-    """A random DSpark draft for `model` in `out_dir` (taps: layer 0, the middle, the one before the last)."""
+def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, markov_rank: int,
+                draft_vocab_ids: list[int] | None = None) -> None:
+    """A random DSpark draft for `model` in `out_dir` (taps: layer 0, the middle, the one before the last; the same
+    weights every call), with `draft_vocab_ids` (most frequent first) if given: the subset
+    `speculative_config.draft_vocab_size` takes its first N of."""
     from m3serve.model.dspark_tiny import random_dspark_state, tiny_dspark_config, write_dspark
 
     n = model.config.num_hidden_layers
@@ -151,7 +154,7 @@ def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, mar
     cfg = tiny_dspark_config(model.config, num_hidden_layers=num_layers, block_size=max(k, 7), target_layer_ids=taps,
                              mask_token_id=model.config.vocab_size - 1, markov_rank=markov_rank)
     state = {name: t.to(model.dtype) for name, t in random_dspark_state(cfg).items()}
-    write_dspark(out_dir, cfg, state)
+    write_dspark(out_dir, cfg, state, draft_vocab_ids)
 
 
 def control_acceptance(engine, p: float, prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -218,10 +218,11 @@ def evaluate_draft(draft, target, eval_rows, device, pad_id: int, tc, collate, a
     return {"all": overall.report(), **{t: a.report() for t, a in per_task.items() if a.tried[0] > 0}}
 
 
-def save_draft(draft: DSparkDraft, target, out_dir: str) -> None:
+def save_draft(draft: DSparkDraft, target, out_dir: str, draft_vocab_ids=None) -> None:
     """bf16 tensors under the DeepSeek names, with copies of the target's embedding and lm_head (as DeepSeek's
-    checkpoints carry them; the loader checks them against the target)."""
+    checkpoints carry them; the loader checks them against the target); `draft_vocab_ids` (most frequent first): a
+    draft vocabulary stored with it (`speculative_config.draft_vocab_size` uses it; the draft trains on all of V)."""
     state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in draft.state_dict().items()}
     state["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().to(torch.bfloat16).cpu()
     state["lm_head.weight"] = target.lm_head.weight.detach().to(torch.bfloat16).cpu()
-    write_dspark(out_dir, draft.config, state)
+    write_dspark(out_dir, draft.config, state, draft_vocab_ids)

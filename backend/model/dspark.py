@@ -13,6 +13,8 @@ One backbone pass drafts a block for S sequences at once:
 position j, [S, L, H_kv, D] K and V; the draft cache's `gather`, or a contiguous recompute from all committed
 features: the tests compare them), or a `PagedContext`: the layer's pages, which a kernel reads in place up to each
 anchor's position (split-K partials) and merges with the block's own rows (the draft cache's `paged_fn`, on CUDA).
+With a reduced draft vocabulary (`use_draft_vocab`, model/dspark_vocab.py) the base logits and the Markov bias cover
+the subset's N columns only.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from torch import nn
 from m3serve.distributed.parallel import Parallel
 from m3serve.model.dspark_config import DSparkConfig
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
+from m3serve.model.dspark_vocab import DraftVocab
 from m3serve.model.layers.moe import swiglu_oai
 from m3serve.model.m3 import RMSNorm, Rotary, apply_rope
 
@@ -192,6 +195,21 @@ class DSparkDraft(nn.Module):
         if cfg.enable_confidence_head:
             self.confidence_head = ConfidenceHead(h, r if cfg.confidence_head_with_markov else 0)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.draft_vocab: DraftVocab | None = None  # a reduced draft vocabulary (`use_draft_vocab`)
+
+    def use_draft_vocab(self, ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Draft from the sorted vocabulary ids [N] only: the lm_head rows of the subset (this rank's share) and the
+        Markov head's W2 rows taken once (W1 stays indexed by the full-vocabulary previous token)."""
+        self.draft_vocab = DraftVocab.build(ids, lm_head_weight, self.config.vocab_size, self.shared.parallel)
+        if self.markov_head is not None:
+            w2 = self.markov_head.markov_w2
+            w2.weight = nn.Parameter(w2.weight.detach()[self.draft_vocab.ids].contiguous(), requires_grad=False)
+            w2.out_features = self.draft_vocab.size
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """The draft vocabulary's ids [N] (column j of the draft's logits is id vocab_ids[j]); None: all of V."""
+        return None if self.draft_vocab is None else self.draft_vocab.ids
 
     # ---- geometry the engine needs ---------------------------------------------------------------
     @property
@@ -244,6 +262,8 @@ class DSparkDraft(nn.Module):
     @torch.inference_mode()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """U = lm_head(h) with the target's lm_head, fp32 [..., V]: under tensor parallelism each rank's vocabulary
-        rows gathered on every rank (every rank drafts)."""
+        rows gathered on every rank (every rank drafts). With a draft vocabulary: [..., N], its columns only."""
+        if self.draft_vocab is not None:
+            return self.draft_vocab.logits(h, self.shared.parallel)
         u = self.shared.lm_head(h).float()
         return u if self.shared.parallel is None else self.shared.parallel.all_gather(u, -1)

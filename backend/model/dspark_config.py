@@ -18,7 +18,9 @@ Decisions marked [I] in design/dspark.md, made here:
   is one more than its ids (speculators' "implicit final layer") gets that final id appended.
 - Sliding layers (`layer_types` "sliding_attention", `sliding_window`) see context positions
   `[t - W, t)` and a causal block unless `sliding_window_non_causal` is set (speculators' convention).
-- No reduced draft vocabulary (`d2t`), no attention biases, no Gemma4 flavour: refused by name.
+- No `d2t` reduced draft vocabulary (an EAGLE-3-style lm_head of N rows), no attention biases, no Gemma4 flavour:
+  refused by name. A draft vocabulary in this project's own form is the checkpoint tensor `draft_vocab_ids`, used
+  with `speculative_config.draft_vocab_size` (model/dspark_vocab.py).
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@
   uses the target's modules), but checked for shape, and a few rows compared with the target's (a
   mismatch is logged: the draft was trained for another target and will rarely be accepted).
 - Optional per-layer `self_attn.k_scale` / `v_scale` are returned for the FP8 draft cache.
+- An optional `draft_vocab_ids` (int64 [M], most frequent first): with `draft_vocab_size` N the draft proposes from
+  its first N ids only (model/dspark_vocab.py); without, it is ignored.
 - A missing, unexpected, misshapen or non-float tensor is an error naming it.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from safetensors import safe_open
 from m3serve.config import ConfigError
 from m3serve.model.dspark import DSparkDraft, SharedTargetParts
 from m3serve.model.dspark_config import DSparkConfig
+from m3serve.model.dspark_vocab import DRAFT_VOCAB_TENSOR, OPTION, select_draft_vocab
 from m3serve.model.loader import CheckpointError, list_tensors, read_headers
 from m3serve.model.m3 import Rotary
 
@@ -29,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 _FLOATS = {"F32", "BF16", "F16", "F64"}
+_IDS = {"I64", "I32"}
 _ROWS_COMPARED = 4
 
 
@@ -53,8 +57,9 @@ def _dense_weight(module) -> torch.Tensor | None:
 
 
 def load_dspark(draft_dir: str, target, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                ) -> tuple[DSparkDraft, DSparkLoadReport]:
-    """Load the draft in `draft_dir` for `target` (an `M3ForCausalLM`: its config, embedding and lm_head)."""
+                draft_vocab_size: int | None = None) -> tuple[DSparkDraft, DSparkLoadReport]:
+    """Load the draft in `draft_dir` for `target` (an `M3ForCausalLM`: its config, embedding and lm_head);
+    `draft_vocab_size` N: propose from the first N of the checkpoint's `draft_vocab_ids` only."""
     path = os.path.join(draft_dir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"no config.json in the DSpark draft directory {draft_dir}")
@@ -88,7 +93,10 @@ def load_dspark(draft_dir: str, target, device: str | torch.device = "cpu", dtyp
     problems = []
     for canon, name in sorted(names.items()):
         dt, shape = meta[name]
-        if canon not in params and canon not in SHARED and canon not in scale_names:
+        if canon == DRAFT_VOCAB_TENSOR:
+            if dt not in _IDS or len(shape) != 1:
+                problems.append(f"{name}: expected a 1-D int64 tensor, found {dt} {shape}")
+        elif canon not in params and canon not in SHARED and canon not in scale_names:
             problems.append(f"unexpected tensor {name}")
         elif dt not in _FLOATS:
             problems.append(f"{name}: expected a floating-point tensor, found {dt}")
@@ -102,6 +110,10 @@ def load_dspark(draft_dir: str, target, device: str | torch.device = "cpu", dtyp
         problems.append("missing tensor(s): " + ", ".join(missing[:5]) + more)
     if problems:
         raise CheckpointError(f"DSpark checkpoint {draft_dir}: " + "; ".join(problems))
+    if draft_vocab_size and DRAFT_VOCAB_TENSOR not in names:
+        raise ConfigError(f"{OPTION}: {draft_vocab_size} asks for a draft vocabulary, but the DSpark checkpoint "
+                          f"{draft_dir} has no {DRAFT_VOCAB_TENSOR} tensor")
+    vocab_ids = None
 
     by_shard: dict[str, list[str]] = {}
     for canon, name in names.items():
@@ -111,7 +123,9 @@ def load_dspark(draft_dir: str, target, device: str | torch.device = "cpu", dtyp
             with safe_open(os.path.join(draft_dir, shard), "pt", device="cpu") as s:
                 for canon in canons:
                     name = names[canon]
-                    if canon in SHARED:
+                    if canon == DRAFT_VOCAB_TENSOR:
+                        vocab_ids = s.get_tensor(name) if draft_vocab_size else None
+                    elif canon in SHARED:
                         _compare_shared(canon, s.get_slice(name), shared, report)
                     elif canon in scale_names:
                         layer, kind = scale_names[canon]
@@ -121,10 +135,16 @@ def load_dspark(draft_dir: str, target, device: str | torch.device = "cpu", dtyp
                     else:
                         params[canon].copy_(s.get_tensor(name))
     report.num_tensors = len(names)
+    if vocab_ids is not None:
+        head = _dense_weight(shared.lm_head)
+        if head is None:
+            raise ConfigError(f"{OPTION}: the draft vocabulary needs a dense (unquantized) lm_head")
+        draft.use_draft_vocab(select_draft_vocab(vocab_ids, draft_vocab_size, cfg.vocab_size), head)
     draft.eval()
-    log.info("loaded DSpark draft from %s: %d layers, block %d, taps %s, Markov %s rank %d, confidence head %s",
-             draft_dir, cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids, cfg.markov_head_type,
-             cfg.markov_rank, cfg.enable_confidence_head)
+    log.info("loaded DSpark draft from %s: %d layers, block %d, taps %s, Markov %s rank %d, confidence head %s, "
+             "draft vocabulary %s", draft_dir, cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids,
+             cfg.markov_head_type, cfg.markov_rank, cfg.enable_confidence_head,
+             "all" if draft.draft_vocab is None else f"{draft.draft_vocab.size} of {cfg.vocab_size}")
     return draft, report
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 import torch
 from safetensors import safe_open
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from m3serve.config import ModelConfig
 from m3serve.model import layout as L
 from m3serve.model.dspark_config import DSparkConfig
+from m3serve.model.dspark_vocab import DRAFT_VOCAB_TENSOR, select_draft_vocab
 from m3serve.model.loader import list_tensors
 
 TINY_MASK_TOKEN = 511  # "]<]video[>[" in the tiny tokenizer: never produced by text
@@ -83,8 +85,16 @@ def _target_tensor(target_dir: str, path: str) -> torch.Tensor | None:
         return s.get_tensor(name)
 
 
-def write_dspark(out_dir: str, cfg: DSparkConfig, state: dict[str, torch.Tensor]) -> None:
-    """A draft checkpoint: `config.json` + one `model.safetensors` holding `state` (checkpoint names)."""
+def write_dspark(out_dir: str, cfg: DSparkConfig, state: dict[str, torch.Tensor],
+                 draft_vocab_ids: Sequence[int] | torch.Tensor | None = None) -> None:
+    """A draft checkpoint: `config.json` + one `model.safetensors` holding `state` (checkpoint names), and with
+    `draft_vocab_ids` (vocabulary ids, most frequent first: model/dspark_vocab.py) the subset a draft may propose
+    from (checked as the loader checks it)."""
+    state = dict(state)
+    if draft_vocab_ids is not None:
+        ids = torch.as_tensor(draft_vocab_ids, dtype=torch.int64).reshape(-1)
+        select_draft_vocab(ids, ids.numel(), cfg.vocab_size)
+        state[DRAFT_VOCAB_TENSOR] = ids
     os.makedirs(out_dir, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
@@ -93,8 +103,9 @@ def write_dspark(out_dir: str, cfg: DSparkConfig, state: dict[str, torch.Tensor]
 
 
 def make_tiny_dspark(target_dir: str, out_dir: str | None = None, seed: int = 0, dtype: str = "bfloat16",
-                     **over) -> DSparkConfig:
-    """Write a seeded random draft for the model in `target_dir` to `out_dir` (default `<target>/dspark`)."""
+                     draft_vocab_ids: Sequence[int] | None = None, **over) -> DSparkConfig:
+    """Write a seeded random draft for the model in `target_dir` to `out_dir` (default `<target>/dspark`), with a
+    draft vocabulary `draft_vocab_ids` if given."""
     target = ModelConfig.from_pretrained(target_dir)
     cfg = tiny_dspark_config(target, **over)
     state = {k: v.to(getattr(torch, dtype)) for k, v in random_dspark_state(cfg, seed).items()}
@@ -102,5 +113,5 @@ def make_tiny_dspark(target_dir: str, out_dir: str | None = None, seed: int = 0,
     head = _target_tensor(target_dir, "lm_head.w")
     state["embed_tokens.weight"] = embed
     state["lm_head.weight"] = embed.clone() if head is None else head
-    write_dspark(out_dir or os.path.join(target_dir, "dspark"), cfg, state)
+    write_dspark(out_dir or os.path.join(target_dir, "dspark"), cfg, state, draft_vocab_ids)
     return cfg

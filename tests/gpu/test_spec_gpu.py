@@ -89,6 +89,26 @@ def test_sampled_speculation_same_tokens_with_graphs_on_and_off(tiny_model_dir):
     assert graphed == eager and any(not key[2] for key in graphs.graphs)
 
 
+def test_draft_vocab_same_tokens_with_graphs_on_and_off(tiny_model_dir, tmp_path):
+    """A draft vocabulary of 200 of the 512 ids (model/dspark_vocab.py: the subset's lm_head rows, the drafts'
+    mapping to ids, Q read at the drafted ids and one residual row widened to V, all inside the captured graph):
+    seeded sampling with probabilistic drafts, controlled toward a plain sampled run's tokens (those in the subset),
+    gives the same tokens with graphs on and off, with drafts accepted and rejected."""
+    from m3serve.model.dspark_tiny import make_tiny_dspark
+
+    ids = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:200].tolist()
+    make_tiny_dspark(tiny_model_dir, str(tmp_path / "draft"), draft_vocab_ids=ids)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=n, ignore_eos=True, seed=400 + i)
+              for i, n in enumerate((30, 22, 35, 18, 27))]
+    plain = [o.token_ids for o in _llm(tiny_model_dir, False, None).generate(_prompts(), params)]
+    known = {400 + i: p + t for i, (p, t) in enumerate(zip(_prompts(), plain))}
+    options = {"model": str(tmp_path / "draft"), "draft_vocab_size": 200, "draft_sample_method": "probabilistic"}
+    graphed, graphs, st = _speculate(tiny_model_dir, False, options, params, known)
+    eager, _, _ = _speculate(tiny_model_dir, True, options, params, known)
+    assert graphed == eager and any(not key[2] for key in graphs.graphs) and graphs.num_steps > 5
+    assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+
+
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
 def test_draft_context_partials_at_m3_widths(kv):
     """The draft's paged context attention kernel compiled at M3's widths (64 query / 4 KV heads of 128, pages of

@@ -38,3 +38,24 @@ def test_tp4_speculation_greedy_equals_plain(tiny_model_dir):
     plain, _ = _generate(tiny_model_dir, 1, None, greedy)
     got, st = _generate(tiny_model_dir, 4, DSPARK, greedy)
     assert got == plain and st["spec_decode_num_drafts"] > 0
+
+
+def test_tp2_speculation_with_a_draft_vocab_equals_tp1(tiny_model_dir, tmp_path):
+    """A draft vocabulary crowded into rank 1's half of the vocabulary (70 ids below 256, 150 above: rank 0's share
+    padded to rank 1's rows, so the gathered logits have padding between the ranks' real columns): greedy output
+    equals plain decoding, sampled output and its accepted drafts equal TP 1 with the same draft vocabulary (every
+    rank gathers the same subset logits and draws the same drafts; picking the wrong columns fails it)."""
+    from m3serve.model.dspark_tiny import make_tiny_dspark
+
+    ids = list(range(300, 450)) + list(range(70))
+    make_tiny_dspark(tiny_model_dir, str(tmp_path / "draft"), draft_vocab_ids=ids)
+    spec = {**DSPARK, "model": str(tmp_path / "draft"), "draft_vocab_size": len(ids)}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, _ = _generate(tiny_model_dir, 1, None, greedy)
+    got, st = _generate(tiny_model_dir, 2, spec, greedy)
+    assert got == plain and st["spec_decode_num_drafts"] > 0
+    hot = [SamplingParams(temperature=4.0, max_tokens=14, ignore_eos=True, seed=7 + i) for i in range(len(PROMPTS))]
+    spec = {**spec, "draft_sample_method": "probabilistic"}
+    one, st1 = _generate(tiny_model_dir, 1, spec, hot)
+    two, st2 = _generate(tiny_model_dir, 2, spec, hot)
+    assert two == one and st2["spec_decode_num_accepted_tokens"] == st1["spec_decode_num_accepted_tokens"] > 0

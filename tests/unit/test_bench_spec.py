@@ -43,6 +43,21 @@ def test_bench_spec_smoke(tmp_path):
         assert by_p[(b, 0.8)]["ideal_speedup"] > 2.5
 
 
+def test_bench_spec_smoke_with_a_draft_vocab(tmp_path):
+    """--draft-vocab 64 (of the toy's 512): the draft proposes from 64 ids holding the plain runs' tokens, so the
+    controlled acceptance still holds; greedy tokens unchanged."""
+    bench = _bench()
+    out = tmp_path / "bench_spec.json"
+    assert bench.main(["--smoke", "--out", str(out), "--draft-vocab", "64"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["draft_columns"] for r in rows} == {64}
+    assert all(r["match"] == r["recorded"] == 1.0 for r in rows)
+    assert all(r["acceptance_rate"] > 0.4 for r in rows if r["p"] > 0)
+    plain = {1: [[5, 6, 6]], 2: [[7], [6, 9]]}  # the plain runs' tokens: 6 three times, the others once
+    ids = bench.draft_vocab({("plain", b): {"tokens": t} for b, t in plain.items()}, [1, 2], 5, 512)
+    assert ids[:4] == [6, 5, 7, 9] and len(set(ids)) == 5 and 0 <= ids[4] < 512
+
+
 def test_projection_to_60_layers():
     """4 measured layers: the target's layers (verify phase; plain forward less its head) scale by 60/4, the rest
     (draft, Markov, rule, insert, host; the plain step's head and sampling) stays."""

@@ -19,6 +19,7 @@ from m3serve.step_io import SamplingInput
 from m3serve.executor.speculative import decoder as decoder_mod
 from m3serve.executor.sampler import Sampler
 from m3serve.model.dspark_taps import TapRecorder
+from m3serve.model.dspark_tiny import make_tiny_dspark
 from support.reference import ReferenceRunner
 from support.stats import chi_square_p
 
@@ -235,9 +236,10 @@ def exact_first_three(model) -> dict[tuple[int, int, int], float]:
     return joint
 
 
-def residual_ignores_q(draft_tokens, draft_probs, target_probs, uniforms, verify_lens=None, rule="standard"):
+def residual_ignores_q(draft_tokens, draft_probs, target_probs, uniforms, verify_lens=None, rule="standard",
+                       vocab_ids=None):
     """A broken rule: after a rejection the correction token is drawn from T, not from norm(max(0, T - Q))."""
-    out = verify_mod.verify(draft_tokens, draft_probs, target_probs, uniforms, verify_lens, rule)
+    out = verify_mod.verify(draft_tokens, draft_probs, target_probs, uniforms, verify_lens, rule, vocab_ids)
     n = out.num_accepted
     t_next = target_probs.gather(1, n[:, None, None].expand(-1, 1, target_probs.shape[2]))[:, 0]
     y = draw(t_next, uniforms[:, -1])
@@ -253,22 +255,36 @@ def first_tokens(model, n):
     return Sampler()(logits, s).token_ids.tolist()
 
 
-@pytest.mark.parametrize("rule", ["standard", "block", "scheduled", "broken"])
-def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loaded, reference_greedy, monkeypatch):
+@pytest.mark.parametrize("rule", ["standard", "block", "scheduled", "vocab", "broken", "vocab-broken"])
+def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loaded, reference_greedy, monkeypatch,
+                                                     tiny_model_dir, tmp_path):
     """300 seeds of one prompt at temperature 0.8 / top-k 3, K = 2 probabilistic drafts, each replaced by the
     target's greedy choice after the seed's first token with probability 0.6: the first three output tokens (the
     prefill's sample, then the first speculative step's run) against the target's exact joint by chi-square; a
     residual that ignores Q fails the same check. "scheduled": confidence-scheduled verification with a cost table
-    that makes the 300 sequences verify one draft of the two (every step after the prefill: widths recorded)."""
+    that makes the 300 sequences verify one draft of the two (every step after the prefill: widths recorded).
+    "vocab": a draft vocabulary (`draft_vocab_size`) holding the known continuations' tokens (the frequent ones),
+    every other token of the rest of the joint's support, and 100 others: the draft's Q is zero on the rest, which
+    the target still emits (residuals); "vocab-broken": the same with a residual whose Q row misses the subset's
+    ids (its columns taken for ids 0..N-1)."""
     if rule == "broken":
         monkeypatch.setattr(decoder_mod, "verify", residual_ignores_q)
+    if rule == "vocab-broken":
+        monkeypatch.setattr(verify_mod, "full_rows", lambda q, ids, v: torch.nn.functional.pad(q, (0, v - q.shape[-1])))
     model, n = tiny_loaded[0], 300
     joint = exact_first_three(model)
     known = {s: PROMPT + [t] + reference_greedy(PROMPT + [t], 3) for s, t in enumerate(first_tokens(model, n))}
     sched = dict(confidence_scheduling=True, confidence_cost_table=[[1, 1.0], [2 * n, 1.0], [3 * n, 1.6]])
+    vocab = {}
+    if rule.startswith("vocab"):
+        frequent = sorted({t for seq in known.values() for t in seq[len(PROMPT):]})
+        support = sorted({t for cell in joint for t in cell} - set(frequent))
+        ids = frequent + support[::2] + [t for t in range(0, 512, 5) if t not in frequent + support][:100]
+        make_tiny_dspark(tiny_model_dir, str(tmp_path / "draft"), draft_vocab_ids=ids)
+        vocab = dict(model=str(tmp_path / "draft"), draft_vocab_size=len(ids))
     eng = make_engine(max_num_seqs=n, max_num_batched_tokens=8 * n, speculative_config=dspark(
         2, draft_sample_method="probabilistic", rejection_sample_method="block" if rule == "block" else "standard",
-        **(sched if rule == "scheduled" else {})))
+        **(sched if rule == "scheduled" else {}), **vocab))
     control(eng, known, 0.6)
     widths = []
     drafter = eng.executor.worker.drafter
@@ -290,7 +306,10 @@ def test_first_tokens_follow_the_target_distribution(rule, make_engine, tiny_loa
     st = eng.stats()
     assert 0.2 < st["spec_decode_acceptance_rate"] < 0.8, st  # drafts were accepted and rejected a lot
     assert set(widths) == ({1} if rule == "scheduled" else {2})
-    if rule == "broken":
+    if rule == "vocab":  # tokens outside the draft's vocabulary were emitted, beside accepted drafts
+        assert eng.executor.worker.drafter.draft.vocab_ids.numel() == len(ids) < 512
+        assert any(t not in ids for c in samples for t in c[1:])
+    if rule.endswith("broken"):
         assert p < 1e-4, (p, chi2, df)
     else:
         assert p > 1e-3, (p, chi2, df)

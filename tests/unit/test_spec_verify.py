@@ -29,6 +29,7 @@ ANCHOR = 3
 
 class Toy:
     def __init__(self, seed=0, markov=True, conf_scale=3.0):
+        self.vocab = None  # a reduced draft vocabulary (`with_draft_vocab`)
         g = torch.Generator().manual_seed(seed)
         self.target_logits = torch.randn(V, V, generator=g) * 1.5
         self.h = torch.randn(GAMMA, HID, generator=g)
@@ -47,6 +48,15 @@ class Toy:
         first = self.conf(self.h[0], None if self.markov is None else self.markov.prev_embedding(torch.tensor(ANCHOR)))
         self.conf.proj.bias.copy_(0.5 - torch.logit(first).reshape(1))
 
+    def with_draft_vocab(self, ids: list[int]) -> "Toy":
+        """The draft proposes from the sorted `ids` only: U and W2 cut to their columns / rows, as
+        DSparkDraft.use_draft_vocab cuts them."""
+        self.vocab = torch.tensor(ids)
+        self.base = self.base[:, self.vocab]
+        w2 = self.markov.markov_w2
+        w2.weight = torch.nn.Parameter(w2.weight.detach()[self.vocab], requires_grad=False)
+        return self
+
     def target(self, prev, st):
         """prev [S, K+1] = [x0, x_1..x_K] -> T [S, K+1, V] after the sampling transform."""
         s, k1 = prev.shape
@@ -57,10 +67,12 @@ class Toy:
         s = anchor.shape[0]
         h = self.h[:k].expand(s, -1, -1)
         prop = sample_block(self.markov, self.conf if threshold is not None else None, h,
-                            self.base[:k].expand(s, -1, -1), anchor, method, st, torch.rand(s, k, generator=gen))
+                            self.base[:k].expand(s, -1, -1), anchor, method, st, torch.rand(s, k, generator=gen),
+                            vocab_ids=self.vocab)
         lens = None if threshold is None else confident_prefix_length(prop.confidence, threshold)
         t = self.target(torch.cat([anchor[:, None], prop.tokens], 1), st)
-        return verify(prop.tokens, prop.probs, t, torch.rand(s, k + 1, generator=gen), lens, rule), lens
+        return verify(prop.tokens, prop.probs, t, torch.rand(s, k + 1, generator=gen), lens, rule,
+                      prop.vocab_ids), lens
 
     def first_two(self, gen, **kw):
         anchor = torch.full((CYCLES,), ANCHOR, dtype=torch.long)
@@ -96,6 +108,34 @@ def test_distribution_preserved_chi_square(rule, method, sampling):
     assert p > 1e-3, (p, chi2, df)
     mean_accepted = float(out.num_accepted.float().mean())
     assert 0.3 < mean_accepted < GAMMA - 0.3, mean_accepted  # drafts are both accepted and rejected
+
+
+DRAFT_VOCAB = [0, 2, 3, 5, 6]  # 5 of the 8 ids: the target's mass on 1, 4, 7 comes from the residual alone
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("method", ["probabilistic", "greedy"])
+@pytest.mark.parametrize("rule", ["standard", "block"])
+def test_distribution_preserved_with_a_draft_vocabulary(rule, method, sampling):
+    """The draft proposes from 5 of the 8 ids (Q zero elsewhere, held as [S, K, 5]): the emitted pair still follows
+    the target's joint, drafts are accepted and rejected, and ids outside the subset are emitted (residuals)."""
+    toy = Toy(seed=1).with_draft_vocab(DRAFT_VOCAB)
+    st = None if SAMPLING[sampling] is None else SamplingInput.full(CYCLES, **SAMPLING[sampling])
+    y1, y2, out = toy.first_two(torch.Generator().manual_seed(7), rule=rule, method=method, st=st)
+    p, chi2, df = chi_square_p(y1, y2, toy.exact_joint(SAMPLING[sampling]))
+    assert p > 1e-3, (p, chi2, df)
+    assert 0.3 < float(out.num_accepted.float().mean()) < GAMMA - 0.3
+    outside = ~torch.isin(y1, torch.tensor(DRAFT_VOCAB))
+    assert 0.02 < float(outside.float().mean()) < 0.98
+
+
+def test_negative_control_residual_ignoring_the_draft_vocab_mapping_fails(monkeypatch):
+    """The residual's Q row widened to V without the subset's ids (its columns taken as ids 0..N-1)."""
+    monkeypatch.setattr(verify_mod, "full_rows", lambda q, ids, v: torch.nn.functional.pad(q, (0, v - q.shape[-1])))
+    toy = Toy(seed=1).with_draft_vocab(DRAFT_VOCAB)
+    y1, y2, _ = toy.first_two(torch.Generator().manual_seed(7))
+    p, chi2, df = chi_square_p(y1, y2, toy.exact_joint())
+    assert p < 1e-6, (p, chi2, df)
 
 
 def test_negative_control_always_accept_fails(monkeypatch):

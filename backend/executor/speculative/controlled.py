@@ -13,6 +13,11 @@ accepted is accepted with probability p (plus the rare case that the draft's own
 acceptance is ~p and a step's expected accepted run is sum_{i=1..K} p^i. So the proposals' confidence is p at the
 positions with a known token (a calibrated confidence head; confidence-scheduled verification reads it), the
 draft's own elsewhere.
+
+With a reduced draft vocabulary (`Proposal.vocab_ids`) the hook stays inside it: a known token outside the subset
+is not proposed (that position keeps the draft's token, as one with no known token does), since Q' must be a
+distribution over the subset's columns. A benchmark that controls acceptance gives the draft a subset holding the
+tokens the target produces (benchmarks/bench_spec.py `--draft-vocab`: the recorded continuations' tokens first).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 from m3serve.executor.speculative.probs import one_hot
 from m3serve.executor.speculative.proposer import Proposal
 from m3serve.executor.speculative.rng import stream_uniforms
+from m3serve.model.dspark_vocab import subset_columns
 
 HOOK = 0x60000000  # the hook's own uniform stream (executor/speculative/rng.py lists the others)
 
@@ -46,9 +52,15 @@ class ControlledProposals:
         pos = anchor_positions[:, None] + 1 + torch.arange(k, device=seeds.device)[None, :]
         known = self.table[match.int().argmax(1)[:, None], pos.clamp(max=width - 1)]
         known = torch.where(match.any(1)[:, None] & (pos < width), known, -1)  # [S, K], -1: none
+        ids, cols, drafted = prop.vocab_ids, known.clamp(min=0), prop.tokens
+        if ids is not None:  # Q's columns are the draft vocabulary's: known tokens outside it are not proposed
+            cols, inside = subset_columns(ids, cols)
+            known = torch.where(inside, known, -1)
+            drafted = subset_columns(ids, drafted)[0]
+        n = self.vocab_size if ids is None else ids.numel()
         coin = stream_uniforms(seeds, anchor_positions + 1, HOOK, k) < self.p
         tokens = torch.where((known >= 0) & coin, known, prop.tokens)
-        q = prop.probs if prop.probs is not None else one_hot(prop.tokens, self.vocab_size)
-        mixed = self.p * one_hot(known.clamp(min=0), self.vocab_size) + (1.0 - self.p) * q
+        q = prop.probs if prop.probs is not None else one_hot(drafted, n)
+        mixed = self.p * one_hot(cols, n) + (1.0 - self.p) * q
         conf = torch.where(known >= 0, self.p, prop.confidence)
-        return Proposal(tokens, torch.where((known >= 0)[..., None], mixed, q), conf, None)
+        return Proposal(tokens, torch.where((known >= 0)[..., None], mixed, q), conf, None, ids)

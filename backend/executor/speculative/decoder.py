@@ -48,7 +48,9 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
 
 Memory: the fp32 [rows, K+1, V] tensors of verification (and the draft's [rows, K, V]) are made `CHUNK_ELEMENTS`
 at a time; the draft's U and Q of every speculating row ([R, K, V] fp32 each, Q for `probabilistic` only) live from
-the draft phase to the rule phase.
+the draft phase to the rule phase. With a draft vocabulary of N ids (`draft_vocab_size`, model/dspark_vocab.py) U
+and Q are [R, K, N]: the draft phase reads N lm_head rows, the Markov phase N rows of W2 per position; the rule
+reads Q at the drafted ids and widens one row per sequence to V for the residual.
 """
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ class SpeculativeDecoder:
 
         self.config = config
         device = target.model.embed_tokens.weight.device
-        self.draft, self.load_report = load_dspark(config.draft_dir(model_dir), target, device, target.dtype)
+        self.draft, self.load_report = load_dspark(config.draft_dir(model_dir), target, device, target.dtype,
+                                                   config.draft_vocab_size)
         cfg, k = self.draft.config, config.num_speculative_tokens
         if k > self.draft.block_size:
             raise ConfigError(f"speculative_config.num_speculative_tokens: {k} exceeds the draft's block_size "
@@ -112,10 +115,12 @@ class SpeculativeDecoder:
         self.graphs = None  # SpeculativeGraphs (executor/speculative/graphs.py) once `enable_graphs` ran
         self._hook: ProposalHook | None = None
         log.info("speculative decoding: DSpark draft %s (%d layers, taps %s), %d tokens per step, %s drafts, %s "
-                 "verification, draft cache %s, confidence threshold %g; attention_backend %r recorded (the draft's "
-                 "context attention: the paged kernel on CUDA, torch elsewhere)", config.draft_dir(model_dir),
+                 "verification, draft cache %s, draft vocabulary %d ids, confidence threshold %g; attention_backend %r "
+                 "recorded (the draft's context attention: the paged kernel on CUDA, torch elsewhere)",
+                 config.draft_dir(model_dir),
                  cfg.num_hidden_layers, self.draft.tap_layers, k, config.draft_sample_method,
-                 config.rejection_sample_method, self.kv_dtype, config.confidence_threshold, config.attention_backend)
+                 config.rejection_sample_method, self.kv_dtype, self.draft_columns, config.confidence_threshold,
+                 config.attention_backend)
 
     # ---- memory and setup --------------------------------------------------------------------------
     def page_bytes(self, block_size: int) -> int:
@@ -125,9 +130,15 @@ class SpeculativeDecoder:
         """Working memory of a speculative step beyond the target's (a heuristic, like the activation reserve):
         the draft's base logits U of every row (kept from the draft phase to the Markov phase), its Q (probabilistic
         drafts) and ~12 chunk-sized fp32 temporaries."""
-        k, v = self.config.num_speculative_tokens, self.draft.config.vocab_size
+        k, v = self.config.num_speculative_tokens, self.draft_columns
         q = max_num_seqs * k * v * 4 if self.config.draft_sample_method == "probabilistic" else 0
         return q + max_num_seqs * k * v * 4 + 12 * CHUNK_ELEMENTS * 4
+
+    @property
+    def draft_columns(self) -> int:
+        """Columns of the draft's U and Q: its draft vocabulary's N, or the vocabulary's V."""
+        dv = self.draft.draft_vocab
+        return self.draft.config.vocab_size if dv is None else dv.size
 
     def attach(self, runner, num_pages: int) -> None:
         """Make the draft cache over the runner's page pool; the runner's steps go through `execute` from now on."""
@@ -212,10 +223,11 @@ class SpeculativeDecoder:
         # the confidence head only where something reads it (ones otherwise)
         conf = d.confidence_head if self.config.confidence_threshold > 0 or self.config.confidence_scheduling else None
         parts = [sample_block(d.markov_head, conf, h, base, anchors[c], method, None if u is None else ss.select(c),
-                              None if u is None else u[c], keep_logits=False)
+                              None if u is None else u[c], keep_logits=False, vocab_ids=d.vocab_ids)
                  for c, (h, base) in zip(self._chunks(sp.num_seqs), st.blocks)]
         probs = None if method == "greedy" else torch.cat([p.probs for p in parts])
-        prop = Proposal(torch.cat([p.tokens for p in parts]), probs, torch.cat([p.confidence for p in parts]), None)
+        prop = Proposal(torch.cat([p.tokens for p in parts]), probs, torch.cat([p.confidence for p in parts]), None,
+                        d.vocab_ids)
         if self.proposal_hook is not None:
             prop = self.proposal_hook(prop, anchors, step.positions[sp.anchor_rows], ss.seeds)
         st.blocks, st.proposal = None, prop
@@ -283,7 +295,7 @@ class SpeculativeDecoder:
             raw = torch.log_softmax(logits, -1).view(-1, k + 1, logits.shape[-1])
             target = sampling_probs(logits, st.select(c).repeat_rows(k + 1)).view_as(raw)
             v = verify(proposal.tokens[c], None if proposal.probs is None else proposal.probs[c], target, u[c],
-                       lens[c], self.config.rejection_sample_method)
+                       lens[c], self.config.rejection_sample_method, proposal.vocab_ids)
             lp = raw.gather(2, v.tokens.clamp(min=0)[..., None])[..., 0]  # emitted token j comes from verify row j
             parts.append((v.tokens, v.num_accepted, lp, raw.topk(n_top, -1) if n_top > 0 else None))
         if not parts:

@@ -8,6 +8,9 @@
 3. `sample_block`: K cheap draft positions, one after the other: z_k = U_k + B_k(x_{k-1}), Q_k = the request's
    transform of z_k (`probabilistic`) or one-hot argmax (`greedy`), x_k drawn from exactly Q_k, confidence c_k
    from [h_k ; W1[x_{k-1}]].
+With a reduced draft vocabulary (model/dspark_vocab.py) U, the Markov bias and Q cover its N ids only (columns in
+ascending id order): a draft is drawn as a column and handed on as its vocabulary id (`Proposal.vocab_ids` says
+which id each column of Q is; the verifier treats Q as zero elsewhere).
 Randomness comes in from the caller (uniforms [S, K], or a callable), nothing syncs with the host.
 """
 from __future__ import annotations
@@ -30,20 +33,24 @@ Draws = torch.Tensor | Callable[[int, torch.Tensor], torch.Tensor]
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # int64 [S, K]: x_1..x_K
-    probs: torch.Tensor | None  # fp32 [S, K, V]: Q_k each x_k was drawn from; None for greedy (one-hot)
+    tokens: torch.Tensor  # int64 [S, K]: x_1..x_K (vocabulary ids)
+    probs: torch.Tensor | None  # fp32 [S, K, V or N]: Q_k each x_k was drawn from; None for greedy (one-hot)
     confidence: torch.Tensor  # fp32 [S, K]: c_k in (0, 1); ones without a confidence head
-    logits: torch.Tensor | None  # fp32 [S, K, V]: z_k = U_k + B_k(x_{k-1}) before the sampling transform (None:
-    # not kept, as in the engine's step)
+    logits: torch.Tensor | None  # fp32 [S, K, V or N]: z_k = U_k + B_k(x_{k-1}) before the sampling transform
+    # (None: not kept, as in the engine's step)
+    vocab_ids: torch.Tensor | None = None  # int64 [N] ascending: the vocabulary id of each column of probs / logits
+    # (a reduced draft vocabulary); None: the columns are the vocabulary
 
 
 @torch.inference_mode()
 def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead | None, h: torch.Tensor,
                  base_logits: torch.Tensor, anchor_ids: torch.Tensor, method: str = "probabilistic",
-                 sampling: SamplingInput | None = None, draws: Draws | None = None, keep_logits: bool = True
-                 ) -> Proposal:
+                 sampling: SamplingInput | None = None, draws: Draws | None = None, keep_logits: bool = True,
+                 vocab_ids: torch.Tensor | None = None) -> Proposal:
     """The sequential Markov loop over K slots: h [S, K, H], base_logits U fp32 [S, K, V], anchors [S].
-    keep_logits=False: `Proposal.logits` is None (the engine's step: no [S, K, V] copy)."""
+    keep_logits=False: `Proposal.logits` is None (the engine's step: no [S, K, V] copy). vocab_ids [N]: U and the
+    Markov bias are over a draft vocabulary's columns (the draft's `vocab_ids`); draws (a callable's too) are
+    columns."""
     if method not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"draft_sample_method {method!r} is not one of {list(DRAFT_SAMPLE_METHODS)}")
     if method == "probabilistic" and draws is None:
@@ -65,13 +72,15 @@ def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead
             q = sampling_probs(z, sampling)
             x = draws(i, q) if callable(draws) else draw(q, draws[:, i])
             probs.append(q)
+        if vocab_ids is not None:
+            x = vocab_ids[x]
         tokens.append(x)
         if keep_logits:
             logits.append(z)
         prev = x
     confidence = torch.stack(conf, 1) if conf else torch.ones(s, k, device=base_logits.device)
     return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, confidence,
-                    torch.stack(logits, 1) if keep_logits else None)
+                    torch.stack(logits, 1) if keep_logits else None, vocab_ids)
 
 
 @torch.inference_mode()
@@ -99,4 +108,4 @@ def propose(draft: DSparkDraft, cache: DraftKVCache, anchor_ids: torch.Tensor, a
         insert_context(draft, cache, *pending)
     h = draft.block_hidden(anchor_ids, anchor_positions, cache.context_fn(block_tables))[:, :num_tokens]
     return sample_block(draft.markov_head, draft.confidence_head, h, draft.base_logits(h), anchor_ids, method,
-                        sampling, draws)
+                        sampling, draws, vocab_ids=draft.vocab_ids)

@@ -11,6 +11,10 @@ Inputs per row s (S rows, K drafts, vocabulary V):
                                     row K is the bonus distribution. One-hot rows for greedy targets.
   uniforms      fp32 [S, K+1]       in [0, 1): u_1..u_K for the acceptance tests, u_{K+1} for the draw of y
   verify_lens   int [S] or None     L <= K drafts to verify per row (None: K)
+  vocab_ids     int [N] or None     a reduced draft vocabulary (model/dspark_vocab.py): draft_probs is then
+                                    [S, K, N], column j the probability of id vocab_ids[j] (ascending), Q zero
+                                    elsewhere; rule "standard" reads Q_i(x_i) at x_i's column and widens one row per
+                                    sequence to V for its residual, rule "block" widens Q to [S, K, V]
 Output: `num_accepted` n [S] and `tokens` [S, K+1] = x_1..x_n, y, then -1.
 
 Rule "standard" (token-level rejection sampling): accept while u_i < min(1, T_i(x_i) / Q_i(x_i)); at the first
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from m3serve.executor.speculative.probs import draw, one_hot
+from m3serve.model.dspark_vocab import full_rows, subset_columns
 
 VERIFY_RULES = ("standard", "block")  # vLLM's rejection_sample_method names
 _RESIDUAL_FLOOR = 1e-7
@@ -45,14 +50,18 @@ class VerifyOutput:
     tokens: torch.Tensor  # int64 [S, K+1]: x_1..x_n, y, then -1
 
 
-def _ratios(draft_tokens, draft_probs, target_probs) -> torch.Tensor:
+def _ratios(draft_tokens, draft_probs, target_probs, vocab_ids=None) -> torch.Tensor:
     """T_i(x_i) / Q_i(x_i), fp32 [S, K] (draft_probs None: one-hot Q, Q_i(x_i) = 1)."""
     k = draft_tokens.shape[1]
     x = draft_tokens.long()[..., None]
     t = target_probs[:, :k].float().gather(2, x)[..., 0]
     if draft_probs is None:
         return t
-    q = draft_probs.float().gather(2, x)[..., 0]
+    if vocab_ids is None:
+        q = draft_probs.float().gather(2, x)[..., 0]
+    else:
+        col, inside = subset_columns(vocab_ids, x)
+        q = torch.where(inside, draft_probs.float().gather(2, col), 0.0)[..., 0]
     return t / q.clamp_min(_Q_FLOOR)
 
 
@@ -102,19 +111,24 @@ def _accept_block(ratio, u, lens, draft_probs, target_probs) -> tuple[torch.Tens
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-           uniforms: torch.Tensor, verify_lens: torch.Tensor | None = None, rule: str = "standard") -> VerifyOutput:
+           uniforms: torch.Tensor, verify_lens: torch.Tensor | None = None, rule: str = "standard",
+           vocab_ids: torch.Tensor | None = None) -> VerifyOutput:
     if rule not in VERIFY_RULES:
         raise ValueError(f"verification rule {rule!r} is not one of {list(VERIFY_RULES)}")
     s, k = draft_tokens.shape
+    if draft_probs is None:
+        vocab_ids = None  # one-hot Q at the drafted ids
     if draft_probs is None and rule == "block":  # its Z_i reads every Q_{i+1}
         draft_probs = one_hot(draft_tokens, target_probs.shape[2])
+    elif vocab_ids is not None and rule == "block":
+        draft_probs, vocab_ids = full_rows(draft_probs.float(), vocab_ids, target_probs.shape[2]), None
     q_shape = (s, k) if draft_probs is None else draft_probs.shape[:2]
     if q_shape != (s, k) or target_probs.shape[:2] != (s, k + 1) or uniforms.shape != (s, k + 1):
         raise ValueError(f"verify: shapes disagree: draft_tokens {tuple(draft_tokens.shape)}, draft_probs "
                          f"{None if draft_probs is None else tuple(draft_probs.shape)}, target_probs {tuple(target_probs.shape)}, uniforms "
                          f"{tuple(uniforms.shape)} (want [S,K], [S,K,V], [S,K+1,V], [S,K+1])")
     lens = _lengths(verify_lens, s, k, draft_tokens.device)
-    ratio = _ratios(draft_tokens, draft_probs, target_probs)
+    ratio = _ratios(draft_tokens, draft_probs, target_probs, vocab_ids)
     u = uniforms[:, :k].float()
     if rule == "standard":
         n, rho_n = _accept_standard(ratio, u, lens)
@@ -126,6 +140,8 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
         q_next = one_hot(draft_tokens.gather(1, nq)[:, 0], target_probs.shape[2])
     else:
         q_next = draft_probs.float().gather(1, nq[..., None].expand(-1, 1, draft_probs.shape[2]))[:, 0]
+        if vocab_ids is not None:
+            q_next = full_rows(q_next, vocab_ids, target_probs.shape[2])
     residual = (rho_n[:, None] * t_next - q_next).clamp(min=0)
     bonus = (n >= lens) | (residual.sum(-1) <= _RESIDUAL_FLOOR)
     y = draw(torch.where(bonus[:, None], t_next, residual), uniforms[:, k])
