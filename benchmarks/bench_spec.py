@@ -91,7 +91,7 @@ import torch
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from m3serve.config import FULL, SPARSE, EngineConfig, ModelConfig  # noqa: E402
+from m3serve.config import FULL, KV_BYTES_PER_ELEMENT, SPARSE, EngineConfig, ModelConfig  # noqa: E402
 from m3serve.engine.llm_engine import LLMEngine  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from m3serve.executor.speculative.controlled import ControlledProposals  # noqa: E402
@@ -101,7 +101,7 @@ from m3serve.executor.cuda_graph import _bucket  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from geometry import flash_geometry, random_model, write_draft  # noqa: E402
+from geometry import flash_geometry, random_model, speculative_floor, weight_bytes, write_draft  # noqa: E402
 
 PHASES = ("draft", "markov", "verify", "rule", "insert")  # SpeculativeDecoder.phases (target forward = "verify")
 TARGET_LAYERS = 60  # MiniMax-M3's (3 dense + 57 MoE); the projection scales the cut's layers evenly
@@ -298,7 +298,7 @@ def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b,
             "recorded": sum(x == y for x, y in zip(r["tokens"], results[("spec", b, 0.0)]["tokens"])) / b,
             "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"], "repeat": r["repeat"],
-            "draft_columns": r["draft_columns"]})
+            "draft_columns": r["draft_columns"], "byte_floor": r["byte_floor"]})
         out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
 
@@ -335,11 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     t_build = time.perf_counter()
     if a.smoke:  # fp32 toy widths: greedy speculation must match exactly
         model = build_m3_cut(a.layers, device, torch.float32, **SMOKE_WIDTHS)
-        kv = {}
+        kv, cache = {}, "float32"
     else:  # M3.1-Flash: NVFP4 routed experts, MXFP8 shared expert, bf16 elsewhere; NVFP4 KV and index keys
         model = random_model(flash_geometry(a.layers), device)
-        kv = dict(kv_cache_dtype="nvfp4", attention_config={"indexer_kv_dtype": "nvfp4"})
+        kv, cache = dict(kv_cache_dtype="nvfp4", attention_config={"indexer_kv_dtype": "nvfp4"}), "nvfp4"
     cfg = model.config
+    # the byte floor's cache formats: the target's KV and index keys, the draft's KV
+    floor_kv = dict(kv_dtype=cache, index_dtype=cache,
+                    draft_kv_bytes_per_element=int(KV_BYTES_PER_ELEMENT.get(a.draft_kv_cache_dtype, 2)))
     tmp = tempfile.mkdtemp(prefix="bench_spec_")
     if not a.draft_vocab:  # with one, written once the plain runs tell the subset
         write_draft(model, os.path.join(tmp, "dspark"), a.draft_layers, a.k, 16 if a.smoke else 256)
@@ -410,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                     sum(x == y for x, y in zip(r["tokens"], first["tokens"])) / b
                 r["stats"] = eng.speculative_stats.as_dict()
                 r["draft_columns"] = drafter.draft_columns  # N with a draft vocabulary, else the vocabulary
+                r["byte_floor"] = speculative_floor(
+                    weight_bytes(model), cfg, drafter.draft, b, a.prompt_len + a.gen_len // 2, a.k,
+                    drafter.draft_columns if a.draft_vocab else None, **floor_kv)["ratio"]
                 # steps that did not replay the graphs (prefill excluded: run_batch times decode steps only)
                 r["eager_steps"] = r["steps"] - (graphs.num_steps - static0 if graphs is not None else 0)
                 if graphs is not None:  # a second pass, CUDA events between the phases: the split
@@ -431,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.draft_vocab or 'all'}, speculative steps "
           f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
-            "(plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",)) + " | eager steps | match | recorded | "
+            "(plain steps) | byte floor (plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",))
+            + " | eager steps | match | recorded | "
             "mixed | preempted | captures | repeat |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -439,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         split = " | ".join("-" if r["phase_ms"] is None else f"{r['phase_ms'][ph]:.2f}" for ph in PHASES + ("host",))
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
-              f"{split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
+              f"{r['byte_floor']:.2f} | {split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
               f"{r['preempted']} | {r['captures']} | {'-' if r['repeat'] is None else format(r['repeat'], '.2f')} |")
     print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
           "measured; graphed runs only)\n")

@@ -303,11 +303,12 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def draft_bytes(draft, k: int, context: int, batch: int, draft_head_rows: int | None = None) -> int:
+def draft_bytes(draft, k: int, context: int, batch: int, draft_head_rows: int | None = None,
+                kv_bytes_per_element: int = 1) -> int:
     """Bytes the draft side of one speculative step must read: the draft's own weights once (layers, fc, norms,
-    confidence head), the Markov head's W2 once per draft position (k), the target's lm_head rows it drafts from once
-    (every row, or `draft_head_rows` of them with a reduced draft vocabulary), and each sequence's FP8 draft KV over
-    the context (every draft layer)."""
+    confidence head), the Markov head's W2 once per draft position (k: all its rows, as the draft holds only a draft
+    vocabulary's), the target's lm_head rows it drafts from once (every row, or `draft_head_rows` with a draft
+    vocabulary), and each sequence's draft KV over the context (every draft layer; FP8: one byte an element)."""
     cfg = draft.config
     markov = draft.markov_head
     w2 = _storage_bytes([markov.markov_w2.weight]) if markov is not None else 0
@@ -316,12 +317,13 @@ def draft_bytes(draft, k: int, context: int, batch: int, draft_head_rows: int | 
     head = _storage_bytes(list(lm.parameters()) + list(lm.buffers()))
     if draft_head_rows is not None:
         head = head * draft_head_rows // cfg.vocab_size
-    kv = batch * cfg.num_hidden_layers * context * 2 * cfg.num_key_value_heads * cfg.head_dim  # FP8: one byte
+    kv = batch * cfg.num_hidden_layers * context * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_bytes_per_element
     return own + k * w2 + head + kv
 
 
 def speculative_floor(wb: dict, cfg: ModelConfig, draft, batch: int, context: int, k: int,
-                      draft_head_rows: int | None = None, kv_dtype: str = "nvfp4", index_dtype: str = "nvfp4") -> dict:
+                      draft_head_rows: int | None = None, kv_dtype: str = "nvfp4", index_dtype: str = "nvfp4",
+                      draft_kv_bytes_per_element: int = 1) -> dict:
     """The byte floor of one speculative step (the target's forward over k + 1 tokens per sequence, which touches the
     routed experts of (k + 1) x batch tokens and reads the cache once, plus the draft side, `draft_bytes`) against a
     plain decode step's (the experts of `batch` tokens), routing uniform (`expected_experts`). `ratio` is the fewest
@@ -331,6 +333,6 @@ def speculative_floor(wb: dict, cfg: ModelConfig, draft, batch: int, context: in
     plain = step_bytes(wb, cfg, batch, context, touched(batch), kv_dtype, index_dtype)
     verify = step_bytes(wb, cfg, batch * (k + 1), context, touched(batch * (k + 1)), kv_dtype, index_dtype)
     verify -= batch * k * kv_read_bytes(cfg, kv_dtype, index_dtype, context)  # k + 1 queries read one cache
-    draft_side = draft_bytes(draft, k, context, batch, draft_head_rows)
+    draft_side = draft_bytes(draft, k, context, batch, draft_head_rows, draft_kv_bytes_per_element)
     return {"plain": plain, "verify": verify, "draft": draft_side, "speculative": verify + draft_side,
             "ratio": (verify + draft_side) / plain}

@@ -35,6 +35,7 @@ def test_bench_spec_smoke(tmp_path):
         # the controlled runs followed the recording; the prompts prefilled in one step, nothing preempted
         assert r["recorded"] == r["repeat"] == 1.0 and r["mixed"] == r["preempted"] == r["captures"] == 0
         assert r["efficiency"] == r["speedup"] / r["ideal_speedup"] and r["spec_tok_s"] > 0
+        assert r["byte_floor"] > 1  # the verify forward alone reads the plain step's bytes and more experts
         # every decode step took the graphs' static path, those near max_tokens included (greedy)
         assert r["eager_steps"] == 0 < r["steps"]
     by_p = {(r["batch"], r["p"]): r for r in rows}
