@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import time
 
 import torch
@@ -30,6 +32,7 @@ from m3serve.learn.fast_paths import swiglu
 VOCAB = 512
 KEYS, VALUES = (10, 266), (300, 500)  # id ranges
 SEPARATOR = 3
+COLON = 4  # --colon: between each key and its value, as the learned model's " key:value" lines
 HIDDEN, LAYERS, HEADS = 128, 4, 4
 
 
@@ -101,15 +104,21 @@ def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False, fast: b
     return model, lambda ids: model(input_ids=ids).logits
 
 
-def batch(pairs: int, rows: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [rows, 4P + 1] and the bool mask of the answered values."""
+def batch(pairs: int, rows: int, g: torch.Generator, colon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [rows, 4P + 1] (6P + 1 with `colon`: key, COLON, value) and the bool mask of the answered values."""
     keys = torch.stack([torch.randperm(KEYS[1] - KEYS[0], generator=g)[:pairs] + KEYS[0] for _ in range(rows)])
     values = torch.randint(*VALUES, (rows, pairs), generator=g)
     order = torch.stack([torch.randperm(pairs, generator=g) for _ in range(rows)])
-    asked = torch.stack([keys.gather(1, order), values.gather(1, order)], 2).flatten(1)
-    ids = torch.cat([torch.stack([keys, values], 2).flatten(1), torch.full((rows, 1), SEPARATOR), asked], 1)
+
+    def lines(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        parts = [k, torch.full_like(k, COLON), v] if colon else [k, v]
+        return torch.stack(parts, 2).flatten(1)
+
+    context, asked = lines(keys, values), lines(keys.gather(1, order), values.gather(1, order))
+    ids = torch.cat([context, torch.full((rows, 1), SEPARATOR), asked], 1)
     answered = torch.zeros_like(ids, dtype=torch.bool)
-    answered[:, 2 * pairs + 2::2] = True
+    width = 3 if colon else 2
+    answered[:, context.shape[1] + width::width] = True
     return ids, answered
 
 
@@ -126,6 +135,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=["m3", "plain"], default="m3")
     p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--colon", action="store_true", help="a separator token between each key and its value")
+    p.add_argument("--pairs-to", type=int, help="each step's P log-uniform over --pairs..this; also scored at this P")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--rows", type=int, default=32, help="rows per step")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -153,8 +164,12 @@ def main(argv=None) -> dict:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--out")
     a = p.parse_args(argv)
-    if not 1 <= a.pairs <= KEYS[1] - KEYS[0]:
-        p.error(f"--pairs must be 1..{KEYS[1] - KEYS[0]} (the key ids), got {a.pairs}")
+    for name in ("pairs", "pairs_to"):
+        n = getattr(a, name)
+        if n is not None and not 1 <= n <= KEYS[1] - KEYS[0]:
+            p.error(f"--{name.replace('_', '-')} must be 1..{KEYS[1] - KEYS[0]} (the key ids), got {n}")
+    if a.pairs_to is not None and a.pairs_to < a.pairs:
+        p.error(f"--pairs-to must be at least --pairs ({a.pairs}), got {a.pairs_to}")
     for name in ("steps", "rows", "log_every"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(a, name)}")
@@ -203,12 +218,17 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW([{"params": ws, "weight_decay": a.weight_decay if decay else 0.0, "mlp": mlp}
                              for (decay, mlp), ws in groups.items()], lr=a.lr, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(a.seed + 1)
+    held_out = torch.Generator().manual_seed(a.seed + 2)
     curve, t0 = [], time.time()
     for step in range(1, a.steps + 1):
         for group in opt.param_groups:
             frozen = group["mlp"] and step <= a.mlp_frozen_steps
             group["lr"] = 0.0 if frozen else a.lr * min(1.0, step / 30)
-        ids, answered = batch(a.pairs, a.rows, g)
+        pairs = a.pairs
+        if a.pairs_to:  # this step's P log-uniform over pairs..pairs_to (the learned model's training contexts)
+            pairs = min(a.pairs_to, int(math.exp(random.Random(a.seed * 100_003 + step).uniform(
+                math.log(a.pairs), math.log(a.pairs_to + 1)))))
+        ids, answered = batch(pairs, a.rows, g, a.colon)
         logits = logits_of(ids)[:, :-1].float()
         sel, gold = answered[:, 1:], ids[:, 1:]
         loss = F.cross_entropy(logits[sel], gold[sel])
@@ -219,6 +239,11 @@ def main(argv=None) -> dict:
         if step % a.log_every == 0 or step == a.steps:
             acc = (logits.argmax(-1)[sel] == gold[sel]).float().mean().item()
             curve.append({"step": step, "loss": round(loss.item(), 4), "acc": round(acc, 4)})
+            if a.pairs_to:  # and on a held-out batch of the longest contexts
+                with torch.no_grad():
+                    ids, answered = batch(a.pairs_to, a.rows, held_out, a.colon)
+                    hits = logits_of(ids)[:, :-1].argmax(-1)[answered[:, 1:]] == ids[:, 1:][answered[:, 1:]]
+                curve[-1] |= {"pairs": pairs, f"acc_at_{a.pairs_to}": round(hits.float().mean().item(), 4)}
             print(json.dumps(curve[-1] | {"s": round(time.time() - t0, 1)}), flush=True)
     result = {"args": vars(a), "chance_from_context": 1 / a.pairs, "curve": curve}
     if a.out:

@@ -5,9 +5,9 @@ Five tasks, each a chat in M3's template with one exact answer:
 - `arithmetic`: "What is A op B?" with op in + - *; A and B have 1-3 digits for + and - (A >= B for -, so no
   negative results); * multiplies a 1-2 digit number by a digit. Sizes a ~12M-parameter model reads digit by digit
   (the tokenizer splits digits) and can learn in minutes: at most 4 answer digits, carries over at most 3 positions.
-- `retrieval`: RETRIEVAL_PAIRS ` key:value` lines (a random choice of key words, each with a random value word; one
-  token each), then a question about one key; the answer quotes that key's line (` key:value`). The prompt is about
-  555 tokens with the learned tokenizer, over 4x the span MSA selects (top-4 blocks of 32 = 128 tokens), so the
+- `retrieval`: RETRIEVAL_PAIRS ` key value` lines (a random choice of key words, each with a random value word; one
+  token each), then a question about one key; the answer quotes that key's line (` key value`). The prompt is about
+  645 tokens with the learned tokenizer, over 4x the span MSA selects (top-4 blocks of 32 = 128 tokens), so the
   indexer has to find the block that holds the key.
   Training contexts hold RETRIEVAL_TRAIN_MIN_PAIRS to RETRIEVAL_PAIRS pairs, log-uniformly (`retrieval_train_pairs`);
   the eval split always RETRIEVAL_PAIRS.
@@ -44,8 +44,8 @@ from m3serve.text.tool_parser import parse_tool_calls
 TASKS = ("arithmetic", "retrieval", "tool_call", "reasoning", "multi_turn")
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 8  # 1 in 8 problems is held out for eval
-RETRIEVAL_PAIRS = 112  # eval contexts: over 4x the span MSA selects
-RETRIEVAL_TRAIN_MIN_PAIRS = 2  # training contexts hold 2-112 pairs: a lookup is learned sooner among fewer keys
+RETRIEVAL_PAIRS = 180  # eval contexts: over 4x the span MSA selects (5x: tests/gpu/test_learned_gpu.py)
+RETRIEVAL_TRAIN_MIN_PAIRS = 2  # training contexts hold 2-180 pairs: a lookup is learned sooner among fewer keys
 END_OF_TURN = EOS_TOKEN + "\n"  # what the template writes after an assistant reply
 
 THINK_OFF = {"thinking_mode": "disabled"}
@@ -113,8 +113,8 @@ def _arithmetic(rng: random.Random):
 # ---------------------------------------------------------------- retrieval
 
 # keys and values are words (one token each with the learned tokenizer), written so that a word is the same token
-# in the context, in the question and in the answer: each line starts with a space (" key:value"), as the key does
-# after "for " in the question, and the value follows the colon with no space, as the reply starts with no space.
+# in the context, in the question and in the answer: each line is " key value", the key with its space as after
+# "for " in the question, the value with its space as in the reply (which starts with the key's space).
 # (Random 4-letter keys with 4-digit values made the model copy multi-token keys and digit strings whose tokens
 # recur all over the context; no run learned that in the time of a device call, docs/quality.md.)
 _KEY_WORDS = tuple("""
@@ -126,6 +126,9 @@ ladder lantern lemon lizard locket magnet mango marble meadow mirror mitten monk
 orchid otter paddle palace panther parrot pebble pepper pillow pirate planet pocket pond puzzle quartz quill rabbit
 radish raven ribbon rocket saddle salmon satin shovel silver sparrow spider spiral stable summit tablet teapot
 temple thunder ticket tiger timber tulip tunnel turtle velvet violin walnut wagon willow window wizard yarn zebra
+apron attic awning bamboo barley beetle biscuit blossom boulder bramble breeze buckle cactus canoe cargo cedar cherry
+cider cobweb compass cricket cushion daisy donkey easel elbow engine ferret flute fortress gadget garlic goose gutter
+hatchet hedge iceberg igloo jigsaw juniper kayak kernel koala lagoon lobster maple mussel napkin nugget oyster
 """.split())
 _VALUE_WORDS = tuple("""
 red blue green gold gray pink black white brown amber azure beige coral cream crimson cyan ebony indigo jade khaki
@@ -139,7 +142,7 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
     keys = rng.sample(_KEY_WORDS, pairs)
     values = [rng.choice(_VALUE_WORDS) for _ in keys]
     q = rng.randrange(len(keys))
-    lines = "".join(f" {k}:{v}\n" for k, v in zip(keys, values))
+    lines = "".join(_quoted(k, v) + "\n" for k, v in zip(keys, values))
     text = f"Here is a list of codes.\n{lines}" + _CODE_QUESTION.format(keys[q])
     messages = [{"role": "user", "content": text}]
     reply = _quoted(keys[q], values[q])
@@ -155,19 +158,20 @@ def retrieval_train_pairs(rng: random.Random) -> int:
 
 
 def _quoted(key: str, value: str) -> str:
-    """A retrieval reply: the asked key's line quoted (" key:value"), the same tokens as in the context. Where the
-    reply was the value alone, the model had to carry the key from the question, eight tokens back, to the answer
-    position and match it there; no H200 run learned that. Quoting the line puts the key right before the colon
-    whose next token is the value: the next-token copy an induction head does (on a micro model it tripled the
-    exact match, still far from solving the task: docs/quality.md)."""
-    return f" {key}:{value}"
+    """A context line, and a retrieval reply quoting the asked key's line (" key value"): the same tokens in both.
+    Where the reply was the value alone, the model had to carry the key from the question, eight tokens back, to the
+    answer position and match it there; no H200 run learned that. Quoting the line puts the key right before the
+    value, the next-token copy an induction head does (two layers: one marks each token with the one before it, one
+    matches on that mark). With a colon between key and value (" key:value", until 2026-12-05) the copy took a third
+    hop, and a micro model learned it several times slower (docs/quality.md)."""
+    return f" {key} {value}"
 
 
 def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[tuple[str, str]]:
     """`n` more (question, answer) turns about other keys of a retrieval example's context (training rows ask
     several questions per context: one long context, several answers to learn from)."""
     text = example.messages[0]["content"]
-    pairs = [line.strip().split(":") for line in text.split("\n")[1:-1]]
+    pairs = [line.split() for line in text.split("\n")[1:-1]]
     asked = text.rsplit(" ", 1)[-1].rstrip("?")
     others = [(k, v) for k, v in pairs if k != asked]
     return [(_CODE_QUESTION.format(k), _quoted(k, v)) for k, v in rng.sample(others, min(n, len(others)))]

@@ -11,14 +11,16 @@ rp = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rp)
 
 
-def test_every_answered_value_is_the_one_its_key_has_in_the_context():
-    pairs = 6
-    ids, answered = rp.batch(pairs, 5, torch.Generator().manual_seed(3))
-    assert ids.shape == (5, 4 * pairs + 1) and answered.sum().item() == 5 * pairs
+@pytest.mark.parametrize("colon", [False, True])
+def test_every_answered_value_is_the_one_its_key_has_in_the_context(colon):
+    pairs, w = 6, 3 if colon else 2  # tokens a line: key (COLON) value
+    ids, answered = rp.batch(pairs, 5, torch.Generator().manual_seed(3), colon)
+    assert ids.shape == (5, 2 * w * pairs + 1) and answered.sum().item() == 5 * pairs
     for row, mask in zip(ids.tolist(), answered.tolist()):
-        context = dict(zip(row[0:2 * pairs:2], row[1:2 * pairs:2]))
-        assert len(context) == pairs and row[2 * pairs] == rp.SEPARATOR
-        asked = [(row[i - 1], row[i]) for i, m in enumerate(mask) if m]
+        context = dict(zip(row[0:w * pairs:w], row[w - 1:w * pairs:w]))
+        assert len(context) == pairs and row[w * pairs] == rp.SEPARATOR
+        assert all(row[i] == rp.COLON for i in range(1, w * pairs, w)) if colon else rp.COLON not in row
+        asked = [(row[i - w + 1], row[i]) for i, m in enumerate(mask) if m]
         assert sorted(k for k, _ in asked) == sorted(context)  # every key asked once
         assert all(context[k] == v for k, v in asked)
         assert all(rp.KEYS[0] <= k < rp.KEYS[1] for k in context)
@@ -26,7 +28,9 @@ def test_every_answered_value_is_the_one_its_key_has_in_the_context():
 
 
 @pytest.mark.parametrize("args", [["--arch", "plain", "--qk-norm", "--rotary-fraction", "0.5"],
-                                  ["--arch", "m3", "--mlp", "dense", "--init-std", "0.05"]])
+                                  ["--arch", "m3", "--mlp", "dense", "--init-std", "0.05"],
+                                  ["--arch", "m3", "--train-init", "fan_in", "--mlp-frozen-steps", "20", "--colon",
+                                   "--pairs", "2", "--pairs-to", "4"]])
 def test_a_short_run_lowers_the_loss_and_writes_its_curve(args, tmp_path):
     out = tmp_path / "r.json"
     r = rp.main(args + ["--steps", "40", "--log-every", "10", "--rows", "8", "--out", str(out)])
@@ -36,9 +40,12 @@ def test_a_short_run_lowers_the_loss_and_writes_its_curve(args, tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--pairs", "0"], ["--pairs", "257"], ["--steps", "0"], ["--log-every", "0"],
-                                  ["--rotary-fraction", "1.5"], ["--init-only", "embed"]])
+                                  ["--rotary-fraction", "1.5"], ["--init-only", "embed"],
+                                  ["--pairs-to", "300"], ["--pairs", "4", "--pairs-to", "2"],
+                                  ["--arch", "plain", "--train-init", "fan_in"], ["--init-std", "wide"]])
 def test_a_bad_option_is_refused_before_any_work(args, capsys):
     with pytest.raises(SystemExit) as e:
         rp.main(args)
     captured = capsys.readouterr()
     assert e.value.code == 2 and args[0] in captured.err and not captured.out  # named, and no step ran
+
