@@ -40,8 +40,9 @@ class StepBuilder:
         """The step's input, and the sequences whose next token it samples (one per logits index, in order).
 
         `prev_rows` (async scheduling): the batch's sequences are decodes launched while the step sampling their
-        newest token still runs; that token is row prev_rows[i] of its sampled ids and goes in at position
-        `num_tokens` (the host does not know it yet)."""
+        newest token still runs; that token is the last of row prev_rows[i] of its result and goes in at position
+        `num_tokens` (the host does not know it yet). After a speculative step, which may emit several, everything
+        here assumes one: the device moves each sequence's tokens by the rest (executor/ahead.py)."""
         bs = self.block_size
         ahead = int(prev_rows is not None)  # tokens of each sequence that the running step is still sampling
         ids, pos, qsl, seq_lens = [], [], [0], []
@@ -78,7 +79,8 @@ class StepBuilder:
             sampling=self.sampling(sample_seqs, ahead) if sample_seqs else None,
             speculative=SpeculativeInput.from_rows(speculating, len(sample_rows), self.num_speculative_tokens)
             if speculating else None,
-            prev_token_rows=torch.tensor(prev_rows, dtype=torch.int64) if ahead else None)
+            prev_token_rows=torch.from_numpy(np.repeat(np.asarray(prev_rows, dtype=np.int64), batch.num_new_tokens))
+            if ahead else None)
         return (step.pin_memory() if self.pin_memory else step), sample_seqs
 
     def sampling(self, seqs: list[Sequence], ahead: int = 0) -> SamplingInput:
