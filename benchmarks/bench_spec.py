@@ -33,7 +33,9 @@ steps. The split: mean device time of each phase graph of the graphed steps (CUD
 draft backbone, Markov positions, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
 and acceptance, insert = the draft-cache rows; measured in a second pass over the same prompts, as the events cost
 time), and "host" = the first pass's step wall time minus those. "eager steps" = decode steps of the first pass that
-ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "match" = fraction
+ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "ahead" = steps of
+that pass queued before the previous step's tokens were back (async scheduling, `LLMEngine._launch_ahead`: the
+host's work then overlaps the device's; a request's last ~2K+1 tokens run synchronously). "match" = fraction
 of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties between the decode and verify
 kernels).
 "recorded" = fraction of requests whose tokens equal the p = 0 recording: controlled acceptance means what it says
@@ -165,7 +167,7 @@ def engine_counts(eng: LLMEngine) -> dict:
     """Counters whose change over a run says what else ran besides graphed decode steps (see 'recorded')."""
     st, graphs = eng.stats(), eng.executor.worker.drafter.graphs
     return {"mixed": st["num_mixed_steps"], "preempted": st["num_preemptions"],
-            "captures": 0 if graphs is None else len(graphs.graphs)}
+            "captures": 0 if graphs is None else len(graphs.graphs), "ahead": st["num_steps_ahead"]}
 
 
 def phase_split(r: dict, graphs, timed: dict) -> None:
@@ -298,6 +300,7 @@ def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b,
             "recorded": sum(x == y for x, y in zip(r["tokens"], results[("spec", b, 0.0)]["tokens"])) / b,
             "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"], "repeat": r["repeat"],
+            "ahead": r["ahead"],
             "draft_columns": r["draft_columns"], "byte_floor": r["byte_floor"]})
         out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
@@ -438,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
             "(plain steps) | byte floor (plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",))
-            + " | eager steps | match | recorded | "
+            + " | eager steps | ahead | match | recorded | "
             "mixed | preempted | captures | repeat |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -446,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         split = " | ".join("-" if r["phase_ms"] is None else f"{r['phase_ms'][ph]:.2f}" for ph in PHASES + ("host",))
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
-              f"{r['byte_floor']:.2f} | {split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
+              f"{r['byte_floor']:.2f} | {split} | {r['eager_steps']}/{r['steps']} | {r['ahead']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
               f"{r['preempted']} | {r['captures']} | {'-' if r['repeat'] is None else format(r['repeat'], '.2f')} |")
     print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
           "measured; graphed runs only)\n")

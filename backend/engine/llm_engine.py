@@ -3,7 +3,8 @@
 sequences, detokenizers); the model, the page pool and the sampler live behind the `Executor`, which gets one
 typed `StepInput` per step and returns the sampled token ids. With speculative decoding (`speculative_config`,
 executor/speculative/) a step may return several tokens per sequence: they are appended one by one, a stop token, stop
-string or max_tokens ending the sequence at that token, and streamed as one output.
+string or max_tokens ending the sequence at that token, and streamed as one output. With async scheduling the next
+step is queued before a step's tokens are back (`_launch_ahead`; after a speculative step too: executor/ahead.py).
 
     engine = LLMEngine(EngineConfig(model=DIR, ...))
     engine.add_request("r1", prompt_token_ids=[...], sampling_params=SamplingParams(...))

@@ -38,6 +38,7 @@ def test_bench_spec_smoke(tmp_path):
         assert r["byte_floor"] > 1  # the verify forward alone reads the plain step's bytes and more experts
         # every decode step took the graphs' static path, those near max_tokens included (greedy)
         assert r["eager_steps"] == 0 < r["steps"]
+        assert 0 < r["ahead"] < r["steps"]  # steps queued ahead of the previous result; the last ones synchronous
     by_p = {(r["batch"], r["p"]): r for r in rows}
     for b in (1, 2):
         assert by_p[(b, 0.0)]["acceptance_rate"] < 0.2 < 0.4 < by_p[(b, 0.8)]["acceptance_rate"]

@@ -22,6 +22,9 @@ into the same memory pool, handing each other their tensors) and a CUDA event is
 A bucket's graphs are captured at its first step: that step runs its phases eagerly over the buffers (compiling
 the kernels; its result is the step's), then each phase is captured (should a capture fail, the error is logged
 and speculative steps run eagerly from then on). A new proposal hook drops them (`clear`).
+A step launched ahead of the previous step's result (async scheduling) is filled as built (one token per sequence
+from that step) and its sequences' rows of the buffers are then moved by their accepted runs on the device
+(executor/ahead.py), before the replay.
 On the CPU (the tests) nothing is captured: every step runs the same static-buffer path eagerly.
 """
 from __future__ import annotations
