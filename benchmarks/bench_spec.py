@@ -449,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         split = " | ".join("-" if r["phase_ms"] is None else f"{r['phase_ms'][ph]:.2f}" for ph in PHASES + ("host",))
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
-              f"{r['byte_floor']:.2f} | {split} | {r['eager_steps']}/{r['steps']} | {r['ahead']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
+              f"{r['byte_floor']:.2f} | {split} | {r['eager_steps']}/{r['steps']} | {r['ahead']}/{r['steps']} | "
+              f"{r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
               f"{r['preempted']} | {r['captures']} | {'-' if r['repeat'] is None else format(r['repeat'], '.2f')} |")
     print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
           "measured; graphed runs only)\n")

@@ -36,7 +36,8 @@ def _requests(eu, reference_greedy, eng, static=False):
         ("s1", prompts[1], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=45, ignore_eos=True, seed=1001,
                                           logprobs=None if static else 2)),
         ("stop2", prompts[2], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref2[j]], seed=1002)),
-        ("min3", prompts[3], SamplingParams(temperature=0.7, max_tokens=36, ignore_eos=True, min_tokens=0 if static else 12,
+        ("min3", prompts[3], SamplingParams(temperature=0.7, max_tokens=36, ignore_eos=True,
+                                            min_tokens=0 if static else 12,
                                             stop_token_ids=[3], seed=1003)),
         ("short4", prompts[4], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, seed=1004)),
         ("str5", prompts[5], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, seed=1005,
@@ -54,37 +55,7 @@ def _run(eng, eu, reference_greedy, abort_at=None, static=False):
     drafter.proposal_hook = ControlledProposals(known, 0.8, drafter.draft.config.vocab_size)
     for rid, p, sp in reqs:
         eng.add_request(rid, prompt_token_ids=p, sampling_params=sp)
-    res, queued, step = {}, 0, 0
-    while eng.has_unfinished_requests():
-        if step == 6:
-            eng.add_request(late[0], prompt_token_ids=late[1], sampling_params=late[2])
-        if abort_at is not None and step == abort_at[0]:
-            out = eng.abort_request(abort_at[1])
-            if out is not None:
-                _collect(res, out)
-        for o in eng.step():
-            _collect(res, o)
-        queued += eng._inflight is not None
-        if eng._inflight is None:
-            eu.check_invariants(eng)
-        step += 1
-        assert step < 500
-    assert eng.block_manager.num_free_pages == eng.block_manager.num_pages
-    return res, queued
-
-
-def _collect(res, o):
-    toks, _, text, lps = res.get(o.request_id, ([], None, "", []))
-    res[o.request_id] = (toks + list(o.new_token_ids), o.finish_reason, text + o.text, lps + list(o.logprobs or []))
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for rid in a:
-        assert a[rid][:3] == b[rid][:3], rid
-        assert len(a[rid][3]) == len(b[rid][3])
-        for da, db in zip(a[rid][3], b[rid][3]):
-            assert da.keys() == db.keys() and all(abs(da[t] - db[t]) < 1e-5 for t in da)
+    return eu.run_queued(eng, {6: late}, abort_at)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
@@ -97,7 +68,7 @@ def test_speculative_async_equals_sync(static, make_engine, reference_greedy, eu
     assert queued_sync == 0 and st["num_steps_ahead"] == queued >= 8  # speculative steps went ahead
     if static:
         assert eng.executor.worker.drafter.graphs.num_ahead >= 8  # through the static buffers
-    _same(sync, asyn)
+    eu.same_outputs(sync, asyn)
     reqs, late, _, j = _requests(eu, reference_greedy, eng, static)
     for rid, p, sp in reqs + [late]:
         if sp.temperature == 0.0 and not sp.stop and not sp.stop_token_ids:
@@ -113,7 +84,7 @@ def test_abort_while_a_speculative_step_is_queued(make_engine, reference_greedy,
     sync, _ = _run(_engine(make_engine, False, async_scheduling=False), eu, reference_greedy, abort_at=(5, "g0"))
     asyn, queued = _run(_engine(make_engine, False), eu, reference_greedy, abort_at=(5, "g0"))
     assert asyn["g0"][1] == "abort" and 0 < len(asyn["g0"][0]) < 50 and queued > 0
-    _same(sync, asyn)
+    eu.same_outputs(sync, asyn)
 
 
 def test_steps_ahead_need_the_device_to_move_positions(make_engine, reference_greedy, eu, monkeypatch):
