@@ -35,7 +35,8 @@ and acceptance, insert = the draft-cache rows; measured in a second pass over th
 time), and "host" = the first pass's step wall time minus those. "eager steps" = decode steps of the first pass that
 ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "ahead" = steps of
 that pass queued before the previous step's tokens were back (async scheduling, `LLMEngine._launch_ahead`: the
-host's work then overlaps the device's; a request's last ~2K+1 tokens run synchronously). "match" = fraction
+host's work then overlaps the device's; in a request's last ~2K+2 tokens its next drafts depend on the accepted
+run: it joins every other step, and steps where every request is there run synchronously). "match" = fraction
 of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties between the decode and verify
 kernels).
 "recorded" = fraction of requests whose tokens equal the p = 0 recording: controlled acceptance means what it says

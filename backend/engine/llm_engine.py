@@ -268,36 +268,46 @@ class LLMEngine:
 
     def _launch_ahead(self, cur: "_InFlight") -> "_InFlight | None":
         """Queue the next decode step of `cur`'s sequences before `cur`'s tokens are back, when the step after `cur`
-        can only be that: every running sequence samples in `cur` (a decode, a speculative decode or its prefill's
-        last chunk), nothing waits for admission, no sampling option reads the output tokens (penalties), no
-        confidence-scheduled verification (its next width reads `cur`'s confidences on the host). Each sequence
-        feeds the last token `cur` gives it (read on the device) at the position after it; after a speculative
-        step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots and cache
-        length by the accepted run (executor/ahead.py). Left out: a sequence `cur` may bring to max_tokens, and one
-        whose drafts next step depend on how many `cur` accepts (near max_tokens or min_tokens). The block manager
-        gives each the pages of the longest run (trimmed once a step that is not followed comes back). A sequence
-        that `cur` ends otherwise (a stop token or string) wasted its row: `_complete` drops it. Steps that are not
-        queued ahead are scheduled when `cur` is done."""
+        can only be that: every running sequence in `cur` samples there (a decode, a speculative decode or its
+        prefill's last chunk), nothing waits for admission, no sampling option reads the output tokens
+        (penalties), no confidence-scheduled verification (its next width reads `cur`'s confidences on the host).
+        Each sequence feeds the last token `cur` gives it (read on the device) at the position after it; after a
+        speculative step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots
+        and cache length by the accepted run (executor/ahead.py). Left out: a sequence `cur` may bring to
+        max_tokens, and one whose drafts next step depend on how many `cur` accepts (near max_tokens or
+        min_tokens). With speculative decoding the running decodes that are not in `cur` (left out of it so) join
+        as the scheduler would schedule them, their tokens all known (row -1); without, a running sequence outside
+        `cur` keeps steps synchronous. The block manager gives each the pages of the longest run (trimmed once a
+        step that is not followed comes back). A sequence that `cur` ends otherwise (a stop token or string)
+        wasted its row: `_complete` drops it. Steps that are not queued ahead are scheduled when `cur` is done."""
         sch, bm = self.scheduler, self.block_manager
+        k_max = self.step_builder.num_speculative_tokens
         if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
-                or self.verify_scheduler is not None or sch.waiting or not cur.seqs
-                or len(cur.seqs) != len(sch.running)):
+                or self.verify_scheduler is not None or sch.waiting or not cur.seqs):
             return None
-        sampled = {id(s) for s in cur.seqs}
-        if any(id(s) not in sampled or s.sampling_params.has_penalties for s in sch.running):
+        in_cur, sampled = {id(s) for s in cur.batch.seqs}, {id(s) for s in cur.seqs}
+        known = [s for s in sch.running if id(s) not in in_cur]
+        if (any(s.sampling_params.has_penalties or (id(s) in in_cur) != (id(s) in sampled) for s in sch.running)
+                or known and (not k_max or any(s.num_uncomputed_tokens != 1 for s in known))):
             return None
         drafted = dict(zip(map(id, cur.batch.seqs), cur.batch.num_draft_tokens or [0] * len(cur.batch.seqs)))
-        k_max = self.step_builder.num_speculative_tokens
         rows, drafts, most = [], [], []
         for i, s in enumerate(cur.seqs):
+            if s.is_finished:  # ended (or aborted) before `cur` comes back: its row in `cur` is dropped
+                continue
             m = 1 + drafted[id(s)]  # the most tokens `cur` gives it
             k = num_draft_tokens(s, k_max, 1) if k_max else 0
             if s.num_output_tokens + m < s.max_tokens and (not k_max or num_draft_tokens(s, k_max, m) == k):
                 rows.append(i), drafts.append(k), most.append(m)
-        seqs = [cur.seqs[i] for i in rows]
-        if (not seqs or len(seqs) + sum(drafts) > sch.max_num_batched_tokens
+        seqs = [cur.seqs[i] for i in rows] + known
+        rows += [-1] * len(known)
+        drafts += [num_draft_tokens(s, k_max) for s in known]
+        most += [0] * len(known)
+        if (not rows or rows[0] < 0 or len(seqs) + sum(drafts) > sch.max_num_batched_tokens
                 or sum(bm.pages_to_append(s, m + k) for s, m, k in zip(seqs, most, drafts)) > bm.num_free_pages):
-            return None  # nothing to run, over the token budget or a page short: scheduled when `cur` is done
+            # nothing of `cur` to follow (then one step with every sequence beats one without those left out of
+            # it), over the token budget, or a page short: the next step is scheduled when `cur` is done
+            return None
         for s, m, k in zip(seqs, most, drafts):
             bm.append_slot(s, m + k)  # its next step's last position, after the longest run `cur` may accept
         batch = ScheduledBatch(seqs, [1 + k for k in drafts], drafts)

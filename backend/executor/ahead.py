@@ -4,7 +4,8 @@ result, completed on the device from that result before the step runs, with no h
 The engine builds such a step before the previous step's tokens reach the host, as if that step emitted ONE token
 per sequence (a plain decode's case): each sequence feeds at positions from its `num_tokens` on, its slots taken
 from its block table at those positions, its input ids zeros. Token t of the step belongs to the sequence whose
-previous result is row `rows[t]` (`StepInput.prev_token_rows`). `follow_previous` then sets, per token:
+previous result is row `rows[t]` (`StepInput.prev_token_rows`; -1: a sequence whose tokens the host knows, built
+as usual and left as it is). `follow_previous` then sets, per token:
 - the input id: the last token the previous step emitted for that row (a speculative step's accepted run ends with
   it: the next anchor; a speculating sequence's draft placeholders take it too, the Markov phase overwrites them);
 - where the previous step emitted n > 1 tokens (a speculative step, `SamplerOutput.num_tokens`): the positions,
@@ -25,13 +26,14 @@ def follow_previous(step: StepInput, prev: SamplerOutput, rows: torch.Tensor, bl
     """In place, on the device: the first `num_seqs` sequences of `step` (its tokens [0, qsl[num_seqs])) read
     `prev` (the previous step's result, on the same device) through `rows` (int64, a row of `prev` per token)."""
     t = step.query_start_loc_cpu[num_seqs]
-    rows = rows[:t]
+    known, rows = rows[:t] < 0, rows[:t].clamp(min=0)
     ids = step.input_ids[:t]
     if prev.num_tokens is None:  # one token per row
-        torch.index_select(prev.token_ids, 0, rows, out=ids)
+        ids.copy_(torch.where(known, ids, prev.token_ids.index_select(0, rows)))
         return
-    n = prev.num_tokens.index_select(0, rows)  # [t]: tokens the previous step emitted for each token's sequence
-    ids.copy_(prev.token_ids.index_select(0, rows).gather(1, (n - 1)[:, None])[:, 0])
+    # [t]: tokens the previous step emitted for each token's sequence (1: its tokens are known, nothing moves)
+    n = torch.where(known, 1, prev.num_tokens.index_select(0, rows))
+    ids.copy_(torch.where(known, ids, prev.token_ids.index_select(0, rows).gather(1, (n - 1)[:, None])[:, 0]))
     shift = n - 1
     pos = step.positions[:t]
     pos += shift

@@ -63,8 +63,12 @@ def test_speculative_async_equals_sync(static, make_engine, reference_greedy, eu
     sync, queued_sync = _run(_engine(make_engine, static, async_scheduling=False), eu, reference_greedy,
                              static=static)
     eng = _engine(make_engine, static)
+    launch, rows = eng.executor.launch, []
+    eng.executor.launch = lambda step, prev=None: (rows.append(step.prev_token_rows), launch(step, prev))[1]
     asyn, queued = _run(eng, eu, reference_greedy, static=static)
     st = eng.stats()
+    # a decode left out of a queued step (near its max_tokens) joined the next one beside sequences read on the device
+    assert any(r is not None and (r < 0).any() and (r >= 0).any() for r in rows)
     assert queued_sync == 0 and st["num_steps_ahead"] == queued >= 8  # speculative steps went ahead
     if static:
         assert eng.executor.worker.drafter.graphs.num_ahead >= 8  # through the static buffers
@@ -114,26 +118,25 @@ def test_confidence_scheduling_and_the_switch_keep_steps_synchronous(make_engine
 
 
 def test_follow_previous_moves_each_sequence_by_its_run():
-    """Two sequences of 3 tokens (anchor + 2 placeholders), pages of 4 tokens; the previous step emitted 3 tokens
-    for sequence 0 (its row 1) and 1 for sequence 1 (its row 0). Built as if 1 each: sequence 0 at positions
-    5..7, sequence 1 at 9..11."""
-    tables = torch.tensor([[7, 2, 5, 0], [3, 8, 1, 6]], dtype=torch.int32)
-    pos = torch.tensor([5, 6, 7, 9, 10, 11])
-    seq = torch.tensor([0, 0, 0, 1, 1, 1])
+    """Three sequences of 3 tokens (anchor + 2 placeholders), pages of 4 tokens; the previous step emitted 3 tokens
+    for sequence 0 (its row 1) and 1 for sequence 1 (its row 0); sequence 2's tokens are known (row -1). Built as
+    if 1 each: sequence 0 at positions 5..7, sequence 1 at 9..11, sequence 2 (anchor 77) at 2..4."""
+    tables = torch.tensor([[7, 2, 5, 0], [3, 8, 1, 6], [4, 9, 0, 0]], dtype=torch.int32)
+    pos = torch.tensor([5, 6, 7, 9, 10, 11, 2, 3, 4])
+    seq = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
     slots = tables[seq, pos // 4].long() * 4 + pos % 4
-    sampling = SamplingInput.full(2, temperature=0.0)
-    sampling.positions = torch.tensor([6, 10])
-    step = StepInput(input_ids=torch.zeros(6, dtype=torch.int64), positions=pos.clone(),
-                     query_start_loc=torch.tensor([0, 3, 6], dtype=torch.int32),
-                     seq_lens=torch.tensor([8, 12], dtype=torch.int32), query_start_loc_cpu=[0, 3, 6],
-                     seq_lens_cpu=[8, 12], is_decode=False, max_query_len=3, max_seq_len=12, block_tables=tables,
-                     slot_mapping=slots, logits_indices=torch.tensor([0, 3]),
-                     sampling=sampling,
-                     prev_token_rows=torch.tensor([1, 1, 1, 0, 0, 0]))
+    sampling = SamplingInput.full(3, temperature=0.0)
+    sampling.positions = torch.tensor([6, 10, 3])
+    step = StepInput(input_ids=torch.tensor([0, 0, 0, 0, 0, 0, 77, 0, 0]), positions=pos.clone(),
+                     query_start_loc=torch.tensor([0, 3, 6, 9], dtype=torch.int32),
+                     seq_lens=torch.tensor([8, 12, 5], dtype=torch.int32), query_start_loc_cpu=[0, 3, 6, 9],
+                     seq_lens_cpu=[8, 12, 5], is_decode=False, max_query_len=3, max_seq_len=12, block_tables=tables,
+                     slot_mapping=slots.clone(), logits_indices=torch.tensor([0, 3, 6]), sampling=sampling,
+                     prev_token_rows=torch.tensor([1, 1, 1, 0, 0, 0, -1, -1, -1]))
     prev = SamplerOutput(torch.tensor([[40, -1, -1], [11, 12, 13]]), torch.zeros(2, 3),
                          num_tokens=torch.tensor([1, 3]))
-    ahead.follow_previous(step, prev, step.prev_token_rows, 4, 2)
-    assert step.input_ids.tolist() == [13, 13, 13, 40, 40, 40]
-    assert step.positions.tolist() == [7, 8, 9, 9, 10, 11]
-    assert step.slot_mapping.tolist() == [2 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1, 1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3]
-    assert step.seq_lens.tolist() == [10, 12] and step.sampling.positions.tolist() == [8, 10]
+    ahead.follow_previous(step, prev, step.prev_token_rows, 4, 3)
+    assert step.input_ids.tolist() == [13, 13, 13, 40, 40, 40, 77, 0, 0]
+    assert step.positions.tolist() == [7, 8, 9, 9, 10, 11, 2, 3, 4]
+    assert step.slot_mapping.tolist() == [2 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1] + slots[3:].tolist()
+    assert step.seq_lens.tolist() == [10, 12, 5] and step.sampling.positions.tolist() == [8, 10, 3]
