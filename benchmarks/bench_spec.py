@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="the draft proposes from N ids only (draft_vocab_size): the plain runs' tokens, then random")
     ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="speculative steps synchronous (none queued ahead of the previous result), for comparison")
     ap.add_argument("--confidence-scheduling", action="store_true",
                     help="also confidence-scheduled verification, with the cost table these runs measured")
     a = ap.parse_args(argv)
@@ -369,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {b: [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(b)]
                for b in batches}
     warm = [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
-    engines = {"plain": {}, "spec": dict(speculative_config=speculative_config, enforce_eager=a.smoke or a.eager)}
+    engines = {"plain": {}, "spec": dict(speculative_config=speculative_config, enforce_eager=a.smoke or a.eager,
+                                         async_scheduling=not a.no_async_scheduling)}
     if a.confidence_scheduling:  # its options once the spec runs measured the cost table
         engines["sched"] = None
     rows, results = [], {}
@@ -439,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{dev}, torch {torch.__version__}; {geometry}, {a.layers} layers, draft {a.draft_layers} layer(s), "
           f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, draft vocabulary "
           f"{a.draft_vocab or 'all'}, speculative steps "
-          f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
+          f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}"
+          f"{', synchronous' if a.no_async_scheduling else ''}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
             "(plain steps) | byte floor (plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",))
             + " | eager steps | ahead | match | recorded | "

@@ -101,3 +101,12 @@ def test_bench_spec_host_runs(tmp_path):
     for r in rows:
         assert r["steps"] > 0 and all(r[n] > 0 for n in ("schedule", "build", "fill", "complete", "phases"))
         assert 0 < r["host"] and r["fill"] + r["build"] + r["schedule"] < r["host"]
+
+
+def test_bench_spec_smoke_synchronous(tmp_path):
+    """--no-async-scheduling: no speculative step goes ahead (the comparison run), the same greedy tokens."""
+    bench = _bench()
+    out = tmp_path / "bench_spec.json"
+    assert bench.main(["--smoke", "--out", str(out), "--batches", "2", "--no-async-scheduling"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["ahead"] == 0 < r["steps"] and r["match"] == 1.0 for r in rows)
