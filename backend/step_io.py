@@ -32,8 +32,8 @@ def _map_tensors(obj, fn):
     return dataclasses.replace(obj, **changes)
 
 
-def _move(obj, device: torch.device, non_blocking: bool):
-    return _map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
+def _move(obj, device: torch.device, non_blocking: bool, copy: bool = False):
+    return _map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking, copy=copy))
 
 
 @dataclass
@@ -145,10 +145,10 @@ class StepInput:
     query_start_loc: torch.Tensor  # int32 [S + 1]
     seq_lens: torch.Tensor  # int32 [S] tokens in the cache after this step
     query_start_loc_cpu: list[int]  # the same offsets on the host (tile planning, reference paths)
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int]  # on the host; a step launched ahead of a speculative step's result: a lower bound
     is_decode: bool  # every sequence has exactly one new token (the decode kernels; CUDA graphs)
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # likewise a lower bound
     # the paged cache (None for a contiguous, per-sequence cache: the reference paths)
     block_tables: torch.Tensor | None = None  # int32 [S, W] page ids (0 padded)
     slot_mapping: torch.Tensor | None = None  # int64 [T] page * block_size + offset of every token
@@ -158,8 +158,9 @@ class StepInput:
     attn_tiles: torch.Tensor | None = None  # int32 [n, 3], block-sparse attention
     index_tiles: torch.Tensor | None = None  # int32 [n, 3], the indexer
     speculative: SpeculativeInput | None = None  # the sequences that speculate this step (None: none)
-    # async scheduling: the step was launched before the previous step's tokens reached the host; token t's input id
-    # is row prev_token_rows[t] of that step's sampled token ids (still on the device), input_ids holds zeros
+    # async scheduling: the step was launched before the previous step's tokens reached the host; token t belongs to
+    # the sequence of row prev_token_rows[t] of that step's result (still on the device), which completes the
+    # step's input ids (zeros here) and, after a speculative step, its positions (executor/ahead.py)
     prev_token_rows: torch.Tensor | None = None  # int64 [T]
 
     @property
@@ -170,8 +171,9 @@ class StepInput:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "StepInput":
-        return _move(self, torch.device(device), non_blocking)
+    def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> "StepInput":
+        """`copy`: new tensors even where they are on `device` already (a step completed in place)."""
+        return _move(self, torch.device(device), non_blocking, copy)
 
     def pin_memory(self) -> "StepInput":
         """A copy in page-locked host memory (its copy to a CUDA device does not block the host)."""

@@ -33,7 +33,10 @@ steps. The split: mean device time of each phase graph of the graphed steps (CUD
 draft backbone, Markov positions, verify = the target's forward over K+1 tokens per sequence, rule = logits, sampling
 and acceptance, insert = the draft-cache rows; measured in a second pass over the same prompts, as the events cost
 time), and "host" = the first pass's step wall time minus those. "eager steps" = decode steps of the first pass that
-ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "match" = fraction
+ran eagerly (not graphed: mixed steps; at most the prefill's neighbours with greedy requests). "ahead" = steps of
+that pass queued before the previous step's tokens were back (async scheduling, `LLMEngine._launch_ahead`: the
+host's work then overlaps the device's; in a request's last ~2K+2 tokens its next drafts depend on the accepted
+run: it joins every other step, and steps where every request is there run synchronously). "match" = fraction
 of requests whose tokens equal the plain run's (greedy: 1.0 up to bf16 near-ties between the decode and verify
 kernels).
 "recorded" = fraction of requests whose tokens equal the p = 0 recording: controlled acceptance means what it says
@@ -165,7 +168,7 @@ def engine_counts(eng: LLMEngine) -> dict:
     """Counters whose change over a run says what else ran besides graphed decode steps (see 'recorded')."""
     st, graphs = eng.stats(), eng.executor.worker.drafter.graphs
     return {"mixed": st["num_mixed_steps"], "preempted": st["num_preemptions"],
-            "captures": 0 if graphs is None else len(graphs.graphs)}
+            "captures": 0 if graphs is None else len(graphs.graphs), "ahead": st["num_steps_ahead"]}
 
 
 def phase_split(r: dict, graphs, timed: dict) -> None:
@@ -298,6 +301,7 @@ def rows_of(results: dict, b: int, ps: list[float], layers: int) -> list[dict]:
             "match": sum(x == y for x, y in zip(r["tokens"], base["tokens"])) / b,
             "recorded": sum(x == y for x, y in zip(r["tokens"], results[("spec", b, 0.0)]["tokens"])) / b,
             "mixed": r["mixed"], "preempted": r["preempted"], "captures": r["captures"], "repeat": r["repeat"],
+            "ahead": r["ahead"],
             "draft_columns": r["draft_columns"], "byte_floor": r["byte_floor"]})
         out[-1]["projection_60"] = project(out[-1], layers, base.get("plain_layers_ms"))
     return out
@@ -322,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="the draft proposes from N ids only (draft_vocab_size): the plain runs' tokens, then random")
     ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="speculative steps synchronous (none queued ahead of the previous result), for comparison")
     ap.add_argument("--confidence-scheduling", action="store_true",
                     help="also confidence-scheduled verification, with the cost table these runs measured")
     a = ap.parse_args(argv)
@@ -365,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {b: [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(b)]
                for b in batches}
     warm = [torch.randint(0, cfg.vocab_size - 1, (a.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
-    engines = {"plain": {}, "spec": dict(speculative_config=speculative_config, enforce_eager=a.smoke or a.eager)}
+    engines = {"plain": {}, "spec": dict(speculative_config=speculative_config, enforce_eager=a.smoke or a.eager,
+                                         async_scheduling=not a.no_async_scheduling)}
     if a.confidence_scheduling:  # its options once the spec runs measured the cost table
         engines["sched"] = None
     rows, results = [], {}
@@ -435,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{dev}, torch {torch.__version__}; {geometry}, {a.layers} layers, draft {a.draft_layers} layer(s), "
           f"K={a.k}, prompt {a.prompt_len}, {a.gen_len} tokens, drafts {a.draft_sample_method}, draft vocabulary "
           f"{a.draft_vocab or 'all'}, speculative steps "
-          f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}\n")
+          f"{'eager' if a.eager else 'through the static buffers (CPU)' if a.smoke else 'graphed'}"
+          f"{', synchronous' if a.no_async_scheduling else ''}\n")
     head = ("| batch | p | plain tok/s | spec tok/s | speedup | acceptance | ideal (tau) | efficiency | step cost "
             "(plain steps) | byte floor (plain steps) | " + " | ".join(f"{ph} ms" for ph in PHASES + ("host",))
-            + " | eager steps | match | recorded | "
+            + " | eager steps | ahead | match | recorded | "
             "mixed | preempted | captures | repeat |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -446,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         split = " | ".join("-" if r["phase_ms"] is None else f"{r['phase_ms'][ph]:.2f}" for ph in PHASES + ("host",))
         print(f"| {r['batch']} | {r['p']} | {r['baseline_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['acceptance_rate']:.2f} | {r['ideal_speedup']:.2f} | {r['efficiency']:.2f} | {r['step_cost']:.2f} | "
-              f"{r['byte_floor']:.2f} | {split} | {r['eager_steps']}/{r['steps']} | {r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
+              f"{r['byte_floor']:.2f} | {split} | {r['eager_steps']}/{r['steps']} | {r['ahead']}/{r['steps']} | "
+              f"{r['match']:.2f} | {r['recorded']:.2f} | {r['mixed']} | "
               f"{r['preempted']} | {r['captures']} | {'-' if r['repeat'] is None else format(r['repeat'], '.2f')} |")
     print(f"\nProjected to {TARGET_LAYERS} layers (the target's layers x {TARGET_LAYERS}/{a.layers}, the rest as "
           "measured; graphed runs only)\n")

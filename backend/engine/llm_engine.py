@@ -3,7 +3,8 @@
 sequences, detokenizers); the model, the page pool and the sampler live behind the `Executor`, which gets one
 typed `StepInput` per step and returns the sampled token ids. With speculative decoding (`speculative_config`,
 executor/speculative/) a step may return several tokens per sequence: they are appended one by one, a stop token, stop
-string or max_tokens ending the sequence at that token, and streamed as one output.
+string or max_tokens ending the sequence at that token, and streamed as one output. With async scheduling the next
+step is queued before a step's tokens are back (`_launch_ahead`; after a speculative step too: executor/ahead.py).
 
     engine = LLMEngine(EngineConfig(model=DIR, ...))
     engine.add_request("r1", prompt_token_ids=[...], sampling_params=SamplingParams(...))
@@ -103,6 +104,7 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens (the rest is host work)
+        self.num_steps_ahead = 0  # steps queued before the previous step's tokens were back (`_launch_ahead`)
         self._inflight: _InFlight | None = None  # the step queued on the device, its tokens not yet processed
         warmup = getattr(getattr(self.executor, "worker", None), "warmup", None)  # rank 0's (executor/warmup.py)
         self.warmup_seconds = warmup.seconds if warmup is not None else 0.0
@@ -266,29 +268,53 @@ class LLMEngine:
 
     def _launch_ahead(self, cur: "_InFlight") -> "_InFlight | None":
         """Queue the next decode step of `cur`'s sequences before `cur`'s tokens are back, when the step after `cur`
-        can only be that: every running sequence decodes in `cur`, nothing waits for admission, no sampling option
-        reads the output tokens (penalties), no speculative decoding (its steps follow the accepted runs). Each
-        sequence feeds the token `cur` samples (read on the device) at the position after its last known token; one
-        that `cur` brings to max_tokens is left out. A sequence that `cur` ends otherwise (a stop token or string)
+        can only be that: every running sequence in `cur` samples there (a decode, a speculative decode or its
+        prefill's last chunk), nothing waits for admission, no sampling option reads the output tokens
+        (penalties), no confidence-scheduled verification (its next width reads `cur`'s confidences on the host).
+        Each sequence feeds the last token `cur` gives it (read on the device) at the position after it; after a
+        speculative step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots
+        and cache length by the accepted run (executor/ahead.py). Left out: a sequence `cur` may bring to
+        max_tokens, and one whose drafts next step depend on how many `cur` accepts (near max_tokens or
+        min_tokens). With speculative decoding the running decodes that are not in `cur` (left out of it so) join
+        as the scheduler would schedule them, their tokens all known (row -1); without, a running sequence outside
+        `cur` keeps steps synchronous. The block manager gives each the pages of the longest run (trimmed once a
+        step that is not followed comes back). A sequence that `cur` ends otherwise (a stop token or string)
         wasted its row: `_complete` drops it. Steps that are not queued ahead are scheduled when `cur` is done."""
-        sch = self.scheduler
+        sch, bm = self.scheduler, self.block_manager
+        k_max = self.step_builder.num_speculative_tokens
         if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
-                or self.speculative_stats is not None or sch.waiting or not cur.seqs
-                or len(cur.seqs) != len(sch.running)):
+                or self.verify_scheduler is not None or sch.waiting or not cur.seqs):
             return None
-        sampled = {id(s) for s in cur.seqs}
-        if any(id(s) not in sampled or s.sampling_params.has_penalties for s in sch.running):
+        in_cur, sampled = {id(s) for s in cur.batch.seqs}, {id(s) for s in cur.seqs}
+        known = [s for s in sch.running if id(s) not in in_cur]
+        if (any(s.sampling_params.has_penalties or (id(s) in in_cur) != (id(s) in sampled) for s in sch.running)
+                or known and (not k_max or any(s.num_uncomputed_tokens != 1 for s in known))):
             return None
-        rows = [i for i, s in enumerate(cur.seqs) if s.num_output_tokens + 1 < s.max_tokens]
-        seqs = [cur.seqs[i] for i in rows]
-        if not seqs or sum(self.block_manager.pages_to_append(s, 1) for s in seqs) > self.block_manager.num_free_pages:
-            return None  # nothing to run, or a page short: the next step is scheduled when `cur` is done
-        for s in seqs:
-            self.block_manager.append_slot(s, 1)
-        batch = ScheduledBatch(seqs, [1] * len(seqs), [0] * len(seqs))
+        drafted = dict(zip(map(id, cur.batch.seqs), cur.batch.num_draft_tokens or [0] * len(cur.batch.seqs)))
+        rows, drafts, most = [], [], []
+        for i, s in enumerate(cur.seqs):
+            if s.is_finished:  # ended (or aborted) before `cur` comes back: its row in `cur` is dropped
+                continue
+            m = 1 + drafted[id(s)]  # the most tokens `cur` gives it
+            k = num_draft_tokens(s, k_max, 1) if k_max else 0
+            if s.num_output_tokens + m < s.max_tokens and (not k_max or num_draft_tokens(s, k_max, m) == k):
+                rows.append(i), drafts.append(k), most.append(m)
+        seqs = [cur.seqs[i] for i in rows] + known
+        rows += [-1] * len(known)
+        drafts += [num_draft_tokens(s, k_max) for s in known]
+        most += [0] * len(known)
+        if (not rows or rows[0] < 0 or len(seqs) + sum(drafts) > sch.max_num_batched_tokens
+                or sum(bm.pages_to_append(s, m + k) for s, m, k in zip(seqs, most, drafts)) > bm.num_free_pages):
+            # nothing of `cur` to follow (then one step with every sequence beats one without those left out of
+            # it), over the token budget, or a page short: the next step is scheduled when `cur` is done
+            return None
+        for s, m, k in zip(seqs, most, drafts):
+            bm.append_slot(s, m + k)  # its next step's last position, after the longest run `cur` may accept
+        batch = ScheduledBatch(seqs, [1 + k for k in drafts], drafts)
         step, _ = self.step_builder.build(batch, prev_rows=rows)
+        self.num_steps_ahead += 1
         try:
-            return _InFlight(batch, step, seqs, self.executor.launch(step, cur.out.device.token_ids))
+            return _InFlight(batch, step, seqs, self.executor.launch(step, cur.out.device))
         except Exception as e:  # its requests fail once `cur`'s tokens are out; a device fault kills the engine now
             if not contained(e) or not self.executor_alive():
                 raise
@@ -329,7 +355,8 @@ class LLMEngine:
                 for seq, conf in zip(seqs, sampled.draft_confidence.tolist()):
                     if scheduled[id(seq)]:
                         seq.draft_confidence = conf[:scheduled[id(seq)]]
-        self.scheduler.update(batch, rejected)
+        queued = self._inflight.batch.seqs if self._inflight is not None else ()  # their lookahead pages stay
+        self.scheduler.update(batch, rejected, keep_lookahead=queued)
         self.num_steps += 1
         outputs = []
         for seq, _ in live:
@@ -441,7 +468,8 @@ class LLMEngine:
             "num_preemptions": sch.num_preemptions, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
-            "num_steps": self.num_steps, "device_wait_seconds": self.device_wait_s,
+            "num_steps": self.num_steps, "num_steps_ahead": self.num_steps_ahead,
+            "device_wait_seconds": self.device_wait_s,
             "num_chunked_prefills": sch.num_chunked_prefills,
             "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,
             "load_seconds": self.load_seconds, "warmup_seconds": self.warmup_seconds,

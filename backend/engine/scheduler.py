@@ -12,7 +12,8 @@ An admitted sequence gets pages for all its tokens at once, so a prefill never h
 Speculative decoding (`num_lookahead`, engine/speculative_scheduling.py): a decode that drafts k tokens takes 1 + k
 tokens of the budget (it waits for a later step when they do not fit) and slots for k positions past its last
 token (preempting as a plain decode does). After the step `update` counts only the anchor and the accepted drafts
-as computed and returns the lookahead pages left empty (`BlockManager.trim`). A preempted sequence is recomputed
+as computed and returns the lookahead pages left empty (`BlockManager.trim`; not while a step queued ahead of the
+result, async scheduling, may still write there). A preempted sequence is recomputed
 up to its last token only, which the next step feeds as a decode again (`resume_as_decode`): it speculates from
 the same anchor as it would have without the preemption, so it draws the same tokens.
 """
@@ -164,15 +165,18 @@ class Scheduler:
         self.max_running = max(self.max_running, len(self.running))
         return out
 
-    def update(self, batch: ScheduledBatch, num_rejected: list[int] | None = None) -> None:
+    def update(self, batch: ScheduledBatch, num_rejected: list[int] | None = None,
+               keep_lookahead=()) -> None:
         """After the forward, with the step's new tokens appended to the sequences: the scheduled tokens are in the
         cache, less the `num_rejected` rejected drafts per sequence (their rows are garbage, overwritten later);
-        register full blocks, return lookahead pages left empty. Sequences that ended meanwhile are skipped."""
-        drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
-        for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
+        register full blocks, return lookahead pages left empty, except those of the sequences `keep_lookahead`
+        (a step queued behind this one writes there: async scheduling). Sequences that ended meanwhile are
+        skipped."""
+        keep = {id(s) for s in keep_lookahead}
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.is_finished:  # ended (or aborted) while the step ran: its pages are gone
                 continue
             seq.num_computed_tokens += n - (num_rejected[i] if num_rejected else 0)
             self.bm.mark_computed(seq)
-            if k:
+            if id(seq) not in keep:
                 self.bm.trim(seq)

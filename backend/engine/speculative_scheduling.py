@@ -24,9 +24,10 @@ def can_speculate(sp: SamplingParams) -> bool:
     return not sp.has_penalties
 
 
-def num_draft_tokens(seq: Sequence, k: int) -> int:
-    """Drafts the decoding sequence `seq` verifies in its next step (0: a plain decode)."""
-    sp = seq.sampling_params
-    if not can_speculate(sp) or seq.num_output_tokens < sp.min_tokens:
+def num_draft_tokens(seq: Sequence, k: int, ahead: int = 0) -> int:
+    """Drafts the decoding sequence `seq` verifies in its next step (0: a plain decode). `ahead`: output tokens a
+    step still running gives it before that (async scheduling: the host has not appended them yet)."""
+    sp, out = seq.sampling_params, seq.num_output_tokens + ahead
+    if not can_speculate(sp) or out < sp.min_tokens:
         return 0
-    return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
+    return max(0, min(k, seq.max_tokens - out - 1))

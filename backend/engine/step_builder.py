@@ -40,14 +40,16 @@ class StepBuilder:
         """The step's input, and the sequences whose next token it samples (one per logits index, in order).
 
         `prev_rows` (async scheduling): the batch's sequences are decodes launched while the step sampling their
-        newest token still runs; that token is row prev_rows[i] of its sampled ids and goes in at position
-        `num_tokens` (the host does not know it yet)."""
+        newest token still runs; that token is the last of row prev_rows[i] of its result and goes in at position
+        `num_tokens` (the host does not know it yet). After a speculative step, which may emit several, everything
+        here assumes one: the device moves each sequence's tokens by the rest (executor/ahead.py). A row of -1: a
+        decode whose tokens are all known (built as without `prev_rows`)."""
         bs = self.block_size
-        ahead = int(prev_rows is not None)  # tokens of each sequence that the running step is still sampling
+        rows_ahead = [0] * len(batch.seqs) if prev_rows is None else [int(r >= 0) for r in prev_rows]
         ids, pos, qsl, seq_lens = [], [], [0], []
-        sample_rows, sample_seqs, speculating = [], [], []
+        sample_rows, sample_seqs, speculating, sample_ahead = [], [], [], []
         drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
-        for i, (seq, n, k) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts)):
+        for i, (seq, n, k, ahead) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts, rows_ahead)):
             start = seq.num_tokens if ahead else seq.num_computed_tokens
             end = start + n
             known = seq.token_ids[start:end - k]
@@ -58,10 +60,10 @@ class StepBuilder:
             if k:
                 speculating.append((len(sample_rows), i, qsl[-2], k))
                 sample_rows.append(qsl[-2])
-                sample_seqs.append(seq)
+                sample_seqs.append(seq), sample_ahead.append(ahead)
             elif end == seq.num_tokens + ahead:
                 sample_rows.append(qsl[-1] - 1)
-                sample_seqs.append(seq)
+                sample_seqs.append(seq), sample_ahead.append(ahead)
         tables = np.zeros((len(batch.seqs), max([1] + [len(s.pages) for s in batch.seqs])), dtype=np.int32)
         for i, seq in enumerate(batch.seqs):
             tables[i, :len(seq.pages)] = seq.pages.array
@@ -75,15 +77,17 @@ class StepBuilder:
             max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens), block_tables=torch.from_numpy(tables),
             slot_mapping=torch.from_numpy(slots),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64),
-            sampling=self.sampling(sample_seqs, ahead) if sample_seqs else None,
+            sampling=self.sampling(sample_seqs, sample_ahead) if sample_seqs else None,
             speculative=SpeculativeInput.from_rows(speculating, len(sample_rows), self.num_speculative_tokens)
             if speculating else None,
-            prev_token_rows=torch.tensor(prev_rows, dtype=torch.int64) if ahead else None)
+            prev_token_rows=torch.from_numpy(np.repeat(np.asarray(prev_rows, dtype=np.int64), batch.num_new_tokens))
+            if prev_rows is not None else None)
         return (step.pin_memory() if self.pin_memory else step), sample_seqs
 
-    def sampling(self, seqs: list[Sequence], ahead: int = 0) -> SamplingInput:
-        """`ahead`: tokens of each sequence sampled by a step still running (async scheduling; no penalties then:
-        they read the output tokens)."""
+    def sampling(self, seqs: list[Sequence], ahead: list[int] | None = None) -> SamplingInput:
+        """`ahead`: per sequence, its tokens (0 or 1) sampled by a step still running (async scheduling; no
+        penalties then: they read the output tokens)."""
+        ahead = ahead or [0] * len(seqs)
         sps = [s.sampling_params for s in seqs]
         greedy = [sp.greedy for sp in sps]
         f32 = torch.float32
@@ -93,7 +97,7 @@ class StepBuilder:
             top_p=torch.tensor([sp.top_p for sp in sps], dtype=f32),
             min_p=torch.tensor([sp.min_p for sp in sps], dtype=f32),
             seeds=torch.tensor([as_int64(s.seed) for s in seqs], dtype=torch.int64),
-            positions=torch.tensor([s.num_tokens + ahead for s in seqs], dtype=torch.int64),
+            positions=torch.tensor([s.num_tokens + a for s, a in zip(seqs, ahead)], dtype=torch.int64),
             all_greedy=all(greedy),
             needs_top_k=any(sp.top_k > 0 and not g for sp, g in zip(sps, greedy)),
             needs_top_p=any(sp.top_p < 1.0 and not g for sp, g in zip(sps, greedy)),
@@ -101,7 +105,7 @@ class StepBuilder:
             max_num_logprobs=max(-1 if sp.logprobs is None else sp.logprobs for sp in sps))
         if any(sp.has_penalties for sp in sps):
             self._penalties(s, seqs)
-        suppress = [self._suppressed(s, ahead) for s in seqs]
+        suppress = [self._suppressed(s, a) for s, a in zip(seqs, ahead)]
         if any(suppress):
             s.suppress_token_ids = _padded(suppress)
         return s

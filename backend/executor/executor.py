@@ -3,8 +3,6 @@ of them, hand back rank 0's sampled tokens. One worker in this process (`Uniproc
 tensor_parallel_size > 1 rank 0 here and worker processes for the other ranks (`multiproc_executor.py`)."""
 from __future__ import annotations
 
-import torch
-
 from m3serve.config import EngineConfig, ModelConfig
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.worker import PendingOutput, Worker
@@ -16,15 +14,16 @@ class Executor:
     num_pages: int
     pin_memory: bool = False  # step inputs are built in pinned host memory (copied to a CUDA device without a sync)
     supports_async_scheduling: bool = False  # `launch` returns before the step's tokens are back, and a step may
-    #   read the previous step's tokens on the device (`StepInput.prev_token_rows`)
+    #   read the previous step's result on the device (`StepInput.prev_token_rows`). Not with tensor parallelism
+    #   (multiproc_executor.py): a rank's step would need rank 0's result, which only rank 0 has
 
     def execute(self, step: StepInput) -> SamplerOutput | None:
         raise NotImplementedError
 
-    def launch(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> PendingOutput:
+    def launch(self, step: StepInput, prev: SamplerOutput | None = None) -> PendingOutput:
         """Start the step; its tokens come from the returned object's `result()`. Here: run it to completion."""
-        if prev_token_ids is not None:
-            raise ValueError("this executor does not take a step's input ids from the previous step")
+        if prev is not None:
+            raise ValueError("this executor does not take a step's inputs from the previous step's result")
         return PendingOutput.ready(self.execute(step))
 
     def check_health(self) -> None:
@@ -49,6 +48,6 @@ class UniprocExecutor(Executor):
     def execute(self, step: StepInput) -> SamplerOutput | None:
         return self.worker.execute(step)
 
-    def launch(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> PendingOutput:
-        return self.worker.launch(step, prev_token_ids)
+    def launch(self, step: StepInput, prev: SamplerOutput | None = None) -> PendingOutput:
+        return self.worker.launch(step, prev)
 

@@ -9,6 +9,7 @@ import torch
 
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.model.kv_cache import PagedKVCache
+from m3serve.executor.ahead import follow_previous
 from m3serve.executor.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -52,23 +53,19 @@ class ModelRunner:
         return self.model(step)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:
+    def execute(self, step: StepInput, prev: SamplerOutput | None = None) -> SamplerOutput | None:
         """Run one step; the sampled tokens (on the device), or None when the step samples nothing. Tensor-parallel
         ranks other than 0 get the step without its sampling fields: they compute their logits' share (gathered
         to rank 0) and return None. Decode steps replay the CUDA graphs when they were captured; speculative
-        decoding runs its own step (executor/speculative/decoder.py). `prev_token_ids`: the previous step's sampled ids on
-        the device, where a step launched ahead of them (`step.prev_token_rows`) takes its input ids."""
-        if (step.prev_token_rows is None) != (prev_token_ids is None):
-            raise ValueError("a step reads the previous step's tokens exactly when it is given them")
+        decoding runs its own step (executor/speculative/decoder.py). `prev`: the previous step's result on the
+        device, which a step launched ahead of it (`step.prev_token_rows`) reads (executor/ahead.py)."""
+        if (step.prev_token_rows is None) != (prev is None):
+            raise ValueError("a step reads the previous step's result exactly when it is given it")
         if self.drafter is not None:
-            if prev_token_ids is not None:
-                raise ValueError("speculative steps take their input ids from the host")
-            return self.drafter.execute(step)
+            return self.drafter.execute(step, prev)
         if self.graphs is not None and self.graphs.supports(step):
-            return self.graphs.execute(step, prev_token_ids)
-        step = step.to(self.device, non_blocking=True)
-        if prev_token_ids is not None:
-            step.input_ids = prev_token_ids[step.prev_token_rows]
+            return self.graphs.execute(step, None if prev is None else prev.token_ids)
+        step = self.on_device(step, prev)
         hidden = self.forward(step)
         if step.logits_indices is None or step.logits_indices.numel() == 0:
             return None
@@ -76,3 +73,11 @@ class ModelRunner:
         if logits is None or step.sampling is None:
             return None
         return self.sampler(logits, step.sampling)
+
+    def on_device(self, step: StepInput, prev: SamplerOutput | None) -> StepInput:
+        """The step on the runner's device for an eager run; launched ahead, completed from `prev` (its own copy:
+        the host's step stays as built)."""
+        step = step.to(self.device, non_blocking=True, copy=prev is not None)
+        if prev is not None:
+            follow_previous(step, prev, step.prev_token_rows, self.cache.block_size, step.num_seqs)
+        return step

@@ -122,11 +122,11 @@ class Worker:
             _wait_device(timeout_s)
         return out.to("cpu")
 
-    def launch(self, step: StepInput, prev_token_ids: torch.Tensor | None = None) -> "PendingOutput":
+    def launch(self, step: StepInput, prev: SamplerOutput | None = None) -> "PendingOutput":
         """Queue the step on the device and return at once (async scheduling): its tokens reach the host when
-        `result()` is called. `prev_token_ids`: the device token ids of the step launched before, which this step
-        reads through `step.prev_token_rows`."""
-        return PendingOutput(self.runner.execute(step, prev_token_ids))
+        `result()` is called. `prev`: the device result of the step launched before, which this step reads through
+        `step.prev_token_rows` (executor/ahead.py)."""
+        return PendingOutput(self.runner.execute(step, prev))
 
 
 class PendingOutput:

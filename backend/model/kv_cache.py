@@ -182,7 +182,7 @@ class LayerKVCache:
         self.write(step.slot_mapping[qsl[seq]:qsl[seq + 1]], k, v, ik)
 
     def load(self, seq: int, step: StepInput):
-        length = step.seq_lens_cpu[seq]
+        length = int(step.seq_lens[seq])  # not seq_lens_cpu: a step launched ahead completes it on the device
         pages = step.block_tables[seq, :-(-length // self.block_size)].long()
         return self.gather(pages, length)
 

@@ -2,8 +2,8 @@
 tokens with graphs on and off (greedy, and seeded sampling with probabilistic drafts, block verification, FP8 draft
 cache), greedy tokens equal to plain decoding up to near-ties, under in-flight batching with batch sizes between the
 buckets (padded rows), sequences near max_tokens with fewer drafts (graphed too), mixed steps (prefill chunks) that
-run eagerly; with the benchmarks' phase timing, one graph per phase and the same tokens. fp32 tiny model, fp32
-caches."""
+run eagerly; with the benchmarks' phase timing, one graph per phase and the same tokens; steps launched ahead
+(async scheduling) give the synchronous engine's tokens. fp32 tiny model, fp32 caches."""
 import pytest
 import torch
 
@@ -19,15 +19,15 @@ def _prompts():
     return [torch.randint(3, 480, (n,), generator=g).tolist() for n in (20, 90, 150, 7, 64)]
 
 
-def _llm(tiny_model_dir, eager: bool, options: dict | None):
+def _llm(tiny_model_dir, eager: bool, options: dict | None, async_scheduling: bool = True):
     return LLM(model=tiny_model_dir, device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=96,
-               max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager,
+               max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager, async_scheduling=async_scheduling,
                speculative_config=None if options is None
                else {"method": "dspark", "num_speculative_tokens": K, **options})
 
 
-def _speculate(tiny_model_dir, eager, options, params, known):
-    llm = _llm(tiny_model_dir, eager, options)
+def _speculate(tiny_model_dir, eager, options, params, known, async_scheduling=True):
+    llm = _llm(tiny_model_dir, eager, options, async_scheduling)
     drafter = llm.engine.executor.worker.drafter
     drafter.proposal_hook = ControlledProposals(known, 0.7, drafter.draft.config.vocab_size, "cuda")
     outs = [o.token_ids for o in llm.generate(_prompts(), params)]
@@ -87,6 +87,24 @@ def test_sampled_speculation_same_tokens_with_graphs_on_and_off(tiny_model_dir):
     graphed, graphs, _ = _speculate(tiny_model_dir, False, options, params, known)
     eager, _, _ = _speculate(tiny_model_dir, True, options, params, known)
     assert graphed == eager and any(not key[2] for key in graphs.graphs)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_speculative_steps_launched_ahead_same_tokens(tiny_model_dir, sampled):
+    """Async scheduling queues graphed speculative steps before the previous step's accepted runs reach the host
+    (executor/ahead.py completes the buffers on the device, before the replay): the same tokens as the synchronous
+    engine (the same graphs), with most decode steps launched ahead, drafts accepted and rejected."""
+    params = [SamplingParams(temperature=0.8 if sampled else 0, top_p=0.9 if sampled else 1.0, max_tokens=n,
+                             ignore_eos=True, seed=300 + i) for i, n in enumerate((60, 45, 70, 40, 55))]
+    plain = [o.token_ids for o in _llm(tiny_model_dir, False, None).generate(_prompts(), params)]
+    known = {300 + i: p + t for i, (p, t) in enumerate(zip(_prompts(), plain))}
+    options = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"} if sampled else {}
+    sync, _, st_sync = _speculate(tiny_model_dir, False, options, params, known, async_scheduling=False)
+    ahead, graphs, st = _speculate(tiny_model_dir, False, options, params, known)
+    assert ahead == sync and st_sync["num_steps_ahead"] == 0
+    assert graphs.num_ahead > 5 and st["num_steps_ahead"] >= graphs.num_ahead  # through the graphs
+    assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+    assert st["num_free_pages"] == st["num_total_pages"]
 
 
 def test_draft_vocab_same_tokens_with_graphs_on_and_off(tiny_model_dir, tmp_path):

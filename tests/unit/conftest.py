@@ -92,13 +92,53 @@ def check_invariants(engine):
         assert bm.pages[pid].hash == h
 
 
+def run_queued(engine, late=None, abort_at=None, max_steps=500):
+    """Step to completion (async scheduling's tests): request (id, prompt, params) = late[step] added before that step,
+    abort_at = (step, request id) aborted before it; the block manager checked whenever no step is queued, and whole
+    at the end. ({request id: (tokens, finish reason, text, logprobs)}, the steps that left a step queued)."""
+    late, res, queued, step = late or {}, {}, 0, 0
+
+    def collect(o):
+        toks, _, text, lps = res.get(o.request_id, ([], None, "", []))
+        res[o.request_id] = (toks + list(o.new_token_ids), o.finish_reason, text + o.text,
+                             lps + list(o.logprobs or []))
+
+    while engine.has_unfinished_requests():
+        if step in late:
+            rid, p, sp = late[step]
+            engine.add_request(rid, prompt_token_ids=p, sampling_params=sp)
+        if abort_at is not None and step == abort_at[0]:
+            out = engine.abort_request(abort_at[1])
+            if out is not None:
+                collect(out)
+        for o in engine.step():
+            collect(o)
+        queued += engine._inflight is not None
+        if engine._inflight is None:
+            check_invariants(engine)
+        step += 1
+        assert step < max_steps
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    return res, queued
+
+
+def same_outputs(a, b):
+    """Two `run_queued` results agree: tokens, finish reasons, texts; logprobs to 1e-5."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid][:3] == b[rid][:3], rid
+        assert len(a[rid][3]) == len(b[rid][3])
+        for da, db in zip(a[rid][3], b[rid][3]):
+            assert da.keys() == db.keys() and all(abs(da[t] - db[t]) < 1e-5 for t in da)
+
+
 @pytest.fixture(scope="session")
 def eu():
     """Engine test utilities (a fixture, so test files need not import conftest by name)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(random_prompts=random_prompts, run_to_completion=run_to_completion,
-                           check_invariants=check_invariants)
+                           check_invariants=check_invariants, run_queued=run_queued, same_outputs=same_outputs)
 
 
 @pytest.fixture(scope="session")

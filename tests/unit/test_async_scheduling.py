@@ -35,47 +35,15 @@ def _run(make_engine, eu, async_scheduling: bool, late=None, abort_at=None):
     for i, sp in enumerate(_params(eos_like, stop)):
         eng.add_request(f"r{i}", prompt_token_ids=prompts[2 if i == 5 else i], sampling_params=sp)
     late = late or {5: ("late0", prompts[6]), 9: ("late1", prompts[7])}
-    res, ahead, step = {}, 0, 0
-    while eng.has_unfinished_requests():
-        if step in late:
-            rid, p = late[step]
-            eng.add_request(rid, prompt_token_ids=p, sampling_params=greedy)
-        if abort_at is not None and step == abort_at[0]:
-            out = eng.abort_request(abort_at[1])
-            if out is not None:
-                _collect(res, out)
-        for o in eng.step():
-            _collect(res, o)
-        ahead += eng._inflight is not None
-        if eng._inflight is None:
-            eu.check_invariants(eng)
-        step += 1
-        assert step < 500
-    assert eng.block_manager.num_free_pages == eng.block_manager.num_pages
+    res, ahead = eu.run_queued(eng, {step: (rid, p, greedy) for step, (rid, p) in late.items()}, abort_at)
     return res, eng, ahead
-
-
-def _collect(res, o):
-    toks, _, text, lps = res.get(o.request_id, ([], None, "", []))
-    res[o.request_id] = (toks + list(o.new_token_ids), o.finish_reason, text + o.text, lps + list(o.logprobs or []))
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for rid in a:
-        ta, ra, xa, la = a[rid]
-        tb, rb, xb, lb = b[rid]
-        assert (ta, ra, xa) == (tb, rb, xb), rid
-        assert len(la) == len(lb)
-        for da, db in zip(la, lb):
-            assert da.keys() == db.keys() and all(abs(da[k] - db[k]) < 1e-5 for k in da)
 
 
 def test_async_equals_sync(make_engine, eu):
     sync, _, ahead_sync = _run(make_engine, eu, False)
     asyn, eng, ahead = _run(make_engine, eu, True)
     assert ahead_sync == 0 and ahead > 20  # the pipeline ran for most steps
-    _same(sync, asyn)
+    eu.same_outputs(sync, asyn)
     reasons = {rid: r for rid, (_, r, _, _) in asyn.items()}
     assert reasons["r2"] == "stop" and len(asyn["r2"][0]) == 4  # ended by a stop token while its next step ran
     assert reasons["r5"] == "stop" and len(asyn["r5"][0]) < 30  # ended by a stop string likewise
@@ -87,7 +55,7 @@ def test_abort_while_a_step_is_queued(make_engine, eu):
     sync, _, _ = _run(make_engine, eu, False, abort_at=(14, "r0"))
     asyn, _, _ = _run(make_engine, eu, True, abort_at=(14, "r0"))
     assert asyn["r0"][1] == "abort" and 0 < len(asyn["r0"][0]) < 40
-    _same(sync, asyn)
+    eu.same_outputs(sync, asyn)
 
 
 def test_penalties_keep_steps_synchronous(make_engine, eu):

@@ -38,6 +38,7 @@ def test_bench_spec_smoke(tmp_path):
         assert r["byte_floor"] > 1  # the verify forward alone reads the plain step's bytes and more experts
         # every decode step took the graphs' static path, those near max_tokens included (greedy)
         assert r["eager_steps"] == 0 < r["steps"]
+        assert 0 < r["ahead"] < r["steps"]  # steps queued ahead of the previous result; the last ones synchronous
     by_p = {(r["batch"], r["p"]): r for r in rows}
     for b in (1, 2):
         assert by_p[(b, 0.0)]["acceptance_rate"] < 0.2 < 0.4 < by_p[(b, 0.8)]["acceptance_rate"]
@@ -100,3 +101,12 @@ def test_bench_spec_host_runs(tmp_path):
     for r in rows:
         assert r["steps"] > 0 and all(r[n] > 0 for n in ("schedule", "build", "fill", "complete", "phases"))
         assert 0 < r["host"] and r["fill"] + r["build"] + r["schedule"] < r["host"]
+
+
+def test_bench_spec_smoke_synchronous(tmp_path):
+    """--no-async-scheduling: no speculative step goes ahead (the comparison run), the same greedy tokens."""
+    bench = _bench()
+    out = tmp_path / "bench_spec.json"
+    assert bench.main(["--smoke", "--out", str(out), "--batches", "2", "--no-async-scheduling"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["ahead"] == 0 < r["steps"] and r["match"] == 1.0 for r in rows)

@@ -42,8 +42,8 @@ def test_greedy_static_path_equals_plain_decoding_with_padding(make_engine, refe
     graphs = eng.executor.worker.drafter.graphs
     drafts = []  # per static step, each speculating sequence's k, and the plain decodes in it
     execute = graphs.execute
-    graphs.execute = lambda step: (drafts.append(([], step.num_seqs) if step.speculative is None else (
-        step.speculative.num_drafts.tolist(), step.num_seqs - step.speculative.num_seqs)), execute(step))[1]
+    graphs.execute = lambda step, prev=None: (drafts.append(([], step.num_seqs) if step.speculative is None else (
+        step.speculative.num_drafts.tolist(), step.num_seqs - step.speculative.num_seqs)), execute(step, prev))[1]
     got = _run(eng, prompts, sps, known, 0.6)
     assert got == [reference_greedy(p, n) for p, n in zip(prompts, gens)]
     assert graphs.num_steps >= 5 and {key[0] for key in graphs.views} >= {4, 2}  # padded buckets ran

@@ -177,11 +177,12 @@ class SpeculativeDecoder:
 
     # ---- the step ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> SamplerOutput | None:
-        """One engine step (host tensors): a graphed replay when the step is one the graphs take, else eager."""
+    def execute(self, step: StepInput, prev: SamplerOutput | None = None) -> SamplerOutput | None:
+        """One engine step (host tensors): a graphed replay when the step is one the graphs take, else eager.
+        `prev`: the previous step's result on the device, for a step launched ahead of it (executor/ahead.py)."""
         if self.graphs is not None and self.graphs.supports(step):
-            return self.graphs.execute(step)
-        return self.run(step.to(self.runner.device, non_blocking=True))
+            return self.graphs.execute(step, prev)
+        return self.run(self.runner.on_device(step, prev))
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> SamplerOutput | None:

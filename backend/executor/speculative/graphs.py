@@ -22,6 +22,9 @@ into the same memory pool, handing each other their tensors) and a CUDA event is
 A bucket's graphs are captured at its first step: that step runs its phases eagerly over the buffers (compiling
 the kernels; its result is the step's), then each phase is captured (should a capture fail, the error is logged
 and speculative steps run eagerly from then on). A new proposal hook drops them (`clear`).
+A step launched ahead of the previous step's result (async scheduling) is filled as built (one token per sequence
+from that step) and its sequences' rows of the buffers are then moved by their accepted runs on the device
+(executor/ahead.py), before the replay.
 On the CPU (the tests) nothing is captured: every step runs the same static-buffer path eagerly.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from m3serve.step_io import SamplerOutput, SpeculativeInput, StepInput
+from m3serve.executor.ahead import follow_previous
 from m3serve.executor.cuda_graph import DecodeBuffers, _bucket, batch_buckets, width_buckets
 
 log = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class SpeculativeBuffers(DecodeBuffers):
         self.k = k
         rows = max_seqs * w
         self.arena = _Arena({"input_ids": (rows, i64), "positions": (rows, i64), "slot_mapping": (rows, i64),
+                             "prev_rows": (rows, i64),
                              "num_drafts": (max_seqs, i64), "seq_lens": (max_seqs, i32),
                              "temperature": (max_seqs, f32), "top_k": (max_seqs, i32), "top_p": (max_seqs, f32),
                              "min_p": (max_seqs, f32), "seeds": (max_seqs, i64), "sample_positions": (max_seqs, i64)},
@@ -134,6 +139,8 @@ class SpeculativeBuffers(DecodeBuffers):
         n, w, k1, sp = step.num_seqs, step.block_tables.shape[1], self.k + 1, step.speculative
         batch, t = view.num_seqs, n * k1
         ids, pos, slots = step.input_ids.numpy(), step.positions.numpy(), step.slot_mapping.numpy()
+        ahead = step.prev_token_rows is not None  # launched ahead: each token's row of the previous result
+        prev = step.prev_token_rows.numpy() if ahead else ids
         if sp is not None and sp.num_seqs == n:
             drafts = sp.num_drafts.numpy()
         else:  # plain decodes of a greedy step (`supports`): 0 drafts
@@ -143,11 +150,13 @@ class SpeculativeBuffers(DecodeBuffers):
         if step.num_tokens != t:  # spread each sequence over its K+1 rows
             j = np.arange(k1)
             src = (np.asarray(step.query_start_loc_cpu[:n])[:, None] + np.minimum(j[None, :], drafts[:, None]))
-            ids, pos, slots = ids[src.ravel()], pos[src.ravel()], slots[src.ravel()]
+            ids, pos, slots, prev = ids[src.ravel()], pos[src.ravel()], slots[src.ravel()], prev[src.ravel()]
             slots[(j[None, :] > drafts[:, None]).ravel()] = -1
         hv, s = self.arena.writable(), step.sampling
         for name, src, pad in (("input_ids", ids, 0), ("positions", pos, 0), ("slot_mapping", slots, -1)):
             hv[name][:t], hv[name][t:batch * k1] = src, pad
+        if ahead:  # read by `follow_previous` over the step's own rows only
+            hv["prev_rows"][:t] = prev
         for name, src, pad in (("num_drafts", drafts, self.k), ("seq_lens", step.seq_lens.numpy(), k1),
                                ("temperature", s.temperature.numpy(), 0), ("top_k", s.top_k.numpy(), 0),
                                ("top_p", s.top_p.numpy(), 1), ("min_p", s.min_p.numpy(), 0),
@@ -181,6 +190,7 @@ class SpeculativeGraphs:
         self.graphs: dict[tuple, tuple[list[torch.cuda.CUDAGraph], object]] = {}
         self.pool = None
         self.num_steps = 0  # steps it ran (replayed, or eagerly over the buffers)
+        self.num_ahead = 0  # of which launched ahead of the previous step's result (async scheduling)
         self.timing = False  # record CUDA events between the phases of every replay (benchmarks)
         self.phase_ms: list[list[float]] = []  # per timed replay, each phase's device time (ms); read after a sync
         self._events: list[torch.cuda.Event] | None = None
@@ -220,12 +230,17 @@ class SpeculativeGraphs:
         return self.views[key]
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> SamplerOutput:
+    def execute(self, step: StepInput, prev: SamplerOutput | None = None) -> SamplerOutput:
+        """`prev`: the previous step's device result, for a step launched ahead of it: its sequences' rows of the
+        buffers are completed from it on the device after the upload (executor/ahead.py), before the replay."""
         n, k, s = step.num_seqs, self._step_k(step), step.sampling
         filters = () if s.all_greedy else (s.needs_top_k, s.needs_top_p, s.needs_min_p)
         key = (_bucket(self.batches, n), _bucket(self.widths, step.block_tables.shape[1]), s.all_greedy, k, filters)
-        view = self._view(key)
-        self.buffers[k].fill_speculative(step, view)
+        view, buffers = self._view(key), self.buffers[k]
+        buffers.fill_speculative(step, view)
+        if prev is not None:
+            follow_previous(view, prev, buffers.prev_rows, buffers.block_size, n)
+            self.num_ahead += 1
         self.num_steps += 1
         gkey = key[:4] + (self.timing,) + key[4:]
         if gkey in self.graphs:
