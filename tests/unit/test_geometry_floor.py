@@ -1,21 +1,16 @@
 """benchmarks/geometry.py's byte floor of a speculative step (bench_spec's "byte floor" column): the verify forward
 reads the routed experts of (K + 1) x B tokens but the cache once, the draft side its weights once, the Markov W2
 once per draft position and the lm_head rows it drafts from."""
-import importlib.util
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _geometry():
-    spec = importlib.util.spec_from_file_location("geometry", os.path.join(ROOT, "benchmarks", "geometry.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import geometry  # noqa: E402
 
 
 class _Draft(nn.Module):
@@ -32,14 +27,14 @@ class _Draft(nn.Module):
 
 
 def test_expected_experts():
-    g = _geometry()
+    g = geometry
     assert g.expected_experts(128, 4, 1) == pytest.approx(4.0)
     assert g.expected_experts(128, 4, 8) == pytest.approx(128 * (1 - (124 / 128) ** 8))  # ~28.7 of 128
     assert g.expected_experts(128, 4, 2) < 8 and g.expected_experts(128, 4, 10_000) == pytest.approx(128)
 
 
 def test_draft_bytes_count_w2_per_position_and_the_head_rows_drafted_from():
-    g = _geometry()
+    g = geometry
     d = _Draft()
     kv = 2 * 1 * 10 * 2 * 1 * 8  # batch 2, 1 layer, 10 context rows, K and V, 1 head x 8, one byte
     assert g.draft_bytes(d, 3, 10, 2) == 256 + 3 * 1600 + 3200 + kv
@@ -48,7 +43,7 @@ def test_draft_bytes_count_w2_per_position_and_the_head_rows_drafted_from():
 
 
 def test_the_verify_forward_reads_more_experts_and_the_cache_once():
-    g = _geometry()
+    g = geometry
     cfg = g.flash_geometry(3, 1, **g.SMOKE)
     expert = 1000
     wb = {"layers": [{"attention": 500, "mlp": 300, "expert": 0, "moe": False}]
