@@ -8,8 +8,13 @@ model that only learned to pick some value of the context scores 1/P; one with a
   `learn.train.build_target`: QK-norm, partial RoPE, MSA layers, MoE), with transformers' own init; --mlp dense,
   --kv-heads 4, --all-full and --qk-scale change one trait;
 - `plain`: a pre-LayerNorm GPT with full RoPE, no QK-norm and PyTorch's default init (the control); --qk-norm,
-  --rotary-fraction 0.5, --norm rms and --plain-mlp swiglu add one M3 trait at a time.
-Either: --init-std re-draws every matrix (or those --init-only names), then --embed-std the token embedding.
+  --rotary-fraction 0.5, --norm rms and --plain-mlp swiglu add one M3 trait at a time (--plain-mlp swiglu-oai: M3's
+  own activation; swiglu-noclamp, swiglu-plus1, swiglu-alpha: its parts).
+Either: --init-std re-draws every matrix (or those --init-only names), then --embed-std the token embedding; --zero
+zeroes parameters by name; --mlp-frozen-steps keeps the MLPs' learning rate at 0 for the first steps. `m3` also takes
+--train-init (learn/train.py's `fresh_init`, the trainer's own recipe) and --learned-size (the learned model's config).
+The rows: --colon puts a separator token between each key and its value (as the old ` key:value` lines did);
+--pairs-to draws each step's P log-uniform over --pairs..--pairs-to and also scores a held-out batch at the longest.
 
     python benchmarks/recall_plateau.py --arch m3 --pairs 4 --steps 1000 --out /tmp/recall.json
 
@@ -88,10 +93,15 @@ class PlainGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False, fast: bool = True):
+def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False, fast: bool = True, learned: bool = False):
+    """The micro model, or (`learned`) the learned model's own config (learn/config.py) over this vocabulary."""
     from m3serve.config import FULL, SPARSE
     from m3serve.learn.config import learned_config
     from m3serve.learn.train import build_target
+
+    if learned:
+        model = build_target(learned_config(VOCAB, 0, 1), torch.device("cpu"), seed, fast)
+        return model, lambda ids: model(input_ids=ids).logits
 
     layers = [FULL] * LAYERS if all_full else [FULL, SPARSE] * (LAYERS // 2)
     mlps = ["dense"] * LAYERS if mlp == "dense" else ["dense"] + ["sparse"] * (LAYERS - 1)
@@ -154,6 +164,10 @@ def main(argv=None) -> dict:
     p.add_argument("--mlp", choices=["moe", "dense"], default="moe", help="m3: MoE layers after the first, or none")
     p.add_argument("--kv-heads", type=int, default=2, help="m3")
     p.add_argument("--all-full", action="store_true", help="m3: every layer full attention (no MSA layer)")
+    p.add_argument("--learned-size", action="store_true", help="m3: the learned model's config (6 layers, hidden "
+                   "256), not the micro one (--mlp, --kv-heads, --all-full do not apply)")
+    p.add_argument("--cosine", action="store_true", help="the learning rate decays to 5%% by --steps (cosine), "
+                   "as learn/train.py's schedule does")
     p.add_argument("--eager", action="store_true", help="m3: transformers' own forward (not learn/fast_paths.py)")
     p.add_argument("--qk-scale", type=float, help="m3: start the attention QK-norm scales (1 + weight) here")
     p.add_argument("--qk-norm", action="store_true", help="plain")
@@ -182,7 +196,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     if a.arch == "m3":
-        model, logits_of = m3_model(a.mlp, a.kv_heads, a.seed, a.all_full, not a.eager)
+        model, logits_of = m3_model(a.mlp, a.kv_heads, a.seed, a.all_full, not a.eager, a.learned_size)
     else:
         model = PlainGPT(a.qk_norm, a.rotary_fraction, a.norm, a.plain_mlp)
         logits_of = model
@@ -223,7 +237,8 @@ def main(argv=None) -> dict:
     for step in range(1, a.steps + 1):
         for group in opt.param_groups:
             frozen = group["mlp"] and step <= a.mlp_frozen_steps
-            group["lr"] = 0.0 if frozen else a.lr * min(1.0, step / 30)
+            decay = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / a.steps)) if a.cosine else 1.0
+            group["lr"] = 0.0 if frozen else a.lr * min(1.0, step / 30) * decay
         pairs = a.pairs
         if a.pairs_to:  # this step's P log-uniform over pairs..pairs_to (the learned model's training contexts)
             pairs = min(a.pairs_to, int(math.exp(random.Random(a.seed * 100_003 + step).uniform(
