@@ -28,7 +28,7 @@
 # "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
 # 27), with transformers 5.25's wheels from .whl/ (installed to /tmp/site); where .ckpt/ holds a packed checkpoint
 # (part-aa ..., an earlier call's $OUT), it is unpacked to /tmp/ckpt and the run goes on from its weights (add
-# "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS). "evaltasks": `m3serve eval-tasks` on that checkpoint on the GPU
+# "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS). "evaltasks": `m3serve eval-tasks` on that checkpoint (or on $EVAL_MODEL; where neither exists, on .ckpt/'s) on the GPU
 # (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json. "learnedspec":
 # benchmarks/bench_learned_spec.py on that checkpoint (or on $LSPEC_MODEL; where neither exists, on .ckpt/'s packed
 # one, unpacked to /tmp/ckpt) $LSPEC_ARGS (DSpark vs plain tok/s on its eval tasks at batch 1 and 8, bf16) into
@@ -119,8 +119,10 @@ for step in ${STEPS:-tests msa qkv}; do
         train-learned --out /tmp/m3-tiny-learned --pack "$OUT" "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
       grep -v '^\[ *[0-9.]*s\] \(target\|draft\) {' "$OUT/train.log" | grep -v "Loading weights" | tail -25 ;;
     evaltasks)
+      model="${EVAL_MODEL:-/tmp/m3-tiny-learned}"
+      [ ! -d "$model" ] && ls .ckpt/part-* >/dev/null 2>&1 && model="$(unpack_ckpt)"
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${EVAL_TIMEOUT:-120}" python3 -m m3serve.cli eval-tasks \
-        --model /tmp/m3-tiny-learned --device cuda --dtype bfloat16 --out "$OUT/eval.json" \
+        --model "$model" --device cuda --dtype bfloat16 --out "$OUT/eval.json" \
         ${EVAL_ARGS:---n 50 --paths engine dspark-greedy} > "$OUT/eval.log" 2>&1; tail -20 "$OUT/eval.log" ;;
     learnedspec)
       model="${LSPEC_MODEL:-/tmp/m3-tiny-learned}"
