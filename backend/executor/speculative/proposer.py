@@ -12,9 +12,13 @@ With a reduced draft vocabulary (model/dspark_vocab.py) U, the Markov bias and Q
 ascending id order): a draft is drawn as a column and handed on as its vocabulary id (`Proposal.vocab_ids` says
 which id each column of Q is; the verifier treats Q as zero elsewhere).
 Randomness comes in from the caller (uniforms [S, K], or a callable), nothing syncs with the host.
+Greedy drafts of a vanilla Markov head on CUDA, with no logits kept, take the fused kernels (kernels/markov.py: two
+launches per position instead of about six; `fused_markov` says when; M3SERVE_MARKOV_KERNEL=0 keeps the torch loop),
+the confidence head then batched over the K positions after them; the loop below is their reference.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +26,7 @@ import torch
 
 from m3serve.executor.speculative.draft_cache import DraftKVCache
 from m3serve.executor.speculative.probs import draw, sampling_probs
+from m3serve.kernels.markov import markov_greedy
 from m3serve.step_io import SamplingInput
 from m3serve.model.dspark import DSparkDraft
 from m3serve.model.dspark_heads import ConfidenceHead, MarkovHead
@@ -42,6 +47,13 @@ class Proposal:
     # (a reduced draft vocabulary); None: the columns are the vocabulary
 
 
+def fused_markov(markov_head: MarkovHead | None, method: str, keep_logits: bool, device: torch.device) -> bool:
+    """Whether `sample_block` takes the fused greedy kernels: CUDA, greedy drafts, a vanilla Markov head, no logits
+    kept (the other head types, sampled drafts and the CPU run the loop), unless M3SERVE_MARKOV_KERNEL=0."""
+    return (device.type == "cuda" and method == "greedy" and markov_head is not None and markov_head.kind == "vanilla"
+            and not keep_logits and os.environ.get("M3SERVE_MARKOV_KERNEL", "1") != "0")
+
+
 @torch.inference_mode()
 def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead | None, h: torch.Tensor,
                  base_logits: torch.Tensor, anchor_ids: torch.Tensor, method: str = "probabilistic",
@@ -56,6 +68,14 @@ def sample_block(markov_head: MarkovHead | None, confidence_head: ConfidenceHead
     if method == "probabilistic" and draws is None:
         raise ValueError("probabilistic draft sampling needs draws (uniforms [S, K] or a callable)")
     s, k, _ = base_logits.shape
+    if fused_markov(markov_head, method, keep_logits, base_logits.device):
+        tokens = markov_greedy(markov_head.markov_w1.weight, markov_head.markov_w2.weight, base_logits, anchor_ids,
+                               vocab_ids)
+        conf = torch.ones(s, k, device=base_logits.device)
+        if confidence_head is not None:  # c_k reads W1[x_{k-1}]: the anchor, then the drafts
+            prev = torch.cat([anchor_ids.long()[:, None], tokens[:, :-1]], 1)
+            conf = confidence_head(h, markov_head.prev_embedding(prev))
+        return Proposal(tokens, None, conf, None, vocab_ids)
     prev = anchor_ids.long()
     state = markov_head.init_state(h[:, 0]) if markov_head is not None else None
     tokens, probs, conf, logits = [], [], [], []

@@ -1,0 +1,84 @@
+"""The fused greedy Markov kernels (interpreter here, compiled in tests/gpu/test_markov_gpu.py) draft exactly the
+tokens of the proposer's torch loop: with and without a draft vocabulary, ties planted inside a tile and across
+tiles (the smallest column wins), NaN and -inf base logits (as torch.argmax), column counts that are a multiple of
+nothing (a last tile partly empty), ranks below one dot chunk, batches below and above one sequence group's 16.
+`sample_block` on the fused path (forced here: it is CUDA-only) returns the loop's drafts and confidences."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from m3serve.executor.speculative import proposer
+from m3serve.executor.speculative.proposer import fused_markov
+from m3serve.kernels.markov import markov_greedy, markov_greedy_ref
+from m3serve.model.dspark_heads import MarkovHead
+from support.markov import check_markov
+
+
+@pytest.fixture(autouse=True)
+def _fused_everywhere(monkeypatch):
+    monkeypatch.setattr(proposer, "fused_markov", lambda *a: True)
+
+
+@pytest.mark.parametrize("s,k,n,r,vocab,period,specials,block_n", [
+    (1, 7, 600, 64, False, None, False, 64),
+    (3, 4, 331, 48, True, None, True, 64),
+    (5, 7, 600, 32, True, 37, False, 64),
+    (2, 3, 64, 16, False, None, True, 16),
+    (4, 2, 257, 40, False, 13, False, 32),
+    (20, 2, 97, 24, True, None, False, 32),
+])
+def test_markov_kernel_matches_the_loop(s, k, n, r, vocab, period, specials, block_n):
+    check_markov(s, k, n, r, v=700, vocab=vocab, period=period, specials=specials, block_n=block_n)
+
+
+def test_bias_rounds_to_the_weights_dtype():
+    """Two columns with equal U whose exact biases are 256 and 257: in bf16 (what nn.Linear returns) both are 256, a
+    tie the first column wins; kept in fp32 the second would."""
+    r, n = 32, 40
+    w1 = torch.zeros(3, r, dtype=torch.bfloat16)
+    w1[1] = 1.0
+    w2 = torch.zeros(n, r, dtype=torch.bfloat16)
+    w2[20, :8] = 32.0
+    w2[30, :8] = 32.0
+    w2[30, 8] = 1.0
+    u = torch.zeros(1, 1, n)
+    anchors = torch.tensor([1])
+    assert int(markov_greedy_ref(w1, w2, u, anchors)) == 20
+    assert int(markov_greedy(w1, w2, u, anchors, block_n=16)) == 20
+    assert int((u[0, 0] + w1[1].float() @ w2.float().T).argmax()) == 30  # fp32 bias: the other column
+
+
+def test_w2_must_match_the_columns():
+    with pytest.raises(ValueError, match="W2"):
+        markov_greedy(torch.zeros(5, 16), torch.zeros(7, 16), torch.zeros(1, 1, 8), torch.zeros(1, dtype=torch.long))
+
+
+def test_fused_path_only_where_it_applies(monkeypatch):
+    """CUDA, greedy, vanilla head, no logits kept, not switched off: every other case keeps the loop."""
+    monkeypatch.undo()  # the real gate
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    vanilla, gated = (MarkovHead(kind, 50, 16, 8, torch.float32) for kind in ("vanilla", "gated"))
+    assert fused_markov(vanilla, "greedy", False, cuda)
+    for head, method, keep, dev in [(vanilla, "greedy", False, cpu), (vanilla, "probabilistic", False, cuda),
+                                    (vanilla, "greedy", True, cuda), (gated, "greedy", False, cuda),
+                                    (None, "greedy", False, cuda)]:
+        assert not fused_markov(head, method, keep, dev), (head and head.kind, method, keep, dev)
+    monkeypatch.setenv("M3SERVE_MARKOV_KERNEL", "0")
+    assert not fused_markov(vanilla, "greedy", False, cuda)
+
+
+def test_the_check_sees_a_wrong_kernel(monkeypatch):
+    """The shared check fails on a kernel that takes the last of tied columns (the planted ties reach it)."""
+    import support.markov as support
+
+    def last_of_ties(w1, w2, u, anchors, ids=None, block_n=64):
+        prev, out = anchors, []
+        for k in range(u.shape[1]):
+            z = u[:, k] + F.linear(w1[prev], w2).float()
+            prev = z.shape[-1] - 1 - z.flip(-1).argmax(-1)
+            out.append(prev)
+        return torch.stack(out, 1)
+
+    monkeypatch.setattr(support, "markov_greedy", last_of_ties)
+    with pytest.raises(AssertionError):
+        check_markov(2, 3, 80, 16, v=100, period=7)
