@@ -3,7 +3,9 @@
 # lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
 # in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
 # benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
-# $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), benchmarks/bench_prefill.py $PREFILL_ARGS
+# $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), benchmarks/bench_markov.py
+# $MARKOV_ARGS ("markov": DSpark's greedy Markov phase, fused kernels vs the torch loop, both in CUDA graphs),
+# benchmarks/bench_prefill.py $PREFILL_ARGS
 # ("prefill": MoE layer and quantized linears at prefill sizes, decode kernels vs decode-once-then-cuBLAS, TTFT as a
 # share of the bf16 GEMM rate), benchmarks/bench_itl.py $ITL_ARGS ("itl": ITL p50 / p99 of 64 decoding streams alone
 # and while a 32K prompt is prefilled in chunks beside them, per chunk size), and on a multi-GPU kind "tp":
@@ -77,6 +79,8 @@ for step in ${STEPS:-tests msa qkv}; do
            | tee "$OUT/bench_itl.log" | grep -v "^\[compile\]" ;;
     engine) timeout "${ENGINE_TIMEOUT:-400}" python3 benchmarks/bench_engine.py --out "$OUT" ${ENGINE_ARGS:-} 2>&1 \
            | tee "$OUT/bench_engine.log" | grep -v "^  " ;;
+    markov) timeout "${MARKOV_TIMEOUT:-300}" python3 benchmarks/bench_markov.py --out "$OUT/bench_markov.json" \
+              ${MARKOV_ARGS:-} 2>&1 | tee "$OUT/bench_markov.log" | tail -12 ;;
     spec) timeout "${SPEC_TIMEOUT:-540}" python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" \
             ${SPEC_ARGS:-} 2>&1 | tee "$OUT/bench_spec.log" | tail -30 ;;
     server)

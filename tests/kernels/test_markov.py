@@ -3,6 +3,10 @@ tokens of the proposer's torch loop: with and without a draft vocabulary, ties p
 tiles (the smallest column wins), NaN and -inf base logits (as torch.argmax), column counts that are a multiple of
 nothing (a last tile partly empty), ranks below one dot chunk, batches below and above one sequence group's 16.
 `sample_block` on the fused path (forced here: it is CUDA-only) returns the loop's drafts and confidences."""
+import importlib.util
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +86,15 @@ def test_the_check_sees_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(support, "markov_greedy", last_of_ties)
     with pytest.raises(AssertionError):
         check_markov(2, 3, 80, 16, v=100, period=7)
+
+
+def test_bench_markov_smoke(tmp_path):
+    """benchmarks/bench_markov.py's code path on CPU (tiny shapes): both variants timed, the drafts alike."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_markov.py")
+    spec = importlib.util.spec_from_file_location("bench_markov", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path / "m.json")]) == 0
+    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert [(r["cols"], r["batch"]) for r in rows] == [(40, 2), (33, 2)]
+    assert all(r["loop_ms"] > 0 and r["fused_ms"] > 0 and r["agree"] == 1.0 for r in rows)

@@ -1,0 +1,106 @@
+"""DSpark's greedy Markov phase (K positions of a vanilla head, r = 256): the fused kernels of kernels/markov.py
+(two launches per position) against the torch loop (`markov_greedy_ref`, the proposer's math: about six launches
+per position), each captured in one CUDA graph and replayed with L2 flushed before each replay, at batch 1, 8, 32,
+over the whole vocabulary (N = V = 200,064) and a draft vocabulary of 32,768 ids. The bytes the phase must read
+(K times: W2 [N, r], U's [S, N] slice, the W1 rows) over the copy bandwidth measured in the same run give its floor;
+`frac_copy` = that floor / the fused time. `agree`: the share of drafts the two give alike on random bf16 weights
+(the bias summed in another order may round differently: only near-ties can move).
+
+    python benchmarks/bench_markov.py --out /tmp/bench_markov.json     (one device call; prints a table)
+    python benchmarks/bench_markov.py --smoke                          (CPU interpreter: tiny shapes, checks it runs)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from m3serve.kernels.markov import markov_greedy, markov_greedy_ref  # noqa: E402
+
+
+def inputs(s, k, n, r, v, device, seed=0):
+    """Random bf16 weights of a trained head's order of magnitude, fp32 base logits, anchors, the draft vocabulary's
+    ids (None when N = V)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w1 = (torch.randn(v, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(n, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
+    u = torch.randn(s, k, n, generator=g, device=device) * 2
+    ids = torch.randperm(v, generator=g, device=device)[:n].sort().values if n < v else None
+    return w1, w2, u, torch.randint(0, v, (s,), generator=g, device=device), ids
+
+
+def bench_one(s, k, n, r, v, block_ns, device, timer, copy_bw):
+    w1, w2, u, anchors, ids = inputs(s, k, n, r, v, device)
+    row = {"cols": n, "batch": s, "K": k, "rank": r,
+           "loop_ms": timer(lambda: markov_greedy_ref(w1, w2, u, anchors, ids))}
+    for bn in block_ns:
+        row[f"fused_bn{bn}_ms"] = timer(lambda: markov_greedy(w1, w2, u, anchors, ids, block_n=bn))
+    timed = [bn for bn in block_ns if row[f"fused_bn{bn}_ms"] is not None]
+    if timed:
+        best = min(timed, key=lambda bn: row[f"fused_bn{bn}_ms"])
+        row.update(block_n=best, fused_ms=row[f"fused_bn{best}_ms"])
+        if row["loop_ms"] is not None:
+            row["speedup"] = row["loop_ms"] / row["fused_ms"]
+    got = markov_greedy(w1, w2, u, anchors, ids, block_n=block_ns[0])
+    row["agree"] = float((got == markov_greedy_ref(w1, w2, u, anchors, ids)).float().mean())
+    row["bytes"] = k * (n * r * w2.element_size() + s * n * u.element_size() + s * r * w1.element_size())
+    if copy_bw:
+        row["floor_ms"] = row["bytes"] / copy_bw * 1e3
+        if row.get("fused_ms"):
+            row["frac_copy"] = row["floor_ms"] / row["fused_ms"]
+    return row
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_msa import fmt_table, t_cpu, t_graph
+    from ceilings import copy_bandwidth
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--cols", default="200064,32768", help="N: the columns of U and W2 (N < vocab: a draft vocabulary)")
+    ap.add_argument("--vocab", type=int, default=200064)
+    ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--block-n", default="64,128,256", help="stage-1 tile widths to time (the best is reported)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    timer = t_cpu if args.smoke else t_graph
+    batches = [2] if args.smoke else [int(x) for x in args.batches.split(",")]
+    cols = [40, 33] if args.smoke else [int(x) for x in args.cols.split(",")]
+    vocab, rank = (40, 16) if args.smoke else (args.vocab, args.rank)
+    block_ns = [16] if args.smoke else [int(x) for x in args.block_n.split(",")]
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "triton": triton.__version__,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+    copy_bw = None if args.smoke else copy_bandwidth(device)
+    meta["copy_bw_TBps"] = copy_bw and copy_bw / 1e12
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for n in cols:
+        for s in batches:
+            rows.append(bench_one(s, args.k, n, rank, vocab, block_ns, device, timer, copy_bw))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(fmt_table(rows, [("cols", "{}"), ("batch", "{}"), ("loop_ms", "{:.4f}"), ("fused_ms", "{:.4f}"),
+                           ("block_n", "{}"), ("speedup", "{:.2f}x"), ("floor_ms", "{:.4f}"),
+                           ("frac_copy", "{:.0%}"), ("agree", "{:.4f}")]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
