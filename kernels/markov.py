@@ -60,7 +60,7 @@ def _first_max(z, col, valid):
 @triton.jit
 def _markov_tile_kernel(prev_ptr, prev_stride, w1_ptr, w1_stride, w2_ptr, w2_stride, u_ptr, u_stride, part_ptr,
                         part_i_ptr, S, N, T, R: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                        DOT_T: tl.constexpr):
+                        DOT_T: tl.constexpr, PREC: tl.constexpr):
     """Stage 1, program (group, tile): z = U + W2 W1[prev] of BS sequences on BN columns -> part[s, tile] (best z)
     and part_i[s, tile] (its first column)."""
     seq = tl.program_id(0) * BS + tl.arange(0, BS)
@@ -76,7 +76,7 @@ def _markov_tile_kernel(prev_ptr, prev_stride, w1_ptr, w1_stride, w2_ptr, w2_str
         e = tl.load(w1_ptr + prev[:, None] * w1_stride + rr[None, :], mask=sm[:, None] & rm[None, :], other=0.0)
         w = tl.load(w2_ptr + col.to(tl.int64)[:, None] * w2_stride + rr[None, :], mask=cm[:, None] & rm[None, :],
                     other=0.0)
-        acc = tl.dot(e.to(DOT_T), tl.trans(w.to(DOT_T)), acc, input_precision="ieee")
+        acc = tl.dot(e.to(DOT_T), tl.trans(w.to(DOT_T)), acc, input_precision=PREC)
     bias = acc.to(w2_ptr.dtype.element_ty).to(tl.float32)  # nn.Linear's output dtype, then .float()
     ok = sm[:, None] & cm[None, :]
     u = tl.load(u_ptr + seq.to(tl.int64)[:, None] * u_stride + col[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -127,11 +127,13 @@ def markov_greedy(w1: torch.Tensor, w2: torch.Tensor, base_logits: torch.Tensor,
     part = torch.empty(s, tiles, dtype=torch.float32, device=dev)
     part_i = torch.empty(s, tiles, dtype=torch.int32, device=dev)
     dot_t = _dot_type(w1, w2)
+    prec = "ieee" if dot_t == tl.float32 else None  # fp32 operands: no tf32 rounding; half ones: the default
     for i in range(k):
         prev = anchors if i == 0 else tokens[:, i - 1]
         _markov_tile_kernel[(triton.cdiv(s, bs), tiles)](
             prev, prev.stride(0), w1, w1.stride(0), w2, w2.stride(0), u[:, i], u.stride(0), part, part_i, s, n, tiles,
-            R=r, BS=bs, BN=block_n, BR=min(64, max(16, triton.next_power_of_2(r))), DOT_T=dot_t, num_warps=4)
+            R=r, BS=bs, BN=block_n, BR=min(64, max(16, triton.next_power_of_2(r))), DOT_T=dot_t, PREC=prec,
+            num_warps=4)
         _markov_pick_kernel[(s,)](part, part_i, part_i if vocab_ids is None else vocab_ids, tokens[:, i], k, tiles,
                                   HAS_IDS=vocab_ids is not None, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4)
     return tokens

@@ -6,6 +6,7 @@ nothing (a last tile partly empty), ranks below one dot chunk, batches below and
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from m3serve.executor.speculative import proposer
 from m3serve.executor.speculative.proposer import fused_markov
 from m3serve.kernels.markov import markov_greedy, markov_greedy_ref
 from m3serve.model.dspark_heads import MarkovHead
+from support.compiled import run_uninterpreted
 from support.markov import check_markov
 
 
@@ -98,3 +100,37 @@ def test_bench_markov_smoke(tmp_path):
     rows = json.loads((tmp_path / "m.json").read_text())["rows"]
     assert [(r["cols"], r["batch"]) for r in rows] == [(40, 2), (33, 2)]
     assert all(r["loop_ms"] > 0 and r["fused_ms"] > 0 and r["agree"] == 1.0 for r in rows)
+
+
+def _compile_sm90(ptx_path: str) -> None:
+    """Both kernels compiled for sm_90 as a bf16 draft launches them (run in a child process without
+    TRITON_INTERPRET, which patches the language functions); the tile kernel's PTX written to ``ptx_path``."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from m3serve.kernels import markov
+
+    def build(kernel, sig, cx):
+        names = list(kernel.arg_names)
+        full = dict(sig, **{k: "constexpr" for k in cx})
+        src = ASTSource(kernel, signature={n: full[n] for n in names},
+                        constexprs={(names.index(k),): v for k, v in cx.items()})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+    i = "i32"
+    ptx = build(markov._markov_tile_kernel,
+                dict(prev_ptr="*i64", prev_stride=i, w1_ptr="*bf16", w1_stride=i, w2_ptr="*bf16", w2_stride=i,
+                     u_ptr="*fp32", u_stride=i, part_ptr="*fp32", part_i_ptr="*i32", S=i, N=i, T=i),
+                dict(R=256, BS=16, BN=64, BR=64, DOT_T=tl.bfloat16, PREC=None))
+    build(markov._markov_pick_kernel, dict(part_ptr="*fp32", part_i_ptr="*i32", ids_ptr="*i64", tok_ptr="*i64",
+                                           tok_stride=i, T=i), dict(HAS_IDS=True, BLOCK_T=4096))
+    Path(ptx_path).write_text(ptx)
+
+
+def test_markov_kernels_compile_for_sm90(tmp_path):
+    """What the CPU can check of the compiled path (its numbers: tests/gpu/test_markov_gpu.py): both kernels compile
+    for the H200 with a bf16 draft's arguments, the bias on the tensor cores (mma in the PTX)."""
+    ptx = tmp_path / "tile.ptx"
+    run_uninterpreted(__file__, f"t._compile_sm90({str(ptx)!r})")
+    assert "mma.sync" in ptx.read_text()

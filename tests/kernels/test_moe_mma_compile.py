@@ -3,10 +3,8 @@ CI checks what the CPU can: they compile for sm_90, which proves (``convert_layo
 the decoded weights and the activations are the mma fragments as they stand; the SASS has the mma instructions and
 no byte shuffles or spills; and the dispatch glue (grids, configs, the activation copy) is right, with the launches
 recorded. Their numbers are checked on the H200 (tests/gpu/test_moe_gpu.py)."""
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from m3serve.kernels.moe import fused_moe, moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare
 from m3serve.kernels.codecs import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.model.weights import QuantWeight
+from support.compiled import run_uninterpreted
 from support.moe import fill_random, random_moe, tiny_moe_config
 from test_nvfp4_mma_compile import _Launch
 
@@ -62,11 +61,7 @@ def _cuobjdump(flag: str, cubin: Path) -> str:
 def _sass(tmp_path, *args):
     """(SASS opcodes, resource usage) of the kernel compiled by `_compile` in a child process."""
     cubin = tmp_path / "k.cubin"
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_moe_mma_compile as t; "
-            f"t._compile(*{args!r}, {str(cubin)!r})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=600, env=env)
+    run_uninterpreted(__file__, f"t._compile(*{args!r}, {str(cubin)!r})")
     opcode = r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)"
     return re.findall(opcode, _cuobjdump("--dump-sass", cubin)), _cuobjdump("--dump-resource-usage", cubin)
 

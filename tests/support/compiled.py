@@ -1,0 +1,18 @@
+"""Kernels compiled for a GPU target on a CPU-only machine: the interpreter (on in tests/kernels) patches the
+language functions, so the compiling runs in a child process without TRITON_INTERPRET."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+
+
+def run_uninterpreted(test_file: str, call: str) -> None:
+    """Run ``call`` (a Python expression over ``t``, the module of ``test_file``) in a child process without
+    TRITON_INTERPRET, tests/ on its path."""
+    path = Path(test_file)
+    code = f"import sys; sys.path.insert(0, {str(path.parent)!r}); import {path.stem} as t; {call}"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600, env=env)
