@@ -40,10 +40,10 @@ def plant_specials(u):
 def heads(w1, w2, v, r, device, seed=0):
     """A vanilla Markov head holding W1 and W2 (W2 of a draft vocabulary: its N rows, as `use_draft_vocab`), and a
     confidence head reading [h ; W1[x_{k-1}]]."""
-    markov = MarkovHead("vanilla", v, r, HIDDEN, torch.bfloat16).to(device)
+    with torch.device(device):  # made where they run (the real vocabulary's W1 and W2 hold 51M entries each)
+        markov, conf = MarkovHead("vanilla", v, r, HIDDEN, torch.bfloat16), ConfidenceHead(HIDDEN, r)
     markov.markov_w1.weight = nn.Parameter(w1, requires_grad=False)
     markov.markov_w2.weight = nn.Parameter(w2, requires_grad=False)
-    conf = ConfidenceHead(HIDDEN, r).to(device)
     with torch.no_grad():
         conf.proj.weight.copy_(torch.randn(conf.proj.weight.shape, generator=torch.Generator().manual_seed(seed)) / 8)
     return markov, conf

@@ -45,6 +45,9 @@ dispatched, counted with a dispatch mode on the CPU for the tiny draft: 2 layers
     options; a step whose every row speculates returns the rule's tensors, no [N, K+1] buffers filled and scattered
     into); sampled steps run only the filters some row needs (no vocabulary sort for temperature-only requests) and
     rule "standard" with greedy drafts builds no [S, K, V] one-hot Q.
+  greedy drafts of a vanilla Markov head on CUDA (kernels/markov.py, by reading the code): each of the K draft
+    positions takes 2 launches instead of the loop's 5-6 (embedding, GEMM, cast, add, argmax, the draft vocabulary's
+    id), and the drafts need no final stack.
 
 Memory: the fp32 [rows, K+1, V] tensors of verification (and the draft's [rows, K, V]) are made `CHUNK_ELEMENTS`
 at a time; the draft's U and Q of every speculating row ([R, K, V] fp32 each, Q for `probabilistic` only) live from
