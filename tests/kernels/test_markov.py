@@ -25,16 +25,19 @@ def _fused_everywhere(monkeypatch):
     monkeypatch.setattr(proposer, "fused_markov", lambda *a: True)
 
 
-@pytest.mark.parametrize("s,k,n,r,vocab,period,specials,block_n", [
-    (1, 7, 600, 64, False, None, False, 64),
-    (3, 4, 331, 48, True, None, True, 64),
-    (5, 7, 600, 32, True, 37, False, 64),
-    (2, 3, 64, 16, False, None, True, 16),
-    (4, 2, 257, 40, False, 13, False, 32),
-    (20, 2, 97, 24, True, None, False, 32),
+@pytest.mark.parametrize("s,k,n,r,vocab,period,specials,block_n,splits", [
+    (1, 7, 200, 32, False, None, False, 64, None),
+    (3, 4, 331, 48, True, None, True, 64, None),
+    (5, 4, 600, 32, True, 37, False, 64, None),
+    (2, 3, 64, 16, False, None, True, 16, None),
+    (4, 2, 257, 40, False, 13, False, 32, None),
+    (20, 2, 97, 24, True, None, False, 32, None),
+    (3, 3, 600, 32, True, 37, False, 32, 3),  # ties across a program's column blocks and across splits
+    (2, 4, 331, 16, False, None, True, 16, 4),  # NaN, -inf: the previous draft picked inside the next launch
+    (66, 2, 32, 16, True, 5, False, 16, 2),  # two sequence groups
 ])
-def test_markov_kernel_matches_the_loop(s, k, n, r, vocab, period, specials, block_n):
-    check_markov(s, k, n, r, v=700, vocab=vocab, period=period, specials=specials, block_n=block_n)
+def test_markov_kernel_matches_the_loop(s, k, n, r, vocab, period, specials, block_n, splits):
+    check_markov(s, k, n, r, v=700, vocab=vocab, period=period, specials=specials, block_n=block_n, splits=splits)
 
 
 def test_bias_rounds_to_the_weights_dtype():
@@ -77,7 +80,7 @@ def test_the_check_sees_a_wrong_kernel(monkeypatch):
     """The shared check fails on a kernel that takes the last of tied columns (the planted ties reach it)."""
     import support.markov as support
 
-    def last_of_ties(w1, w2, u, anchors, ids=None, block_n=64):
+    def last_of_ties(w1, w2, u, anchors, ids=None, block_n=64, splits=None):
         prev, out = anchors, []
         for k in range(u.shape[1]):
             z = u[:, k] + F.linear(w1[prev], w2).float()
@@ -99,12 +102,13 @@ def test_bench_markov_smoke(tmp_path):
     assert bench.main(["--smoke", "--out", str(tmp_path / "m.json")]) == 0
     rows = json.loads((tmp_path / "m.json").read_text())["rows"]
     assert [(r["cols"], r["batch"]) for r in rows] == [(40, 2), (33, 2)]
-    assert all(r["loop_ms"] > 0 and r["fused_ms"] > 0 and r["agree"] == 1.0 for r in rows)
+    assert all(r["loop_ms"] > 0 and r["fused_ms"] > 0 and r["pick_ms"] > 0 for r in rows)
+    assert all(r["agree"] == r["agree_pick"] == 1.0 for r in rows)
 
 
 def _compile_sm90(ptx_path: str) -> None:
     """Both kernels compiled for sm_90 as a bf16 draft launches them (run in a child process without
-    TRITON_INTERPRET, which patches the language functions); the tile kernel's PTX written to ``ptx_path``."""
+    TRITON_INTERPRET, which patches the language functions); stage 1's PTX (both modes) written to ``ptx_path``."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -119,18 +123,21 @@ def _compile_sm90(ptx_path: str) -> None:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
     i = "i32"
-    ptx = build(markov._markov_tile_kernel,
-                dict(prev_ptr="*i64", prev_stride=i, w1_ptr="*bf16", w1_stride=i, w2_ptr="*bf16", w2_stride=i,
-                     u_ptr="*fp32", u_stride=i, part_ptr="*fp32", part_i_ptr="*i32", S=i, N=i, T=i),
-                dict(R=256, BS=16, BN=64, BR=64, DOT_T=tl.bfloat16, PREC=None))
+    ptx = [build(markov._markov_tile_kernel,
+                 dict(prev_ptr="*i64", prev_stride=i, prev_part_ptr="*fp32", prev_part_i_ptr="*i32", ids_ptr="*i64",
+                      tok_ptr="*i64", tok_stride=i, w1_ptr="*bf16", w1_stride=i, w2_ptr="*bf16", w2_stride=i,
+                      u_ptr="*fp32", u_stride=i, part_ptr="*fp32", part_i_ptr="*i32", S=i, N=i, T=i, CHUNK=i),
+                 dict(R=256, BS=16, BN=64, BR=64, CT=64, DOT_T=tl.bfloat16, PREC=None, PICK_PREV=pick, HAS_IDS=True))
+           for pick in (False, True)]
     build(markov._markov_pick_kernel, dict(part_ptr="*fp32", part_i_ptr="*i32", ids_ptr="*i64", tok_ptr="*i64",
-                                           tok_stride=i, T=i), dict(HAS_IDS=True, BLOCK_T=4096))
-    Path(ptx_path).write_text(ptx)
+                                           tok_stride=i, T=i), dict(CT=1024, HAS_IDS=True))
+    Path(ptx_path).write_text("\n".join(ptx))
 
 
 def test_markov_kernels_compile_for_sm90(tmp_path):
     """What the CPU can check of the compiled path (its numbers: tests/gpu/test_markov_gpu.py): both kernels compile
-    for the H200 with a bf16 draft's arguments, the bias on the tensor cores (mma in the PTX)."""
+    for the H200 with a bf16 draft's arguments (stage 1 in both modes), the bias on the tensor cores (mma in the
+    PTX)."""
     ptx = tmp_path / "tile.ptx"
     run_uninterpreted(__file__, f"t._compile_sm90({str(ptx)!r})")
-    assert "mma.sync" in ptx.read_text()
+    assert ptx.read_text().count("mma.sync") >= 2

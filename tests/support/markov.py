@@ -49,14 +49,15 @@ def heads(w1, w2, v, r, device, seed=0):
     return markov, conf
 
 
-def check_markov(s, k, n, r, v, device="cpu", vocab=False, period=None, specials=False, block_n=64):
-    """The kernels' drafts equal the reference's and the proposer's torch loop's exactly; `sample_block` without
-    kept logits (the fused path where `fused_markov` allows it) gives the loop's drafts and confidences."""
+def check_markov(s, k, n, r, v, device="cpu", vocab=False, period=None, specials=False, block_n=64, splits=None):
+    """The kernels' drafts (``block_n``, ``splits``: `markov_greedy`'s) equal the reference's and the proposer's
+    torch loop's exactly; `sample_block` without kept logits (the fused path where `fused_markov` allows it) gives
+    the loop's drafts and confidences."""
     device = torch.device(device)
     w1, w2, u, anchors, ids = markov_inputs(s, k, n, r, v, device, vocab, period)
     if specials:
         plant_specials(u)
-    got = markov_greedy(w1, w2, u, anchors, ids, block_n=block_n)
+    got = markov_greedy(w1, w2, u, anchors, ids, block_n=block_n, splits=splits)
     ref = markov_greedy_ref(w1, w2, u, anchors, ids)
     markov, conf = heads(w1, w2, v, r, device)
     h = torch.randn(s, k, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device)
