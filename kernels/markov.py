@@ -165,6 +165,7 @@ def markov_greedy(w1: torch.Tensor, w2: torch.Tensor, base_logits: torch.Tensor,
     # warps (sm_90 builds, cuobjdump's resource usage): with 4, a 16 x 64 or 32 x 64 tile takes 80-104 registers a
     # thread and 4096-element tiles reach the 255 cap (spilling from 8192); with 8, up to 64 x 128 fits in 215
     # without spills. Which width runs fastest: benchmarks/bench_markov.py.
+    warps = 4 if bs * block_n < 4096 else 8
     chunk = block_n if splits is None else triton.cdiv(triton.cdiv(n, max(1, splits)), block_n) * block_n
     t = triton.cdiv(n, chunk)
     part = torch.empty(2, s, t, dtype=torch.float32, device=dev)  # this position's partials and the previous one's
@@ -172,15 +173,16 @@ def markov_greedy(w1: torch.Tensor, w2: torch.Tensor, base_logits: torch.Tensor,
     ids = part_i if vocab_ids is None else vocab_ids
     dot_t = _dot_type(w1, w2)
     prec = "ieee" if dot_t == tl.float32 else None  # fp32 operands: no tf32 rounding; half ones: the default
+    tile = dict(R=r, BS=bs, BN=block_n, BR=min(64, max(16, triton.next_power_of_2(r))),
+                CT=min(64, triton.next_power_of_2(t)), DOT_T=dot_t, PREC=prec, HAS_IDS=vocab_ids is not None,
+                num_warps=warps)
+    pick = dict(CT=min(1024, triton.next_power_of_2(t)), HAS_IDS=vocab_ids is not None, num_warps=warps)
     for i in range(k):
         cur, pick_prev = i % 2, splits is not None and i > 0
         prev = anchors if i == 0 else tokens[:, i - 1]
         _markov_tile_kernel[(triton.cdiv(s, bs), t)](
             prev, prev.stride(0), part[1 - cur], part_i[1 - cur], ids, prev, k, w1, w1.stride(0), w2, w2.stride(0),
-            u[:, i], u.stride(0), part[cur], part_i[cur], s, n, t, chunk, R=r, BS=bs, BN=block_n,
-            BR=min(64, max(16, triton.next_power_of_2(r))), CT=min(64, triton.next_power_of_2(t)), DOT_T=dot_t, PREC=prec, PICK_PREV=pick_prev,
-            HAS_IDS=vocab_ids is not None, num_warps=4 if bs * block_n < 4096 else 8)
+            u[:, i], u.stride(0), part[cur], part_i[cur], s, n, t, chunk, PICK_PREV=pick_prev, **tile)
         if splits is None or i == k - 1:
-            _markov_pick_kernel[(s,)](part[cur], part_i[cur], ids, tokens[:, i], k, t, CT=min(1024, triton.next_power_of_2(t)),
-                                      HAS_IDS=vocab_ids is not None, num_warps=4 if bs * block_n < 4096 else 8)
+            _markov_pick_kernel[(s,)](part[cur], part_i[cur], ids, tokens[:, i], k, t, **pick)
     return tokens
