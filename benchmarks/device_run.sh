@@ -63,6 +63,11 @@ unpack_ckpt() {  # .ckpt/part-* (a packed checkpoint: an earlier call's $OUT) in
   rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt && cat .ckpt/part-* | tar -x -C /tmp/ckpt
   echo "/tmp/ckpt/$(ls /tmp/ckpt)"
 }
+learned_model() {  # $1 (else the train step's /tmp/m3-tiny-learned); where it is missing, .ckpt/'s packed checkpoint
+  local model="${1:-/tmp/m3-tiny-learned}"
+  [ ! -d "$model" ] && ls .ckpt/part-* >/dev/null 2>&1 && model="$(unpack_ckpt)"
+  echo "$model"
+}
 for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
     tests) timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 \
@@ -123,14 +128,12 @@ for step in ${STEPS:-tests msa qkv}; do
         train-learned --out /tmp/m3-tiny-learned --pack "$OUT" "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
       grep -v '^\[ *[0-9.]*s\] \(target\|draft\) {' "$OUT/train.log" | grep -v "Loading weights" | tail -25 ;;
     evaltasks)
-      model="${EVAL_MODEL:-/tmp/m3-tiny-learned}"
-      [ ! -d "$model" ] && ls .ckpt/part-* >/dev/null 2>&1 && model="$(unpack_ckpt)"
+      model="$(learned_model "${EVAL_MODEL:-}")"
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${EVAL_TIMEOUT:-120}" python3 -m m3serve.cli eval-tasks \
         --model "$model" --device cuda --dtype bfloat16 --out "$OUT/eval.json" \
         ${EVAL_ARGS:---n 50 --paths engine dspark-greedy} > "$OUT/eval.log" 2>&1; tail -20 "$OUT/eval.log" ;;
     learnedspec)
-      model="${LSPEC_MODEL:-/tmp/m3-tiny-learned}"
-      [ ! -d "$model" ] && ls .ckpt/part-* >/dev/null 2>&1 && model="$(unpack_ckpt)"
+      model="$(learned_model "${LSPEC_MODEL:-}")"
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${LSPEC_TIMEOUT:-240}" python3 \
         benchmarks/bench_learned_spec.py --model "$model" --device cuda --dtype bfloat16 \
         --out "$OUT/bench_learned_spec.json" ${LSPEC_ARGS:-} > "$OUT/bench_learned_spec.log" 2>&1
