@@ -20,7 +20,7 @@
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
 # "suite" also takes .carry-reference/reference312.tar.xz (transformers 5.25 for Python 3.12, onto PYTHONPATH; made by
-# benchmarks/make_carry_reference.sh).
+# benchmarks/make_carry_reference.sh), as "train", "evaltasks" and "learnedspec" do (or the wheels in .whl/).
 # tritonserver vs engine-direct), "soak": benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS (streams
 # with random cancellation through the real tritonserver), "gateway": benchmarks/bench_gateway.py --geometry
 # $SERVER_LAYERS $GATEWAY_ARGS (the OpenAI gateway vs gRPC direct). Logs and JSON go to $OUT (or ./device_out).
@@ -28,7 +28,7 @@
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
 # "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
-# 27), with transformers 5.25's wheels from .whl/ (installed to /tmp/site); where .ckpt/ holds a packed checkpoint
+# 27), with transformers 5.25 from .carry-reference/ or .whl/ (into /tmp/site); where .ckpt/ holds a packed checkpoint
 # (part-aa ..., an earlier call's $OUT), it is unpacked to /tmp/ckpt and the run goes on from its weights (add
 # "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS). "evaltasks": `m3serve eval-tasks` on that checkpoint (or on $EVAL_MODEL; where neither exists, on .ckpt/'s) on the GPU
 # (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json. "learnedspec":
@@ -68,6 +68,16 @@ learned_model() {  # $1 (else the train step's /tmp/m3-tiny-learned); where it i
   [ ! -d "$model" ] && ls .ckpt/part-* >/dev/null 2>&1 && model="$(unpack_ckpt)"
   echo "$model"
 }
+reference_site() {  # transformers 5.25 into /tmp/site, once: .carry-reference's tar (make_carry_reference.sh), else
+  [ -f /tmp/site/.done ] && return  # the wheels in .whl/
+  mkdir -p /tmp/site
+  if [ -f .carry-reference/reference312.tar.xz ]; then
+    tar -xJf .carry-reference/reference312.tar.xz -C /tmp/site
+  elif [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  fi
+  touch /tmp/site/.done
+}
 for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
     tests) timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 \
@@ -96,10 +106,8 @@ for step in ${STEPS:-tests msa qkv}; do
         | grep -v "^I1\|^W1" | tail -20 ;;
     suite)  # the README's test command (./build.sh test) without a venv: tests/run_suite.py under python3
       install_server
-      if [ -f .carry-reference/reference312.tar.xz ]; then  # transformers 5.25 (benchmarks/make_carry_reference.sh)
-        mkdir -p /tmp/ref && tar -xJf .carry-reference/reference312.tar.xz -C /tmp/ref
-        export PYTHONPATH=/tmp/p:/tmp/ref
-      fi
+      reference_site
+      export PYTHONPATH=/tmp/p:/tmp/site
       M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton M3SERVE_SUITE_LOG_DIR="$OUT/suite" \
         M3SERVE_SUITE_SHARDS="${SUITE_SHARDS:-8}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
         USE_HUB_KERNELS=0 timeout "${SUITE_TIMEOUT:-560}" python3 tests/run_suite.py -q -rs -p no:cacheprovider \
@@ -121,18 +129,20 @@ for step in ${STEPS:-tests msa qkv}; do
     rank) CUDA_VISIBLE_DEVICES="${RANK_GPU:-0}" timeout "${RANK_TIMEOUT:-450}" python3 benchmarks/bench_rank.py \
             --out "$OUT/rank" ${RANK_ARGS:-} 2>&1 | tee "$OUT/bench_rank.log" | tail -40 ;;
     train)
-      [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+      reference_site
       init=()
       ls .ckpt/part-* >/dev/null 2>&1 && init=(--init-from "$(unpack_ckpt)")
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TRAIN_TIMEOUT:-580}" python3 -m m3serve.cli \
         train-learned --out /tmp/m3-tiny-learned --pack "$OUT" "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
       grep -v '^\[ *[0-9.]*s\] \(target\|draft\) {' "$OUT/train.log" | grep -v "Loading weights" | tail -25 ;;
     evaltasks)
+      reference_site
       model="$(learned_model "${EVAL_MODEL:-}")"
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${EVAL_TIMEOUT:-120}" python3 -m m3serve.cli eval-tasks \
         --model "$model" --device cuda --dtype bfloat16 --out "$OUT/eval.json" \
         ${EVAL_ARGS:---n 50 --paths engine dspark-greedy} > "$OUT/eval.log" 2>&1; tail -20 "$OUT/eval.log" ;;
     learnedspec)
+      reference_site
       model="$(learned_model "${LSPEC_MODEL:-}")"
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${LSPEC_TIMEOUT:-240}" python3 \
         benchmarks/bench_learned_spec.py --model "$model" --device cuda --dtype bfloat16 \

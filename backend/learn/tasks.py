@@ -149,11 +149,14 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
     return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": reply}, reply)
 
 
-def retrieval_train_pairs(rng: random.Random) -> int:
-    """The pairs of one training context, log-uniform over RETRIEVAL_TRAIN_MIN_PAIRS..RETRIEVAL_PAIRS: half the
-    contexts hold at most ~15 pairs, where the lookup is easiest to learn (1 of 2-15 keys to match), and the rest reach
-    the eval's length. (Uniform over 8-112, most contexts were long; three H200 runs left retrieval at chance.)"""
-    lo, hi = RETRIEVAL_TRAIN_MIN_PAIRS, RETRIEVAL_PAIRS
+def retrieval_train_pairs(rng: random.Random, hi: int = RETRIEVAL_PAIRS) -> int:
+    """The pairs of one training context, log-uniform over RETRIEVAL_TRAIN_MIN_PAIRS..`hi` (default RETRIEVAL_PAIRS):
+    half the contexts hold at most ~15 pairs, where the lookup is easiest to learn (1 of 2-15 keys to match), and the
+    rest reach the eval's length. (Uniform over 8-112, most contexts were long; three H200 runs left retrieval at
+    chance.) A smaller `hi` makes the short contexts of the training's retrieval-first phase (train.py)."""
+    lo = RETRIEVAL_TRAIN_MIN_PAIRS
+    if not lo <= hi <= RETRIEVAL_PAIRS:
+        raise ValueError(f"retrieval contexts hold {lo}-{RETRIEVAL_PAIRS} pairs, got at most {hi}")
     return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
 
 
@@ -305,8 +308,11 @@ def split_of(task: str, key) -> str:
     return "eval" if h % EVAL_BUCKETS == 0 else "train"
 
 
-def make_examples(task: str, split: str, n: int, seed: int = 0) -> list[Example]:
-    """`n` examples of `task` from `split` ("train" or "eval"), deterministic in (task, split, n, seed)."""
+def make_examples(task: str, split: str, n: int, seed: int = 0, max_pairs: int = 0) -> list[Example]:
+    """`n` examples of `task` from `split` ("train" or "eval"), deterministic in (task, split, n, seed, max_pairs).
+    `max_pairs` (retrieval's train split only; 0: RETRIEVAL_PAIRS): its contexts hold at most that many pairs."""
+    if max_pairs and not (task == "retrieval" and split == "train"):
+        raise ValueError(f"max_pairs is for retrieval's train split, not {task!r} {split!r}")
     if task not in _GENERATORS:
         raise ValueError(f"unknown task {task!r}; one of {TASKS}")
     if split not in SPLITS:
@@ -315,7 +321,7 @@ def make_examples(task: str, split: str, n: int, seed: int = 0) -> list[Example]
     out: list[Example] = []
     while len(out) < n:
         if task == "retrieval" and split == "train":  # contexts of every length up to the eval's
-            key, build = _retrieval(rng, retrieval_train_pairs(rng))
+            key, build = _retrieval(rng, retrieval_train_pairs(rng, max_pairs or RETRIEVAL_PAIRS))
         else:
             key, build = _GENERATORS[task](rng)
         if split_of(task, key) == split:

@@ -7,7 +7,9 @@ One process does it all, within a wall-clock budget (`--budget-s`), so that it f
 2. the target: transformers 5.25 `MiniMaxM3VLForCausalLM` (the numerical reference the engine equals) built from
    `learned_config`, random init, AdamW, bf16 autocast on CUDA, linear warm-up then cosine decay, cross-entropy on
    the answer tokens only. Batches are length-bucketed and right-padded (right padding leaves MSA's block
-   boundaries where an unpadded run has them). The MoE routers are balanced without an auxiliary loss: after each
+   boundaries where an unpadded run has them). A fresh run begins with a retrieval-first phase (`RetrievalFirst`:
+   short retrieval contexts alone until the in-context lookup forms, at most `--focus-frac` of the steps). The MoE
+   routers are balanced without an auxiliary loss: after each
    step every router's `e_score_correction_bias` moves by `--bias-rate` toward the mean load (DeepSeek-V3's
    auxiliary-loss-free balancing; M3 checkpoints carry that bias). The experts run through transformers'
    grouped-GEMM path where the device has it (no host syncs), else its per-expert loop (tried on the first batch).
@@ -56,7 +58,7 @@ import torch.nn.functional as F
 
 from m3serve.learn.data import FreshRows, make_rows, row_jobs
 from m3serve.learn.loop import Schedule, autocast, batches, collate, prefetch
-from m3serve.learn.tasks import TASKS
+from m3serve.learn.tasks import RETRIEVAL_PAIRS, RETRIEVAL_TRAIN_MIN_PAIRS, TASKS
 
 PART_BYTES = 15 << 20
 MIN_TOKENS_PER_BATCH = 4096  # out of memory, a batch is halved down to this
@@ -94,6 +96,14 @@ class TrainConfig:
     # of the planned steps: the MLPs (dense, router, experts, shared expert) start silent (their down projections
     # zero) and frozen for this share, so that attention forms its context lookups first (fresh targets only)
     mlp_warmup_frac: float = 0.25
+    # the retrieval-first phase (RetrievalFirst): at most this share of the planned steps trains on short retrieval
+    # contexts alone (2-focus_max_pairs pairs, focus_examples of them rendered up front, focus_tokens_per_batch a
+    # step), until the answer-token accuracy of its batches reaches focus_until_acc; then every task (0: no phase)
+    focus_frac: float = 0.4
+    focus_max_pairs: int = 16
+    focus_examples: int = 24000
+    focus_tokens_per_batch: int = 32768
+    focus_until_acc: float = 0.97
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -493,6 +503,38 @@ class MlpWarmup:
         self.frozen = False
 
 
+class RetrievalFirst:
+    """The retrieval-first phase: the first steps train on short retrieval contexts alone, until the lookup forms.
+
+    Why: an in-context lookup (an induction circuit: one head marks each token with the one before it, a second
+    matches on that mark) forms suddenly, after some hundreds of steps of a strong, steady signal
+    (benchmarks/recall_plateau.py: the learned config learns 2-16-pair recall by step ~600 on recall alone). In the
+    mixed batches of runs 1-9 the retrieval answers were a small share of every step's gradient, and the lookup had
+    not formed when the rate had decayed (run 9: the short contexts' answer loss began to fall at step 1,100 of 1,579,
+    the long ones' never). So for at most `focus_frac` of the planned steps every batch is retrieval rows of 2 to
+    `focus_max_pairs` pairs (each asking all its keys in turn); the phase ends early once a logged step's answer-token
+    accuracy reaches `focus_until_acc` (the key and the end of turn are easy: accuracy 2/3 is a lookup at chance)."""
+
+    def __init__(self, tc: TrainConfig, rows: list):
+        self.rows, self.max_frac, self.until_acc = rows, tc.focus_frac, tc.focus_until_acc
+        self.on = bool(rows) and tc.focus_frac > 0
+        self.ended: dict[str, Any] | None = None
+
+    def active(self, step: int, total: int) -> bool:
+        if self.on and step >= self.max_frac * total:
+            self.end(step, "steps")
+        return self.on
+
+    def observe(self, step: int, answer_token_acc: float) -> None:
+        """A logged step's accuracy (of a retrieval batch while the phase is on)."""
+        if self.on and answer_token_acc >= self.until_acc:
+            self.end(step, "accuracy")
+
+    def end(self, step: int, why: str) -> None:
+        self.on = False
+        self.ended = {"step": step, "by": why}
+
+
 def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_batch: int, log) -> dict:
     """The final weights or the dense phase's (set aside when the ramp began), whichever has the higher mean
     teacher-forced exact match with the sparse mask on (the mask the engine runs), so that a sparse phase that went
@@ -516,13 +558,18 @@ def keep_better(model, eval_rows, device: torch.device, pad_id: int, tokens_per_
 
 
 def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: float, pad_id: int,
-                 log) -> dict:
-    def feed(tokens_per_batch: int, seed: int):
-        return prefetch(batches(rows, tokens_per_batch, random.Random(seed), pad_id), pin=device.type == "cuda")
+                 log, focus_rows: list | None = None, probe=None) -> dict:
+    """Train the target on `rows` (after the retrieval-first phase on `focus_rows`, RetrievalFirst); `probe()`, if
+    given, is called when that phase ends and its result logged (what the lookup does at the eval's length)."""
+    def feed(pool, tokens_per_batch: int, seed: int):
+        return prefetch(batches(pool, tokens_per_batch, random.Random(seed), pad_id), pin=device.type == "cuda")
 
     per_batch = tc.tokens_per_batch
-    data = feed(per_batch, tc.seed)
-    ids, mask, _, _ = next(data)
+    data = feed(rows, per_batch, tc.seed)
+    first = RetrievalFirst(tc, focus_rows or [])
+    focus_batch = tc.focus_tokens_per_batch
+    focus_data = feed(first.rows, focus_batch, tc.seed + 5) if first.on else None
+    ids, mask, _, _ = next(focus_data or data)
     from m3serve.learn.fast_paths import ATTENTION
 
     experts = ("every expert, router-weighted (fast_paths)" if model.config._attn_implementation == ATTENTION else
@@ -581,29 +628,44 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         mlps.tick(step, sched.total, log)
         if ramp.start is None and step >= tc.dense_frac * sched.total:
             ramp.begin(step, sched.total)
-            ramp.snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            if step > 0:  # a dense phase ran: its weights are what keep_better weighs the final ones against
+                ramp.snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             log(f"target: sparse ramp from step {step} to {ramp.full} (top-{model.config.index_topk_blocks} "
-                "blocks); the dense phase's weights are kept aside")
+                "blocks)" + ("; the dense phase's weights are kept aside" if step > 0 else ""))
         dense = ramp.dense(step)
+        focus = first.active(step, sched.total)
+        if not focus and focus_data is not None:
+            focus_data.close()
+            focus_data = None
+            log(f"target: the retrieval-first phase ended at step {step} (by {first.ended['by']}); every task from here")
+            if probe is not None:
+                first.ended["probe"] = probe()
+                log(f"target: after the retrieval-first phase {json.dumps(first.ended['probe'])}")
         try:
             t_step = time.time()
-            rec = step_or_eager(next(data), dense)
+            rec = step_or_eager(next(focus_data if focus else data), dense)
             if step == 0 and pieces is not None:
                 compiling["first_step_s"] = round(time.time() - t_step, 1)
                 log(f"target: the first step, compiling {compiling['pieces']} pieces with "
                     f"{tc.compile_backend}, took {compiling['first_step_s']} s")
         except torch.OutOfMemoryError as e:
             discard_step()
-            if per_batch // 2 < MIN_TOKENS_PER_BATCH:
+            if (focus_batch if focus else per_batch) // 2 < MIN_TOKENS_PER_BATCH:
                 error = f"{type(e).__name__}: {e}"
                 log(f"target: step {step} ran out of memory at {per_batch} tokens per batch; stopping here")
                 break
-            per_batch //= 2  # the step is not counted: the same step again on smaller batches
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            data.close()
-            data = feed(per_batch, tc.seed + step)
-            log(f"target: step {step} ran out of memory; going on with {per_batch} tokens per batch")
+            if focus:  # the step is not counted: the same step again on smaller batches
+                focus_batch //= 2
+                focus_data.close()
+                focus_data = feed(first.rows, focus_batch, tc.seed + step)
+            else:
+                per_batch //= 2
+                data.close()
+                data = feed(rows, per_batch, tc.seed + step)
+            log(f"target: step {step} ran out of memory; going on with {focus_batch if focus else per_batch} "
+                "tokens per batch")
             continue
         except Exception as e:  # noqa: BLE001 - keep the weights of the last good step, then save them
             error = f"{type(e).__name__}: {e}"
@@ -616,9 +678,11 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         step += 1
         if step % tc.log_every == 0 or step == 1:
             rec = {"step": step, **log_record(rec), "elapsed_s": round(time.time() - t0, 1),
-                   "planned_steps": sched.total}
+                   "planned_steps": sched.total, **({"retrieval_first": True} if focus else {})}
             curve.append(rec)
             log("target " + json.dumps(rec))
+            if focus:
+                first.observe(step, rec["answer_token_acc"])
     if mlps.frozen:  # stopped before the MLPs' turn: the model leaves trainable as it came
         mlps.release()
         mlps.start = None
@@ -633,7 +697,10 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         log(f"target: profile of steps (ms per step {profile.step_ms}) " + json.dumps(top[:20]))
     model.dense_snapshot = ramp.snapshot  # read (and dropped) by keep_better
     data.close()
+    if focus_data is not None:
+        focus_data.close()
     return {"steps": step, "planned_steps": sched.total, "mlps_from_step": mlps.start,
+            "retrieval_first": first.ended or ({"step": step, "by": "end of training"} if first.rows else None),
             "sparse_from_step": ramp.start, "tokens_per_batch": per_batch,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts, "compile": compiling or None,
@@ -753,6 +820,11 @@ def run(tc: TrainConfig) -> dict:
             raise ValueError(f"{name} must be 0 or more, got {getattr(tc, name)}")
     if tc.init not in INITS:
         raise ValueError(f"init must be one of {list(INITS)}, got {tc.init!r}")
+    if not 0 <= tc.focus_frac < 1:
+        raise ValueError(f"focus_frac must be in [0, 1), got {tc.focus_frac}")
+    if tc.focus_frac > 0 and not RETRIEVAL_TRAIN_MIN_PAIRS <= tc.focus_max_pairs <= RETRIEVAL_PAIRS:
+        raise ValueError(f"focus_max_pairs must be in {RETRIEVAL_TRAIN_MIN_PAIRS}-{RETRIEVAL_PAIRS}, "
+                         f"got {tc.focus_max_pairs}")
     if not 0 <= tc.mlp_warmup_frac < 1:
         raise ValueError(f"mlp_warmup_frac must be in [0, 1), got {tc.mlp_warmup_frac}")
     t_start = time.time()
@@ -787,9 +859,13 @@ def run(tc: TrainConfig) -> dict:
     try:
         rows += make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, weights=tc.task_weights,
                           packed=tc.packed_turns, pool=fresh.pool)
+        focus_rows = (make_rows(tc.out, ("retrieval",), "train", tc.focus_examples, tc.seed + 3,
+                                packed=tc.packed_turns, pool=fresh.pool, max_pairs=tc.focus_max_pairs)
+                      if tc.focus_frac > 0 and "retrieval" in tc.tasks else [])
         eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, pool=fresh.pool)
         lengths = sorted(len(r[0]) for r in rows)
-        result["data"] = {"train_rows": len(rows), "eval_rows": len(eval_rows),
+        result["data"] = {"train_rows": len(rows), "retrieval_first_rows": len(focus_rows),
+                          "eval_rows": len(eval_rows),
                           "median_len": lengths[len(lengths) // 2], "max_len": lengths[-1],
                           "answer_tokens": sum(sum(r[1]) for r in rows), "seconds": round(time.time() - t_start, 1)}
         log("data " + json.dumps(result["data"]))
@@ -810,7 +886,13 @@ def run(tc: TrainConfig) -> dict:
         log(f"target: {n_params / 1e6:.2f}M parameters, layers {cfg.layer_types}, MLPs {cfg.mlp_layer_types}")
         train_time = max(0.0, deadline - tc.reserve_s - time.time())
         target_deadline = time.time() + train_time * (1 - tc.draft_frac)
-        result["target"] = train_target(model, rows, tc, device, target_deadline, pad_id, log)
+        eval_retrieval = [r for r in eval_rows if TASKS[r[2]] == "retrieval"]
+
+        def probe() -> dict:  # the lookup at the eval's length, right after the retrieval-first phase
+            return {"eval_retrieval": exact_match(model, eval_retrieval, device, pad_id, tc.focus_tokens_per_batch)
+                    .get("retrieval")}
+
+        result["target"] = train_target(model, rows, tc, device, target_deadline, pad_id, log, focus_rows, probe)
     finally:
         result.setdefault("data", {})["fresh"] = fresh.stop()
     log(f"data: {result['data']['fresh']['rows_added']} rows rendered while the target trained")

@@ -216,6 +216,19 @@ def test_retrieval_prompts_are_over_4x_the_msa_span(tok):
         RETRIEVAL_PAIRS}
 
 
+def test_the_retrieval_first_phase_draws_short_training_contexts():
+    """max_pairs caps the training contexts (log-uniform from 2 up to it); it is refused for the eval split, for
+    other tasks and outside 2..RETRIEVAL_PAIRS."""
+    pairs = [ex.messages[0]["content"].count("\n") - 1
+             for ex in make_examples("retrieval", "train", 300, seed=2, max_pairs=16)]
+    assert min(pairs) == 2 and max(pairs) == 16 and len(set(pairs)) == 15
+    assert 4 <= sorted(pairs)[len(pairs) // 2] <= 8
+    for task, split, cap, match in (("retrieval", "eval", 16, "max_pairs"), ("arithmetic", "train", 16, "max_pairs"),
+                                    ("retrieval", "train", 1, "2-180"), ("retrieval", "train", 181, "2-180")):
+        with pytest.raises(ValueError, match=match):
+            make_examples(task, split, 3, max_pairs=cap)
+
+
 # ------------------------------------------------------------------ the engine's chat path, config
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from m3serve import LLM, SamplingParams  # noqa: E402
 from m3serve.config import FULL, SPARSE  # noqa: E402
 from m3serve.learn.config import learned_config  # noqa: E402
 from m3serve.learn.render import prompt_ids  # noqa: E402
+from m3serve.learn.tasks import TASKS as TASKS_ALL  # noqa: E402
 from m3serve.learn.tasks import make_examples, retrieval_follow_ups  # noqa: E402
 from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
 from m3serve.learn.train import (DenseAttention, IndexerDistill, MlpWarmup, SparseRamp, TrainConfig,  # noqa: E402
@@ -294,6 +295,41 @@ def test_the_sparse_ramp_rises_from_dense_to_sparse():
     assert not any(ramp.dense(s) for s in range(200, 260))
 
 
+def test_the_retrieval_first_phase_trains_on_short_retrieval_then_every_task(trained):
+    """RetrievalFirst: the first focus_frac of the planned steps take their batches from the short retrieval rows
+    only (2 to focus_max_pairs pairs), the probe runs once when the phase ends, then the other rows train; a logged
+    accuracy at focus_until_acc ends the phase early."""
+    focus_rows = make_rows(trained["out"], ("retrieval",), "train", 6, 3, workers=1, packed={"retrieval": 4},
+                           max_pairs=4)
+    retrieval = TASKS_ALL.index("retrieval")
+    assert focus_rows and all(r[2] == retrieval for r in focus_rows)
+    tc = dataclasses.replace(trained["tc"], max_steps=10, log_every=1, focus_frac=0.4, focus_until_acc=1.1,
+                             profile_steps=0)
+    probes = []
+
+    def probe():
+        probes.append(1)
+        return {"eval_retrieval": 0.5}
+
+    model = build_target(trained["cfg"], torch.device("cpu"), 2)
+    out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"],
+                       lambda _m: None, focus_rows, probe)
+    curve = out["curve"]  # logged at steps 1..10; steps 0-3 (0.4 x 10) are the phase's
+    assert [bool(r.get("retrieval_first")) for r in curve] == [True] * 4 + [False] * 6
+    assert all(set(r["task_loss"]) == {"retrieval"} for r in curve[:4])
+    assert all("retrieval" not in r["task_loss"] for r in curve[4:])
+    assert out["retrieval_first"] == {"step": 4, "by": "steps", "probe": {"eval_retrieval": 0.5}}
+    assert len(probes) == 1
+    early = dataclasses.replace(tc, focus_until_acc=0.0)  # any accuracy ends it at the first logged step
+    out = train_target(model, trained["rows"], early, torch.device("cpu"), float("inf"), trained["pad"],
+                       lambda _m: None, focus_rows)
+    assert out["retrieval_first"] == {"step": 1, "by": "accuracy"}
+    assert [bool(r.get("retrieval_first")) for r in out["curve"]] == [True] + [False] * 9
+    none = train_target(model, trained["rows"], early, torch.device("cpu"), float("inf"), trained["pad"],
+                        lambda _m: None)
+    assert none["retrieval_first"] is None and not any(r.get("retrieval_first") for r in none["curve"])
+
+
 def test_keep_better_keeps_the_weights_that_answer_better(trained):
     model, rows, pad = trained["model"], trained["rows"], trained["pad"]  # rows it was trained on: it answers some
     good = {k: v.clone() for k, v in model.state_dict().items()}
@@ -400,7 +436,10 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
                                                  ("workers", -2, "workers"), ("max_rows", -1, "max_rows"),
                                                  ("init", "xavier", "init must be one of"),
                                                  ("mlp_warmup_frac", 1.0, "mlp_warmup_frac"),
-                                                 ("mlp_warmup_frac", -0.1, "mlp_warmup_frac")])
+                                                 ("mlp_warmup_frac", -0.1, "mlp_warmup_frac"),
+                                                 ("focus_frac", 1.0, "focus_frac"),
+                                                 ("focus_max_pairs", 1, "focus_max_pairs"),
+                                                 ("focus_max_pairs", 500, "focus_max_pairs")])
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value, match):
     from m3serve.learn.train import run
 
