@@ -638,8 +638,10 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             focus_data.close()
             focus_data = None
             log(f"target: the retrieval-first phase ended at step {step} (by {first.ended['by']}); every task from here")
-            if probe is not None:
+            if probe is not None:  # a forward of its own: the distillation and the balance do not see it
+                distill.enabled = balance.enabled = False
                 first.ended["probe"] = probe()
+                distill.enabled = balance.enabled = True
                 log(f"target: after the retrieval-first phase {json.dumps(first.ended['probe'])}")
         try:
             t_step = time.time()

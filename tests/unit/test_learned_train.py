@@ -306,12 +306,12 @@ def test_the_retrieval_first_phase_trains_on_short_retrieval_then_every_task(tra
     tc = dataclasses.replace(trained["tc"], max_steps=10, log_every=1, focus_frac=0.4, focus_until_acc=1.1,
                              profile_steps=0)
     probes = []
+    model = build_target(trained["cfg"], torch.device("cpu"), 2)
 
-    def probe():
-        probes.append(1)
+    def probe():  # a real forward between two steps (with the distillation's and the balance's hooks in place)
+        probes.append(exact_match(model, trained["eval_rows"][:4], torch.device("cpu"), trained["pad"], 4096))
         return {"eval_retrieval": 0.5}
 
-    model = build_target(trained["cfg"], torch.device("cpu"), 2)
     out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"],
                        lambda _m: None, focus_rows, probe)
     curve = out["curve"]  # logged at steps 1..10; steps 0-3 (0.4 x 10) are the phase's
@@ -319,7 +319,7 @@ def test_the_retrieval_first_phase_trains_on_short_retrieval_then_every_task(tra
     assert all(set(r["task_loss"]) == {"retrieval"} for r in curve[:4])
     assert all("retrieval" not in r["task_loss"] for r in curve[4:])
     assert out["retrieval_first"] == {"step": 4, "by": "steps", "probe": {"eval_retrieval": 0.5}}
-    assert len(probes) == 1
+    assert len(probes) == 1 and out["stopped_by"] == "steps" and out["steps"] == 10
     early = dataclasses.replace(tc, focus_until_acc=0.0)  # any accuracy ends it at the first logged step
     out = train_target(model, trained["rows"], early, torch.device("cpu"), float("inf"), trained["pad"],
                        lambda _m: None, focus_rows)
