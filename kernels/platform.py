@@ -7,6 +7,8 @@ Gates (what may run where):
 * ``nvfp4_mma_ok``: the Gluon ``mma.sync`` NVFP4 kernels (`nvfp4_mma`): compiled CUDA (not ROCm, not the
   interpreter), compute capability 8.9 or 9.x (e4m3 converts, mma.sync; measured on the H200), Gluon present, and
   not switched off with ``M3SERVE_NVFP4_MMA=0``.
+* ``markov_kernel_ok``: the fused greedy Markov kernels (`markov`, portable Triton): a GPU, CUDA or ROCm (not the
+  interpreter), not switched off with ``M3SERVE_MARKOV_KERNEL=0``.
 * ``nvfp4_asm_allowed``: the inline-PTX NVFP4 decoder inside the portable kernels: compiled CUDA, sm_89+, not
   switched off with ``M3SERVE_NVFP4_ASM=0`` (`codecs.nvfp4_asm_ok` adds its one-time exactness self-check).
 """
@@ -88,6 +90,11 @@ def moe_mma_ok(device: torch.device) -> bool:
         return False
     cap = capability(device)
     return cap == (8, 9) or cap[0] == 9
+
+
+def markov_kernel_ok(device: torch.device) -> bool:
+    """May the fused greedy Markov kernels run here? (See the module docstring.)"""
+    return device.type == "cuda" and not interpreting() and _switched_on("M3SERVE_MARKOV_KERNEL")
 
 
 def nvfp4_asm_allowed(device: torch.device) -> bool:

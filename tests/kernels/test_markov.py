@@ -63,11 +63,18 @@ def test_w2_must_match_the_columns():
 
 
 def test_fused_path_only_where_it_applies(monkeypatch):
-    """CUDA, greedy, vanilla head, no logits kept, not switched off: every other case keeps the loop."""
+    """A GPU (CUDA or ROCm: the kernel is portable Triton), greedy, vanilla head, no logits kept, not switched off, not
+    the interpreter: every other case keeps the loop."""
     monkeypatch.undo()  # the real gate
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     vanilla, gated = (MarkovHead(kind, 50, 16, 8, torch.float32) for kind in ("vanilla", "gated"))
     assert fused_markov(vanilla, "greedy", False, cuda)
+    monkeypatch.setattr(torch.version, "hip", "7.2", raising=False)
+    assert fused_markov(vanilla, "greedy", False, cuda)  # ROCm too
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not fused_markov(vanilla, "greedy", False, cuda)
+    monkeypatch.delenv("TRITON_INTERPRET")
     for head, method, keep, dev in [(vanilla, "greedy", False, cpu), (vanilla, "probabilistic", False, cuda),
                                     (vanilla, "greedy", True, cuda), (gated, "greedy", False, cuda),
                                     (None, "greedy", False, cuda)]:

@@ -18,7 +18,6 @@ the confidence head then batched over the K positions after them; the loop below
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ import torch
 
 from m3serve.executor.speculative.draft_cache import DraftKVCache
 from m3serve.executor.speculative.probs import draw, sampling_probs
+from m3serve.kernels import platform
 from m3serve.kernels.markov import markov_greedy
 from m3serve.step_io import SamplingInput
 from m3serve.model.dspark import DSparkDraft
@@ -49,9 +49,10 @@ class Proposal:
 
 def fused_markov(markov_head: MarkovHead | None, method: str, keep_logits: bool, device: torch.device) -> bool:
     """Whether `sample_block` takes the fused greedy kernels: CUDA, greedy drafts, a vanilla Markov head, no logits
-    kept (the other head types, sampled drafts and the CPU run the loop), unless M3SERVE_MARKOV_KERNEL=0."""
-    return (device.type == "cuda" and method == "greedy" and markov_head is not None and markov_head.kind == "vanilla"
-            and not keep_logits and os.environ.get("M3SERVE_MARKOV_KERNEL", "1") != "0")
+    kept (the other head types, sampled drafts and the CPU run the loop), where `platform.markov_kernel_ok` (not
+    with M3SERVE_MARKOV_KERNEL=0)."""
+    return (method == "greedy" and markov_head is not None and markov_head.kind == "vanilla" and not keep_logits
+            and platform.markov_kernel_ok(device))
 
 
 @torch.inference_mode()
