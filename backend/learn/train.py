@@ -7,8 +7,8 @@ One process does it all, within a wall-clock budget (`--budget-s`), so that it f
 2. the target: transformers 5.25 `MiniMaxM3VLForCausalLM` (the numerical reference the engine equals) built from
    `learned_config`, random init, AdamW, bf16 autocast on CUDA, linear warm-up then cosine decay, cross-entropy on
    the answer tokens only. Batches are length-bucketed and right-padded (right padding leaves MSA's block
-   boundaries where an unpadded run has them). A fresh run begins with a retrieval-first phase (`RetrievalFirst`:
-   short retrieval contexts alone until the in-context lookup forms, at most `--focus-frac` of the steps). The MoE
+   boundaries where an unpadded run has them). `--focus-frac` adds a retrieval-first phase (`RetrievalFirst`:
+   short retrieval contexts alone until the in-context lookup forms, at most that share of the steps). The MoE
    routers are balanced without an auxiliary loss: after each
    step every router's `e_score_correction_bias` moves by `--bias-rate` toward the mean load (DeepSeek-V3's
    auxiliary-loss-free balancing; M3 checkpoints carry that bias). The experts run through transformers'
@@ -98,8 +98,9 @@ class TrainConfig:
     mlp_warmup_frac: float = 0.25
     # the retrieval-first phase (RetrievalFirst): at most this share of the planned steps trains on short retrieval
     # contexts alone (2-focus_max_pairs pairs, focus_examples of them rendered up front, focus_tokens_per_batch a
-    # step), until the answer-token accuracy of its batches reaches focus_until_acc; then every task (0: no phase)
-    focus_frac: float = 0.4
+    # step), until the answer-token accuracy of its batches reaches focus_until_acc; then every task (0: no phase).
+    # Off by default: on the CPU (2026-12-05) 1,090 steps of it left the word lookup at chance (docs/quality.md)
+    focus_frac: float = 0.0
     focus_max_pairs: int = 16
     focus_examples: int = 24000
     focus_tokens_per_batch: int = 32768

@@ -1,0 +1,83 @@
+"""Does the retrieval-first phase (learn/train.py `RetrievalFirst`) form the in-context lookup on the learned config
+with the real word-retrieval task? Trains a fresh target (the trainer's init: fan_in, silent MLPs frozen for the
+first quarter) on 2-16-pair retrieval rows alone through `train_target`, keeps the weights every 100 steps, then
+scores each by teacher-forced exact match on 100 held-out prompts of 16 pairs and of 180 pairs (the eval's length).
+docs/quality.md ("The retrieval-first phase on the CPU") has its one run:
+    python benchmarks/retrieval_first.py --threads 2 --budget-s 4200 --tokens-per-batch 6144
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+import m3serve.learn.tasks as tasks
+from m3serve.learn.config import learned_config
+from m3serve.learn.data import make_rows
+from m3serve.learn.tokenizer import build_tokenizer
+from m3serve.learn.train import TrainConfig, build_target, exact_match, fresh_init, train_target
+
+
+def eval_rows(tok_dir: str, pairs: int, n: int) -> list:
+    """n held-out retrieval rows whose contexts hold `pairs` pairs (the eval split's generator, its length set)."""
+    saved = tasks._retrieval.__defaults__
+    tasks._retrieval.__defaults__ = (pairs,)
+    try:
+        return make_rows(tok_dir, ("retrieval",), "eval", n, 1, workers=1)
+    finally:
+        tasks._retrieval.__defaults__ = saved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--budget-s", type=float, default=4200)
+    p.add_argument("--tokens-per-batch", type=int, default=6144)
+    p.add_argument("--rows", type=int, default=12000)
+    p.add_argument("--max-pairs", type=int, default=16)
+    p.add_argument("--planned-steps", type=int, default=1600, help="the cosine schedule's length")
+    p.add_argument("--out", help="JSON of the curve and the scores")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    cpu = torch.device("cpu")
+    tok_dir = tempfile.mkdtemp(prefix="m3-retrieval-first-")
+    tok = build_tokenizer(tok_dir, seed=0)
+    cfg = learned_config(-(-tok["vocab_size"] // 64) * 64, tok["bos_token_id"], tok["eos_token_id"])
+    pad = tok["pad_token_id"] if tok.get("pad_token_id") is not None else tok["eos_token_id"]
+    rows = make_rows(tok_dir, ("retrieval",), "train", a.rows, 3, workers=a.threads, packed={"retrieval": 32},
+                     max_pairs=a.max_pairs)
+    evals = {pairs: eval_rows(tok_dir, pairs, 100) for pairs in (16, tasks.RETRIEVAL_PAIRS)}
+    model = build_target(cfg, cpu, 0)
+    fresh_init(model, "fan_in", 0, True)
+    tc = TrainConfig(out=os.path.join(tok_dir, "m"), device="cpu", tokens_per_batch=a.tokens_per_batch,
+                     max_steps=a.planned_steps, log_every=25)
+    kept, curve = {}, []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        if msg.startswith("target {"):
+            rec = json.loads(msg[len("target "):])
+            curve.append(rec)
+            if rec["step"] % 100 == 0:
+                kept[rec["step"]] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    res = train_target(model, rows, tc, cpu, time.time() + a.budget_s, pad, log)
+    kept[res["steps"]] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    scores = []
+    for step in sorted(kept):
+        model.load_state_dict(kept[step])
+        row = {"step": step, **{f"{pairs}_pairs": exact_match(model, ev, cpu, pad, 8192)["retrieval"]
+                                 for pairs, ev in evals.items()}}
+        scores.append(row)
+        print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "steps": res["steps"], "curve": curve, "scores": scores}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
