@@ -638,7 +638,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
         if not focus and focus_data is not None:
             focus_data.close()
             focus_data = None
-            log(f"target: the retrieval-first phase ended at step {step} (by {first.ended['by']}); every task from here")
+            log(f"target: the retrieval-first phase ended at step {step} (by {first.ended['by']}); every task "
+                "from here")
             if probe is not None:  # a forward of its own: the distillation and the balance do not see it
                 distill.enabled = balance.enabled = False
                 first.ended["probe"] = probe()
@@ -655,7 +656,8 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             discard_step()
             if (focus_batch if focus else per_batch) // 2 < MIN_TOKENS_PER_BATCH:
                 error = f"{type(e).__name__}: {e}"
-                log(f"target: step {step} ran out of memory at {per_batch} tokens per batch; stopping here")
+                log(f"target: step {step} ran out of memory at {focus_batch if focus else per_batch} tokens per "
+                    "batch; stopping here")
                 break
             if device.type == "cuda":
                 torch.cuda.empty_cache()
