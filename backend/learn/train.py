@@ -827,7 +827,7 @@ def run(tc: TrainConfig) -> dict:
         raise ValueError(f"init must be one of {list(INITS)}, got {tc.init!r}")
     if not 0 <= tc.focus_frac < 1:
         raise ValueError(f"focus_frac must be in [0, 1), got {tc.focus_frac}")
-    if tc.focus_frac > 0 and not RETRIEVAL_TRAIN_MIN_PAIRS <= tc.focus_max_pairs <= RETRIEVAL_PAIRS:
+    if not RETRIEVAL_TRAIN_MIN_PAIRS <= tc.focus_max_pairs <= RETRIEVAL_PAIRS:
         raise ValueError(f"focus_max_pairs must be in {RETRIEVAL_TRAIN_MIN_PAIRS}-{RETRIEVAL_PAIRS}, "
                          f"got {tc.focus_max_pairs}")
     if not 0 <= tc.mlp_warmup_frac < 1:
