@@ -14,6 +14,7 @@ Either: --init-std re-draws every matrix (or those --init-only names), then --em
 zeroes parameters by name; --mlp-frozen-steps keeps the MLPs' learning rate at 0 for the first steps. `m3` also takes
 --train-init (learn/train.py's `fresh_init`, the trainer's own recipe) and --learned-size (the learned model's config).
 The rows: --colon puts a separator token between each key and its value (as the old ` key:value` lines did);
+--question asks each key as a retrieval turn does (a question holding the key, a reply prefix, then key and value);
 --pairs-to draws each step's P log-uniform over --pairs..--pairs-to and also scores a held-out batch at the longest.
 
     python benchmarks/recall_plateau.py --arch m3 --pairs 4 --steps 1000 --out /tmp/recall.json
@@ -38,6 +39,7 @@ VOCAB = 512
 KEYS, VALUES = (10, 266), (300, 500)  # id ranges
 SEPARATOR = 3
 COLON = 4  # --colon: between each key and its value, as the learned model's " key:value" lines
+QUESTION, QUESTION_END, REPLY = 5, 6, 7  # --question: each asked key as "Q key ? R key value", as a retrieval turn
 HIDDEN, LAYERS, HEADS = 128, 4, 4
 
 
@@ -114,8 +116,12 @@ def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False, fast: b
     return model, lambda ids: model(input_ids=ids).logits
 
 
-def batch(pairs: int, rows: int, g: torch.Generator, colon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [rows, 4P + 1] (6P + 1 with `colon`: key, COLON, value) and the bool mask of the answered values."""
+def batch(pairs: int, rows: int, g: torch.Generator, colon: bool = False, question: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [rows, 4P + 1] (6P + 1 with `colon`: key, COLON, value) and the bool mask of the answered values. With
+    `question` each asked pair is QUESTION key QUESTION_END REPLY key value (the learned model's retrieval turn: "What
+    is the code for key?", the template's reply prefix, then " key value"), so the asked key occurs once more before
+    the answer, followed by QUESTION_END instead of its value."""
     keys = torch.stack([torch.randperm(KEYS[1] - KEYS[0], generator=g)[:pairs] + KEYS[0] for _ in range(rows)])
     values = torch.randint(*VALUES, (rows, pairs), generator=g)
     order = torch.stack([torch.randperm(pairs, generator=g) for _ in range(rows)])
@@ -125,9 +131,15 @@ def batch(pairs: int, rows: int, g: torch.Generator, colon: bool = False) -> tup
         return torch.stack(parts, 2).flatten(1)
 
     context, asked = lines(keys, values), lines(keys.gather(1, order), values.gather(1, order))
+    width = 3 if colon else 2
+    if question:
+        k = keys.gather(1, order)
+        marks = [torch.full_like(k, t) for t in (QUESTION, QUESTION_END, REPLY)]
+        asked = torch.cat([torch.stack([marks[0], k, marks[1], marks[2]], 2), asked.unflatten(1, (pairs, width))],
+                          2).flatten(1)
+        width += 4
     ids = torch.cat([context, torch.full((rows, 1), SEPARATOR), asked], 1)
     answered = torch.zeros_like(ids, dtype=torch.bool)
-    width = 3 if colon else 2
     answered[:, context.shape[1] + width::width] = True
     return ids, answered
 
@@ -146,6 +158,7 @@ def main(argv=None) -> dict:
     p.add_argument("--arch", choices=["m3", "plain"], default="m3")
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--colon", action="store_true", help="a separator token between each key and its value")
+    p.add_argument("--question", action="store_true", help="each asked key as a retrieval turn: Q key ? R key value")
     p.add_argument("--pairs-to", type=int, help="each step's P log-uniform over --pairs..this; also scored at this P")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--rows", type=int, default=32, help="rows per step")
@@ -243,7 +256,7 @@ def main(argv=None) -> dict:
         if a.pairs_to:  # this step's P log-uniform over pairs..pairs_to (the learned model's training contexts)
             pairs = min(a.pairs_to, int(math.exp(random.Random(a.seed * 100_003 + step).uniform(
                 math.log(a.pairs), math.log(a.pairs_to + 1)))))
-        ids, answered = batch(pairs, a.rows, g, a.colon)
+        ids, answered = batch(pairs, a.rows, g, a.colon, a.question)
         logits = logits_of(ids)[:, :-1].float()
         sel, gold = answered[:, 1:], ids[:, 1:]
         loss = F.cross_entropy(logits[sel], gold[sel])
@@ -256,7 +269,7 @@ def main(argv=None) -> dict:
             curve.append({"step": step, "loss": round(loss.item(), 4), "acc": round(acc, 4)})
             if a.pairs_to:  # and on a held-out batch of the longest contexts
                 with torch.no_grad():
-                    ids, answered = batch(a.pairs_to, a.rows, held_out, a.colon)
+                    ids, answered = batch(a.pairs_to, a.rows, held_out, a.colon, a.question)
                     hits = logits_of(ids)[:, :-1].argmax(-1)[answered[:, 1:]] == ids[:, 1:][answered[:, 1:]]
                 curve[-1] |= {"pairs": pairs, f"acc_at_{a.pairs_to}": round(hits.float().mean().item(), 4)}
             print(json.dumps(curve[-1] | {"s": round(time.time() - t0, 1)}), flush=True)

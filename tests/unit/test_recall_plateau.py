@@ -27,6 +27,21 @@ def test_every_answered_value_is_the_one_its_key_has_in_the_context(colon):
         assert all(rp.VALUES[0] <= v < rp.VALUES[1] for v in context.values())
 
 
+def test_question_rows_ask_each_key_as_a_retrieval_turn():
+    """--question: after the context, each asked pair is QUESTION key QUESTION_END REPLY key value; only the value
+    is answered, and it is the one the key has in the context."""
+    pairs = 5
+    ids, answered = rp.batch(pairs, 4, torch.Generator().manual_seed(1), question=True)
+    assert ids.shape == (4, 2 * pairs + 1 + 6 * pairs) and answered.sum().item() == 4 * pairs
+    for row, mask in zip(ids.tolist(), answered.tolist()):
+        context = dict(zip(row[0:2 * pairs:2], row[1:2 * pairs:2]))
+        turns = [row[2 * pairs + 1 + 6 * t:2 * pairs + 1 + 6 * (t + 1)] for t in range(pairs)]
+        assert all(t[0] == rp.QUESTION and t[2] == rp.QUESTION_END and t[3] == rp.REPLY and t[1] == t[4]
+                   and context[t[4]] == t[5] for t in turns)
+        assert sorted(t[1] for t in turns) == sorted(context)
+        assert [i for i, m in enumerate(mask) if m] == [2 * pairs + 6 * (t + 1) for t in range(pairs)]
+
+
 @pytest.mark.parametrize("args", [["--arch", "plain", "--qk-norm", "--rotary-fraction", "0.5"],
                                   ["--arch", "m3", "--mlp", "dense", "--init-std", "0.05"],
                                   ["--arch", "m3", "--train-init", "fan_in", "--mlp-frozen-steps", "20", "--colon",
