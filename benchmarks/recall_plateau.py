@@ -14,7 +14,8 @@ Either: --init-std re-draws every matrix (or those --init-only names), then --em
 zeroes parameters by name; --mlp-frozen-steps keeps the MLPs' learning rate at 0 for the first steps. `m3` also takes
 --train-init (learn/train.py's `fresh_init`, the trainer's own recipe) and --learned-size (the learned model's config).
 The rows: --colon puts a separator token between each key and its value (as the old ` key:value` lines did);
---question asks each key as a retrieval turn does (a question holding the key, a reply prefix, then key and value);
+--question asks each key as a retrieval turn does (a question holding the key, a reply prefix, then key and value),
+from step --question-from on (plain asked lines before it); the held-out score always uses --question's rows;
 --pairs-to draws each step's P log-uniform over --pairs..--pairs-to and also scores a held-out batch at the longest.
 
     python benchmarks/recall_plateau.py --arch m3 --pairs 4 --steps 1000 --out /tmp/recall.json
@@ -159,6 +160,7 @@ def main(argv=None) -> dict:
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--colon", action="store_true", help="a separator token between each key and its value")
     p.add_argument("--question", action="store_true", help="each asked key as a retrieval turn: Q key ? R key value")
+    p.add_argument("--question-from", type=int, default=0, help="with --question: plain asked lines before this step")
     p.add_argument("--pairs-to", type=int, help="each step's P log-uniform over --pairs..this; also scored at this P")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--rows", type=int, default=32, help="rows per step")
@@ -256,7 +258,7 @@ def main(argv=None) -> dict:
         if a.pairs_to:  # this step's P log-uniform over pairs..pairs_to (the learned model's training contexts)
             pairs = min(a.pairs_to, int(math.exp(random.Random(a.seed * 100_003 + step).uniform(
                 math.log(a.pairs), math.log(a.pairs_to + 1)))))
-        ids, answered = batch(pairs, a.rows, g, a.colon, a.question)
+        ids, answered = batch(pairs, a.rows, g, a.colon, a.question and step >= a.question_from)
         logits = logits_of(ids)[:, :-1].float()
         sel, gold = answered[:, 1:], ids[:, 1:]
         loss = F.cross_entropy(logits[sel], gold[sel])

@@ -45,7 +45,8 @@ def test_question_rows_ask_each_key_as_a_retrieval_turn():
 @pytest.mark.parametrize("args", [["--arch", "plain", "--qk-norm", "--rotary-fraction", "0.5"],
                                   ["--arch", "m3", "--mlp", "dense", "--init-std", "0.05"],
                                   ["--arch", "m3", "--train-init", "fan_in", "--mlp-frozen-steps", "20", "--colon",
-                                   "--pairs", "2", "--pairs-to", "4"]])
+                                   "--pairs", "2", "--pairs-to", "4"],
+                                  ["--arch", "plain", "--question", "--question-from", "20"]])
 def test_a_short_run_lowers_the_loss_and_writes_its_curve(args, tmp_path):
     out = tmp_path / "r.json"
     r = rp.main(args + ["--steps", "40", "--log-every", "10", "--rows", "8", "--out", str(out)])
