@@ -705,7 +705,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     if focus_data is not None:
         focus_data.close()
     return {"steps": step, "planned_steps": sched.total, "mlps_from_step": mlps.start,
-            "retrieval_first": first.ended or ({"step": step, "by": "end of training"} if first.rows else None),
+            "retrieval_first": first.ended or ({"step": step, "by": "end of training"} if first.on else None),
             "sparse_from_step": ramp.start, "tokens_per_batch": per_batch,
             "sparse_full_from_step": ramp.full, "wall_s": round(wall, 1),
             "experts_implementation": experts, "compile": compiling or None,
