@@ -26,7 +26,8 @@ Row = tuple[list[int], list[int], int]
 
 class Job(NamedTuple):
     """One worker's share: `examples` problems of `task`'s `split` drawn with `seed`, `per_row` problems per row;
-    `max_pairs` caps retrieval's training contexts (0: the task's own range)."""
+    `max_pairs` caps retrieval's training contexts (0: the task's own range); `recital` (retrieval) makes recital
+    rows (tasks.retrieval_recital: the reply recites every line, the loss on the values) instead of question turns."""
     task: str
     split: str
     examples: int
@@ -34,6 +35,7 @@ class Job(NamedTuple):
     tok_dir: str
     per_row: int
     max_pairs: int = 0
+    recital: bool = False
 
 
 _WORKER_TOKENIZER: dict[str, Any] = {}
@@ -41,16 +43,19 @@ _WORKER_TOKENIZER: dict[str, Any] = {}
 
 def _render_chunk(job: Job) -> list[Row]:
     """A job's rows [(input_ids, loss_mask, task index)]; runs in a worker."""
-    from m3serve.learn.render import render, render_turns
-    from m3serve.learn.tasks import make_examples, retrieval_follow_ups
+    from m3serve.learn.render import render, render_recital, render_turns
+    from m3serve.learn.tasks import make_examples, retrieval_follow_ups, retrieval_recital
     from m3serve.text.tokenizer import Tokenizer
 
-    task, split, n, seed, tok_dir, per_row, max_pairs = job
+    task, split, n, seed, tok_dir, per_row, max_pairs, recital = job
     tok = _WORKER_TOKENIZER.get(tok_dir)
     if tok is None:
         tok = _WORKER_TOKENIZER[tok_dir] = Tokenizer.from_pretrained(tok_dir)
     ti = TASKS.index(task)
     examples = make_examples(task, split, n, seed=seed, max_pairs=max_pairs)
+    if recital:
+        rng = random.Random(seed)
+        return [(*render_recital(*retrieval_recital(ex, rng), tok), ti) for ex in examples]
     if per_row <= 1:
         return [(*render(ex, tok), ti) for ex in examples]
     if task == "retrieval":  # one context, several of its keys asked in turn
@@ -63,16 +68,19 @@ def _render_chunk(job: Job) -> list[Row]:
 
 def row_jobs(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, chunk: int = 500,
              weights: dict[str, float] | None = None, packed: dict[str, int] | None = None,
-             max_pairs: int = 0) -> list[Job]:
+             max_pairs: int = 0, recital: bool = False) -> list[Job]:
     """The jobs that make `n_per_task` examples per task (times `weights[task]`, default 1; `packed[task]` problems
     per row, default 1): a task's examples in chunks of `chunk` (a fifth of it for rows of over 8 problems, which
     cost ~30 chat-template passes each: more jobs to spread), chunk c drawn with seed `seed * 1000 + c` (so the rows
     do not depend on the number of workers); the costliest jobs (most problems per row) first, so that no straggler
-    is left at the end. `max_pairs` (retrieval only): its training contexts hold at most that many pairs."""
+    is left at the end. `max_pairs` (retrieval only): its training contexts hold at most that many pairs; `recital`
+    (retrieval only): recital rows (Job)."""
+    if recital and set(tasks) != {"retrieval"}:
+        raise ValueError(f"recital rows are retrieval's, not {sorted(set(tasks) - {'retrieval'})}")
     counts = {t: max(1, round(n_per_task * (weights or {}).get(t, 1.0))) for t in tasks}
     per_job = {t: max(1, chunk // 5) if (packed or {}).get(t, 1) > 8 else chunk for t in tasks}
     jobs = [Job(t, split, min(per_job[t], counts[t] - c0), seed * 1000 + c0 // per_job[t], tok_dir,
-                (packed or {}).get(t, 1), max_pairs)
+                (packed or {}).get(t, 1), max_pairs, recital)
             for t in tasks for c0 in range(0, counts[t], per_job[t])]
     jobs.sort(key=lambda j: -j.per_row)
     return jobs
@@ -92,10 +100,10 @@ def _lower_priority() -> None:
 
 def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, workers: int = 0,
               chunk: int = 500, weights: dict[str, float] | None = None, packed: dict[str, int] | None = None,
-              pool=None, max_pairs: int = 0) -> list[Row]:
+              pool=None, max_pairs: int = 0, recital: bool = False) -> list[Row]:
     """Rendered rows of `row_jobs(...)`, in worker processes (`pool`, else a pool of `workers` made for the call;
     one worker: in this process)."""
-    jobs = row_jobs(tok_dir, tasks, split, n_per_task, seed, chunk, weights, packed, max_pairs)
+    jobs = row_jobs(tok_dir, tasks, split, n_per_task, seed, chunk, weights, packed, max_pairs, recital)
     if pool is not None:
         parts = pool.map(_render_chunk, jobs, chunksize=1)
     elif _worker_count(workers) <= 1 or len(jobs) == 1:

@@ -2,7 +2,7 @@
 end-of-turn token the engine stops on; the loss mask covers only the target."""
 from __future__ import annotations
 
-from m3serve.learn.tasks import Example
+from m3serve.learn.tasks import THINK_OFF, Example
 
 
 def prompt_ids(example: Example, tokenizer) -> list[int]:
@@ -75,3 +75,18 @@ def _answered(ids: list[int], mask: list[int], prompt: list[int], answer: str, t
     loss on those."""
     target = tokenizer.encode(answer) + [tokenizer.eos_token_id]
     return prompt + target, mask + [0] * (len(prompt) - len(ids)) + [1] * len(target)
+
+
+def render_recital(messages: list[dict], lines: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a recital row (tasks.retrieval_recital): the prompt (thinking disabled), then the
+    reply's lines " key value" joined by newlines and the end-of-turn token, the loss on the value tokens only (the
+    keys come in an arbitrary order: nothing to learn from them). The reply is tokenized piece by piece to know which
+    tokens are values; with the learned tokenizer that is the whole reply's own tokenization (tests)."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **THINK_OFF)
+    ids, mask = list(prompt), [0] * len(prompt)
+    for i, (key, value) in enumerate(lines):
+        for text, loss in (("\n" if i else "", 0), (f" {key}", 0), (f" {value}", 1)):
+            piece = tokenizer.encode(text) if text else []
+            ids += piece
+            mask += [loss] * len(piece)
+    return ids + [tokenizer.eos_token_id], mask + [0]

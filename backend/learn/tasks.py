@@ -180,6 +180,24 @@ def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[t
     return [(_CODE_QUESTION.format(k), _quoted(k, v)) for k, v in rng.sample(others, min(n, len(others)))]
 
 
+_RECITE = "Repeat the codes."
+
+
+def retrieval_recital(example: Example, rng: random.Random) -> tuple[list[dict], list[tuple[str, str]]]:
+    """A recital of a retrieval example's context, for the training's retrieval-first phase: (messages, lines) where
+    the user gives the list and asks for it back (no question about one key) and the reply is every (key, value) line
+    in a random order (render.render_recital puts the loss on the values only: the order is arbitrary). Each key
+    then occurs once before the value it must recall, as in a context line; in a question turn it occurs twice (in
+    its line and in the question), and on the CPU that extra occurrence kept the lookup from forming while a model
+    that had learned it on plain lines answered questions at once (benchmarks/recall_plateau.py --question,
+    docs/quality.md)."""
+    text = example.messages[0]["content"]
+    head, _question = text.rsplit("\n", 1)
+    lines = [tuple(line.split()) for line in head.split("\n")[1:]]
+    rng.shuffle(lines)
+    return [{"role": "user", "content": f"{head}\n{_RECITE}"}], lines
+
+
 # ---------------------------------------------------------------- tool_call
 
 def _tool(name: str, description: str, props: dict[str, str]) -> dict:

@@ -105,6 +105,10 @@ class TrainConfig:
     focus_examples: int = 24000
     focus_tokens_per_batch: int = 32768
     focus_until_acc: float = 0.97
+    # the phase's rows are recitals (the reply recites the context's lines, the loss on the values; tasks.
+    # retrieval_recital) rather than question turns, whose second occurrence of the asked key kept the lookup from
+    # forming on the CPU (docs/quality.md, "The question is what stalls it")
+    focus_recital: bool = True
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -513,8 +517,9 @@ class RetrievalFirst:
     mixed batches of runs 1-9 the retrieval answers were a small share of every step's gradient, and the lookup had
     not formed when the rate had decayed (run 9: the short contexts' answer loss began to fall at step 1,100 of 1,579,
     the long ones' never). So for at most `focus_frac` of the planned steps every batch is retrieval rows of 2 to
-    `focus_max_pairs` pairs (each asking all its keys in turn); the phase ends early once a logged step's answer-token
-    accuracy reaches `focus_until_acc` (the key and the end of turn are easy: accuracy 2/3 is a lookup at chance)."""
+    `focus_max_pairs` pairs: recitals of every line with the loss on the values (`focus_recital`, chance 1/45), or
+    each key asked in turn (chance 2/3: the key and the end of turn are easy); the phase ends early once a logged
+    step's answer-token accuracy reaches `focus_until_acc`."""
 
     def __init__(self, tc: TrainConfig, rows: list):
         self.rows, self.max_frac, self.until_acc = rows, tc.focus_frac, tc.focus_until_acc
@@ -865,7 +870,8 @@ def run(tc: TrainConfig) -> dict:
         rows += make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, weights=tc.task_weights,
                           packed=tc.packed_turns, pool=fresh.pool)
         focus_rows = (make_rows(tc.out, ("retrieval",), "train", tc.focus_examples, tc.seed + 3,
-                                packed=tc.packed_turns, pool=fresh.pool, max_pairs=tc.focus_max_pairs)
+                                packed=tc.packed_turns, pool=fresh.pool, max_pairs=tc.focus_max_pairs,
+                                recital=tc.focus_recital)
                       if tc.focus_frac > 0 and "retrieval" in tc.tasks else [])
         eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, pool=fresh.pool)
         lengths = sorted(len(r[0]) for r in rows)

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from m3serve.learn.config import learned_config, make_learned, selected_span
+from m3serve.learn.data import make_rows
 from m3serve.learn.render import prompt_ids, render
 from m3serve.learn.tasks import RETRIEVAL_PAIRS, TASKS, Example, make_examples, split_of
 from m3serve.learn.tokenizer import build_tokenizer
@@ -227,6 +228,39 @@ def test_the_retrieval_first_phase_draws_short_training_contexts():
                                     ("retrieval", "train", 1, "2-180"), ("retrieval", "train", 181, "2-180")):
         with pytest.raises(ValueError, match=match):
             make_examples(task, split, 3, max_pairs=cap)
+
+
+def test_recital_rows_recite_every_line_with_the_loss_on_the_values(tok_dir, tok):
+    """A recital row (the retrieval-first phase's, data.Job recital=True): the user's list without a question about
+    one key, then the reply reciting each line once in a shuffled order; the loss is on the value tokens alone, each
+    right after its key; the ids are the chat template's text of that conversation tokenized whole."""
+    rows = make_rows(tok_dir[0], ("retrieval",), "train", 40, 3, workers=1, packed={"retrieval": 32}, max_pairs=16,
+                     recital=True)
+    examples = make_examples("retrieval", "train", 40, seed=3000, max_pairs=16)  # the job's own draw (seed*1000)
+    assert len(rows) == len(examples) == 40
+    shuffled = 0
+    for (ids, mask, task), ex in zip(rows, examples):
+        assert task == TASKS.index("retrieval") and len(ids) == len(mask)
+        head = ex.messages[0]["content"].rsplit("\n", 1)[0]
+        lines = [tuple(line.split()) for line in head.split("\n")[1:]]
+        recited = [l.split() for l in tok.decode(ids, skip_special_tokens=False).split(THINK_END)[-1]
+                   .removesuffix("[e~[").split("\n")]
+        assert sorted(map(tuple, recited)) == sorted(lines)  # every line once
+        shuffled += [tuple(r) for r in recited] != lines
+        text = tok.decode(ids, skip_special_tokens=False)
+        assert "What is the code" not in text and "Repeat the codes." in text
+        assert tok.encode(text) == ids  # no merge across the pieces the mask was built from
+        values = [i for i, m in enumerate(mask) if m]
+        assert [tok.decode([ids[i]]).strip() for i in values] == [v for _k, v in recited]
+        assert all(tok.decode([ids[i - 1]]).strip() == k for i, (k, _v) in zip(values, recited))
+        conversation = [{"role": "user", "content": head + "\nRepeat the codes."},
+                        {"role": "assistant", "content": "\n".join(f" {k} {v}" for k, v in recited)}]
+        full = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=False,
+                                       thinking_mode="disabled")  # ... the reply, the end of turn, a newline
+        assert full[:len(ids)] == ids and tok.decode(full[len(ids):]) == "\n"
+    assert shuffled >= 30
+    with pytest.raises(ValueError, match="recital"):
+        make_rows(tok_dir[0], ("arithmetic", "retrieval"), "train", 4, 3, workers=1, recital=True)
 
 
 # ------------------------------------------------------------------ the engine's chat path, config
