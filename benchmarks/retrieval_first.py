@@ -2,8 +2,9 @@
 with the real word-retrieval task? Trains a fresh target (the trainer's init: fan_in, silent MLPs frozen for the
 first quarter) on 2-16-pair retrieval rows alone through `train_target`, keeps the weights every 100 steps, then
 scores each by teacher-forced exact match on 100 held-out prompts of 16 pairs and of 180 pairs (the eval's length).
-docs/quality.md ("The retrieval-first phase on the CPU") has its one run:
-    python benchmarks/retrieval_first.py --threads 2 --budget-s 4200 --tokens-per-batch 6144
+The held-out prompts are question turns whatever the training rows (recitals by default, as the trainer's phase;
+--no-recital: question turns). docs/quality.md ("The retrieval-first phase on the CPU") has its runs:
+    python benchmarks/retrieval_first.py --threads 2 --budget-s 4200 --tokens-per-batch 6144 --no-recital
 """
 from __future__ import annotations
 
@@ -18,18 +19,16 @@ import torch
 import m3serve.learn.tasks as tasks
 from m3serve.learn.config import learned_config
 from m3serve.learn.data import make_rows
+from m3serve.learn.render import render
 from m3serve.learn.tokenizer import build_tokenizer
 from m3serve.learn.train import TrainConfig, build_target, exact_match, fresh_init, train_target
+from m3serve.text.tokenizer import Tokenizer
 
 
-def eval_rows(tok_dir: str, pairs: int, n: int) -> list:
-    """n held-out retrieval rows whose contexts hold `pairs` pairs (the eval split's generator, its length set)."""
-    saved = tasks._retrieval.__defaults__
-    tasks._retrieval.__defaults__ = (pairs,)
-    try:
-        return make_rows(tok_dir, ("retrieval",), "eval", n, 1, workers=1)
-    finally:
-        tasks._retrieval.__defaults__ = saved
+def eval_rows(tok, pairs: int, n: int) -> list:
+    """n held-out retrieval rows (question turns) whose contexts hold `pairs` pairs."""
+    retrieval = tasks.TASKS.index("retrieval")
+    return [(*render(ex, tok), retrieval) for ex in tasks.make_examples("retrieval", "eval", n, seed=1, pairs=pairs)]
 
 
 def main() -> None:
@@ -40,6 +39,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=12000)
     p.add_argument("--max-pairs", type=int, default=16)
     p.add_argument("--planned-steps", type=int, default=1600, help="the cosine schedule's length")
+    p.add_argument("--recital", action=argparse.BooleanOptionalAction, default=True,
+                   help="recital rows (the trainer's default, focus_recital); --no-recital: question turns")
     p.add_argument("--out", help="JSON of the curve and the scores")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -49,8 +50,9 @@ def main() -> None:
     cfg = learned_config(-(-tok["vocab_size"] // 64) * 64, tok["bos_token_id"], tok["eos_token_id"])
     pad = tok["pad_token_id"] if tok.get("pad_token_id") is not None else tok["eos_token_id"]
     rows = make_rows(tok_dir, ("retrieval",), "train", a.rows, 3, workers=a.threads, packed={"retrieval": 32},
-                     max_pairs=a.max_pairs)
-    evals = {pairs: eval_rows(tok_dir, pairs, 100) for pairs in (16, tasks.RETRIEVAL_PAIRS)}
+                     max_pairs=a.max_pairs, recital=a.recital)
+    text_tok = Tokenizer.from_pretrained(tok_dir)
+    evals = {pairs: eval_rows(text_tok, pairs, 100) for pairs in (16, tasks.RETRIEVAL_PAIRS)}
     model = build_target(cfg, cpu, 0)
     fresh_init(model, "fan_in", 0, True)
     tc = TrainConfig(out=os.path.join(tok_dir, "m"), device="cpu", tokens_per_batch=a.tokens_per_batch,

@@ -326,11 +326,18 @@ def split_of(task: str, key) -> str:
     return "eval" if h % EVAL_BUCKETS == 0 else "train"
 
 
-def make_examples(task: str, split: str, n: int, seed: int = 0, max_pairs: int = 0) -> list[Example]:
-    """`n` examples of `task` from `split` ("train" or "eval"), deterministic in (task, split, n, seed, max_pairs).
-    `max_pairs` (retrieval's train split only; 0: RETRIEVAL_PAIRS): its contexts hold at most that many pairs."""
+def make_examples(task: str, split: str, n: int, seed: int = 0, max_pairs: int = 0, pairs: int = 0
+                  ) -> list[Example]:
+    """`n` examples of `task` from `split` ("train" or "eval"), deterministic in its arguments.
+    `max_pairs` (retrieval's train split only; 0: RETRIEVAL_PAIRS): its contexts hold at most that many pairs.
+    `pairs` (retrieval's eval split only; 0: RETRIEVAL_PAIRS): its contexts hold that many (probes of the lookup at
+    shorter lengths)."""
     if max_pairs and not (task == "retrieval" and split == "train"):
         raise ValueError(f"max_pairs is for retrieval's train split, not {task!r} {split!r}")
+    if pairs and not (task == "retrieval" and split == "eval"):
+        raise ValueError(f"pairs is for retrieval's eval split, not {task!r} {split!r}")
+    if pairs and not RETRIEVAL_TRAIN_MIN_PAIRS <= pairs <= RETRIEVAL_PAIRS:
+        raise ValueError(f"retrieval contexts hold {RETRIEVAL_TRAIN_MIN_PAIRS}-{RETRIEVAL_PAIRS} pairs, got {pairs}")
     if task not in _GENERATORS:
         raise ValueError(f"unknown task {task!r}; one of {TASKS}")
     if split not in SPLITS:
@@ -340,6 +347,8 @@ def make_examples(task: str, split: str, n: int, seed: int = 0, max_pairs: int =
     while len(out) < n:
         if task == "retrieval" and split == "train":  # contexts of every length up to the eval's
             key, build = _retrieval(rng, retrieval_train_pairs(rng, max_pairs or RETRIEVAL_PAIRS))
+        elif task == "retrieval":
+            key, build = _retrieval(rng, pairs or RETRIEVAL_PAIRS)
         else:
             key, build = _GENERATORS[task](rng)
         if split_of(task, key) == split:

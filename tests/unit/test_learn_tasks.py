@@ -228,6 +228,14 @@ def test_the_retrieval_first_phase_draws_short_training_contexts():
                                     ("retrieval", "train", 1, "2-180"), ("retrieval", "train", 181, "2-180")):
         with pytest.raises(ValueError, match=match):
             make_examples(task, split, 3, max_pairs=cap)
+    # pairs: held-out contexts of one shorter length (probes of the lookup), still the eval split's problems
+    short = make_examples("retrieval", "eval", 20, seed=1, pairs=16)
+    assert {ex.messages[0]["content"].count("\n") - 1 for ex in short} == {16}
+    assert all(split_of("retrieval", ex.key) == "eval" for ex in short)
+    for task, split, n, match in (("retrieval", "train", 16, "pairs"), ("tool_call", "eval", 16, "pairs"),
+                                  ("retrieval", "eval", 1, "2-180"), ("retrieval", "eval", 181, "2-180")):
+        with pytest.raises(ValueError, match=match):
+            make_examples(task, split, 3, pairs=n)
 
 
 def test_recital_rows_recite_every_line_with_the_loss_on_the_values(tok_dir, tok):
