@@ -8,7 +8,8 @@ One process does it all, within a wall-clock budget (`--budget-s`), so that it f
    `learned_config`, random init, AdamW, bf16 autocast on CUDA, linear warm-up then cosine decay, cross-entropy on
    the answer tokens only. Batches are length-bucketed and right-padded (right padding leaves MSA's block
    boundaries where an unpadded run has them). `--focus-frac` adds a retrieval-first phase (`RetrievalFirst`:
-   short retrieval contexts alone until the in-context lookup forms, at most that share of the steps). The MoE
+   short retrieval contexts recited line by line, the loss on the values, until the in-context lookup forms, at
+   most that share of the steps). The MoE
    routers are balanced without an auxiliary loss: after each
    step every router's `e_score_correction_bias` moves by `--bias-rate` toward the mean load (DeepSeek-V3's
    auxiliary-loss-free balancing; M3 checkpoints carry that bias). The experts run through transformers'
