@@ -185,17 +185,18 @@ _RECITE = "Repeat the codes."
 
 def retrieval_recital(example: Example, rng: random.Random) -> tuple[list[dict], list[tuple[str, str]]]:
     """A recital of a retrieval example's context, for the training's retrieval-first phase: (messages, lines) where
-    the user gives the list and asks for it back (no question about one key) and the reply is every (key, value) line
-    in a random order (render.render_recital puts the loss on the values only: the order is arbitrary). Each key
-    then occurs once before the value it must recall, as in a context line; in a question turn it occurs twice (in
-    its line and in the question), and on the CPU that extra occurrence kept the lookup from forming while a model
-    that had learned it on plain lines answered questions at once (benchmarks/recall_plateau.py --question,
-    docs/quality.md)."""
+    the user gives the list and asks for it back (no question about one key) and the reply is as many of its
+    (key, value) lines as it has, each drawn at random with replacement (render.render_recital puts the loss on the
+    values only). Each key then occurs once before the value it must recall, as in a context line; in a question
+    turn it occurs twice (in its line and in the question), and on the CPU that extra occurrence kept the lookup from
+    forming while a model that had learned it on plain lines answered questions at once
+    (benchmarks/recall_plateau.py --question, docs/quality.md). With replacement, because a recital of every line
+    once in a shuffled order can be half right without any lookup: the values not yet recited narrow the choice,
+    and the last is certain (an H100 run, 2026-12-05, plateaued at 0.45-0.49, what that elimination gives)."""
     text = example.messages[0]["content"]
     head, _question = text.rsplit("\n", 1)
     lines = [tuple(line.split()) for line in head.split("\n")[1:]]
-    rng.shuffle(lines)
-    return [{"role": "user", "content": f"{head}\n{_RECITE}"}], lines
+    return [{"role": "user", "content": f"{head}\n{_RECITE}"}], [rng.choice(lines) for _ in lines]
 
 
 # ---------------------------------------------------------------- tool_call
