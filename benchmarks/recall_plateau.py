@@ -17,6 +17,8 @@ The rows: --colon puts a separator token between each key and its value (as the 
 --question asks each key as a retrieval turn does (a question holding the key, a reply prefix, then key and value),
 from step --question-from on (plain asked lines before it); the held-out score always uses --question's rows;
 --pairs-to draws each step's P log-uniform over --pairs..--pairs-to and also scores a held-out batch at the longest.
+--newline, --values, --preamble and --replacement make the rows more like the learned model's (a newline after each
+line, 45 values, the chat template's fixed opening, a recital drawn with replacement).
 
     python benchmarks/recall_plateau.py --arch m3 --pairs 4 --steps 1000 --out /tmp/recall.json
 
@@ -41,6 +43,8 @@ KEYS, VALUES = (10, 266), (300, 500)  # id ranges
 SEPARATOR = 3
 COLON = 4  # --colon: between each key and its value, as the learned model's " key:value" lines
 QUESTION, QUESTION_END, REPLY = 5, 6, 7  # --question: each asked key as "Q key ? R key value", as a retrieval turn
+NEWLINE = 8  # --newline: after each line, as the learned model's list and recital put one
+PREAMBLE = (266, 300)  # --preamble N: the same N tokens (these ids in turn) open every row, as the chat template does
 HIDDEN, LAYERS, HEADS = 128, 4, 4
 
 
@@ -117,31 +121,37 @@ def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False, fast: b
     return model, lambda ids: model(input_ids=ids).logits
 
 
-def batch(pairs: int, rows: int, g: torch.Generator, colon: bool = False, question: bool = False
+def batch(pairs: int, rows: int, g: torch.Generator, colon: bool = False, question: bool = False, *,
+          newline: bool = False, values: int = VALUES[1] - VALUES[0], preamble: int = 0, replacement: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [rows, 4P + 1] (6P + 1 with `colon`: key, COLON, value) and the bool mask of the answered values. With
     `question` each asked pair is QUESTION key QUESTION_END REPLY key value (the learned model's retrieval turn: "What
     is the code for key?", the template's reply prefix, then " key value"), so the asked key occurs once more before
-    the answer, followed by QUESTION_END instead of its value."""
+    the answer, followed by QUESTION_END instead of its value. The learned model's rows differ in more ways, each an
+    option: `newline` ends every line with NEWLINE; `values` draws the values from that many ids (its words: 45);
+    `preamble` opens each row with that many fixed tokens; `replacement` asks keys drawn with replacement (a
+    recital: no value can be had by elimination)."""
     keys = torch.stack([torch.randperm(KEYS[1] - KEYS[0], generator=g)[:pairs] + KEYS[0] for _ in range(rows)])
-    values = torch.randint(*VALUES, (rows, pairs), generator=g)
-    order = torch.stack([torch.randperm(pairs, generator=g) for _ in range(rows)])
+    values = torch.randint(VALUES[0], VALUES[0] + values, (rows, pairs), generator=g)
+    order = (torch.randint(0, pairs, (rows, pairs), generator=g) if replacement
+             else torch.stack([torch.randperm(pairs, generator=g) for _ in range(rows)]))
 
     def lines(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         parts = [k, torch.full_like(k, COLON), v] if colon else [k, v]
-        return torch.stack(parts, 2).flatten(1)
+        return torch.stack(parts + ([torch.full_like(k, NEWLINE)] if newline else []), 2).flatten(1)
 
     context, asked = lines(keys, values), lines(keys.gather(1, order), values.gather(1, order))
-    width = 3 if colon else 2
+    width = (3 if colon else 2) + newline
     if question:
         k = keys.gather(1, order)
         marks = [torch.full_like(k, t) for t in (QUESTION, QUESTION_END, REPLY)]
         asked = torch.cat([torch.stack([marks[0], k, marks[1], marks[2]], 2), asked.unflatten(1, (pairs, width))],
                           2).flatten(1)
         width += 4
-    ids = torch.cat([context, torch.full((rows, 1), SEPARATOR), asked], 1)
+    opening = torch.arange(preamble) % (PREAMBLE[1] - PREAMBLE[0]) + PREAMBLE[0]
+    ids = torch.cat([opening.expand(rows, preamble), context, torch.full((rows, 1), SEPARATOR), asked], 1)
     answered = torch.zeros_like(ids, dtype=torch.bool)
-    answered[:, context.shape[1] + width::width] = True
+    answered[:, preamble + context.shape[1] + width - newline::width] = True  # each asked line's value
     return ids, answered
 
 
@@ -161,6 +171,10 @@ def main(argv=None) -> dict:
     p.add_argument("--colon", action="store_true", help="a separator token between each key and its value")
     p.add_argument("--question", action="store_true", help="each asked key as a retrieval turn: Q key ? R key value")
     p.add_argument("--question-from", type=int, default=0, help="with --question: plain asked lines before this step")
+    p.add_argument("--newline", action="store_true", help="a NEWLINE token ends every line (context and asked)")
+    p.add_argument("--values", type=int, default=VALUES[1] - VALUES[0], help="value ids to draw from (words: 45)")
+    p.add_argument("--preamble", type=int, default=0, help="this many fixed tokens open every row (the template's)")
+    p.add_argument("--replacement", action="store_true", help="asked keys drawn with replacement (a recital)")
     p.add_argument("--pairs-to", type=int, help="each step's P log-uniform over --pairs..this; also scored at this P")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--rows", type=int, default=32, help="rows per step")
@@ -208,6 +222,11 @@ def main(argv=None) -> dict:
         p.error("--train-init is the learned model's (--arch m3)")
     if a.init_only and a.init_std is None:
         p.error("--init-only needs --init-std")
+    if not 1 <= a.values <= VALUES[1] - VALUES[0]:
+        p.error(f"--values must be 1..{VALUES[1] - VALUES[0]}, got {a.values}")
+    if not 0 <= a.preamble <= 1000:
+        p.error(f"--preamble must be 0..1000, got {a.preamble}")
+    shape = {"newline": a.newline, "values": a.values, "preamble": a.preamble, "replacement": a.replacement}
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     if a.arch == "m3":
@@ -258,7 +277,7 @@ def main(argv=None) -> dict:
         if a.pairs_to:  # this step's P log-uniform over pairs..pairs_to (the learned model's training contexts)
             pairs = min(a.pairs_to, int(math.exp(random.Random(a.seed * 100_003 + step).uniform(
                 math.log(a.pairs), math.log(a.pairs_to + 1)))))
-        ids, answered = batch(pairs, a.rows, g, a.colon, a.question and step >= a.question_from)
+        ids, answered = batch(pairs, a.rows, g, a.colon, a.question and step >= a.question_from, **shape)
         logits = logits_of(ids)[:, :-1].float()
         sel, gold = answered[:, 1:], ids[:, 1:]
         loss = F.cross_entropy(logits[sel], gold[sel])
@@ -271,7 +290,7 @@ def main(argv=None) -> dict:
             curve.append({"step": step, "loss": round(loss.item(), 4), "acc": round(acc, 4)})
             if a.pairs_to:  # and on a held-out batch of the longest contexts
                 with torch.no_grad():
-                    ids, answered = batch(a.pairs_to, a.rows, held_out, a.colon, a.question)
+                    ids, answered = batch(a.pairs_to, a.rows, held_out, a.colon, a.question, **shape)
                     hits = logits_of(ids)[:, :-1].argmax(-1)[answered[:, 1:]] == ids[:, 1:][answered[:, 1:]]
                 curve[-1] |= {"pairs": pairs, f"acc_at_{a.pairs_to}": round(hits.float().mean().item(), 4)}
             print(json.dumps(curve[-1] | {"s": round(time.time() - t0, 1)}), flush=True)

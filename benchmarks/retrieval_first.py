@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import tempfile
 import time
 
@@ -19,16 +20,21 @@ import torch
 import m3serve.learn.tasks as tasks
 from m3serve.learn.config import learned_config
 from m3serve.learn.data import make_rows
-from m3serve.learn.render import render
+from m3serve.learn.render import render, render_recital
 from m3serve.learn.tokenizer import build_tokenizer
 from m3serve.learn.train import TrainConfig, build_target, exact_match, fresh_init, train_target
 from m3serve.text.tokenizer import Tokenizer
 
 
-def eval_rows(tok, pairs: int, n: int) -> list:
-    """n held-out retrieval rows (question turns) whose contexts hold `pairs` pairs."""
+def eval_rows(tok, pairs: int, n: int, recital: bool = False) -> list:
+    """n held-out retrieval rows whose contexts hold `pairs` pairs: question turns, or (`recital`) recitals, whose
+    exact match needs every recited value right (chance (1 / pairs) ** pairs without a lookup)."""
     retrieval = tasks.TASKS.index("retrieval")
-    return [(*render(ex, tok), retrieval) for ex in tasks.make_examples("retrieval", "eval", n, seed=1, pairs=pairs)]
+    examples = tasks.make_examples("retrieval", "eval", n, seed=1, pairs=pairs)
+    if recital:
+        rng = random.Random(1)
+        return [(*render_recital(*tasks.retrieval_recital(ex, rng), tok), retrieval) for ex in examples]
+    return [(*render(ex, tok), retrieval) for ex in examples]
 
 
 def main() -> None:
@@ -39,6 +45,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=12000)
     p.add_argument("--max-pairs", type=int, default=16)
     p.add_argument("--planned-steps", type=int, default=1600, help="the cosine schedule's length")
+    p.add_argument("--prompt-loss-weight", type=float, default=TrainConfig.prompt_loss_weight,
+                   help="the context tokens' cross-entropy, this much of it added (the trainer's default)")
     p.add_argument("--recital", action=argparse.BooleanOptionalAction, default=True,
                    help="recital rows (the trainer's default, focus_recital); --no-recital: question turns")
     p.add_argument("--out", help="JSON of the curve and the scores")
@@ -52,11 +60,12 @@ def main() -> None:
     rows = make_rows(tok_dir, ("retrieval",), "train", a.rows, 3, workers=a.threads, packed={"retrieval": 32},
                      max_pairs=a.max_pairs, recital=a.recital)
     text_tok = Tokenizer.from_pretrained(tok_dir)
-    evals = {pairs: eval_rows(text_tok, pairs, 100) for pairs in (16, tasks.RETRIEVAL_PAIRS)}
+    evals = {f"{pairs}_pairs": eval_rows(text_tok, pairs, 100) for pairs in (16, tasks.RETRIEVAL_PAIRS)}
+    evals["8_pairs_recital"] = eval_rows(text_tok, 8, 100, recital=True)
     model = build_target(cfg, cpu, 0)
     fresh_init(model, "fan_in", 0, True)
     tc = TrainConfig(out=os.path.join(tok_dir, "m"), device="cpu", tokens_per_batch=a.tokens_per_batch,
-                     max_steps=a.planned_steps, log_every=25)
+                     max_steps=a.planned_steps, log_every=25, prompt_loss_weight=a.prompt_loss_weight)
     kept, curve = {}, []
 
     def log(msg: str) -> None:
@@ -72,8 +81,7 @@ def main() -> None:
     scores = []
     for step in sorted(kept):
         model.load_state_dict(kept[step])
-        row = {"step": step, **{f"{pairs}_pairs": exact_match(model, ev, cpu, pad, 8192)["retrieval"]
-                                 for pairs, ev in evals.items()}}
+        row = {"step": step, **{name: exact_match(model, ev, cpu, pad, 8192)["retrieval"] for name, ev in evals.items()}}
         scores.append(row)
         print(json.dumps(row), flush=True)
     if a.out:

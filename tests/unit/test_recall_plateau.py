@@ -42,11 +42,37 @@ def test_question_rows_ask_each_key_as_a_retrieval_turn():
         assert [i for i, m in enumerate(mask) if m] == [2 * pairs + 6 * (t + 1) for t in range(pairs)]
 
 
+@pytest.mark.parametrize("question", [False, True])
+def test_word_like_rows_keep_every_answer_on_its_keys_value(question):
+    """--preamble, --newline, --values, --replacement: the fixed opening, a NEWLINE after every line, values from
+    the first 45 ids, asked keys drawn with replacement; each answered value is still its key's in the context."""
+    pairs, pre = 6, 40
+    g = torch.Generator().manual_seed(5)
+    ids, answered = rp.batch(pairs, 16, g, question=question, newline=True, values=45, preamble=pre,
+                             replacement=True)
+    w = 3  # key value NEWLINE
+    asked_w = w + (4 if question else 0)
+    assert ids.shape == (16, pre + w * pairs + 1 + asked_w * pairs) and answered.sum().item() == 16 * pairs
+    repeats = 0
+    for row, mask in zip(ids.tolist(), answered.tolist()):
+        assert row[:pre] == [rp.PREAMBLE[0] + i % (rp.PREAMBLE[1] - rp.PREAMBLE[0]) for i in range(pre)]
+        body = row[pre:pre + w * pairs]
+        assert body[2::w] == [rp.NEWLINE] * pairs and row[pre + w * pairs] == rp.SEPARATOR
+        context = dict(zip(body[0::w], body[1::w]))
+        assert len(context) == pairs and all(rp.VALUES[0] <= v < rp.VALUES[0] + 45 for v in context.values())
+        at = [i for i, m in enumerate(mask) if m]
+        assert all(row[i + 1] == rp.NEWLINE and context[row[i - 1]] == row[i] for i in at)
+        repeats += len({row[i - 1] for i in at}) < pairs
+    assert repeats >= 8  # with replacement most rows ask some key twice
+
+
 @pytest.mark.parametrize("args", [["--arch", "plain", "--qk-norm", "--rotary-fraction", "0.5"],
                                   ["--arch", "m3", "--mlp", "dense", "--init-std", "0.05"],
                                   ["--arch", "m3", "--train-init", "fan_in", "--mlp-frozen-steps", "20", "--colon",
                                    "--pairs", "2", "--pairs-to", "4"],
-                                  ["--arch", "plain", "--question", "--question-from", "20"]])
+                                  ["--arch", "plain", "--question", "--question-from", "20"],
+                                  ["--arch", "plain", "--newline", "--values", "45", "--preamble", "20",
+                                   "--replacement"]])
 def test_a_short_run_lowers_the_loss_and_writes_its_curve(args, tmp_path):
     out = tmp_path / "r.json"
     r = rp.main(args + ["--steps", "40", "--log-every", "10", "--rows", "8", "--out", str(out)])
@@ -58,7 +84,8 @@ def test_a_short_run_lowers_the_loss_and_writes_its_curve(args, tmp_path):
 @pytest.mark.parametrize("args", [["--pairs", "0"], ["--pairs", "257"], ["--steps", "0"], ["--log-every", "0"],
                                   ["--rotary-fraction", "1.5"], ["--init-only", "embed"],
                                   ["--pairs-to", "300"], ["--pairs", "4", "--pairs-to", "2"],
-                                  ["--arch", "plain", "--train-init", "fan_in"], ["--init-std", "wide"]])
+                                  ["--arch", "plain", "--train-init", "fan_in"], ["--init-std", "wide"],
+                                  ["--values", "0"], ["--values", "201"], ["--preamble", "-1"]])
 def test_a_bad_option_is_refused_before_any_work(args, capsys):
     with pytest.raises(SystemExit) as e:
         rp.main(args)
