@@ -3,7 +3,7 @@ with the real word-retrieval task? Trains a fresh target (the trainer's init: fa
 first quarter) on 2-16-pair retrieval rows alone through `train_target`, keeps the weights every 100 steps, then
 scores each by teacher-forced exact match on 100 held-out prompts of 16 pairs and of 180 pairs (the eval's length).
 The held-out prompts are question turns whatever the training rows (recitals by default, as the trainer's phase;
---no-recital: question turns). docs/quality.md ("The retrieval-first phase on the CPU") has its runs:
+--no-recital: question turns), plus 100 recitals of 8 pairs (exact match: every recited value right). docs/quality.md ("The retrieval-first phase on the CPU") has its runs:
     python benchmarks/retrieval_first.py --threads 2 --budget-s 4200 --tokens-per-batch 6144 --no-recital
 """
 from __future__ import annotations

@@ -27,7 +27,8 @@ Row = tuple[list[int], list[int], int]
 class Job(NamedTuple):
     """One worker's share: `examples` problems of `task`'s `split` drawn with `seed`, `per_row` problems per row;
     `max_pairs` caps retrieval's training contexts (0: the task's own range); `recital` (retrieval) makes recital
-    rows (tasks.retrieval_recital: the reply recites every line, the loss on the values) instead of question turns."""
+    rows (tasks.retrieval_recital: the reply recites lines drawn with replacement, the loss on the values) instead of
+    question turns."""
     task: str
     split: str
     examples: int

@@ -518,9 +518,10 @@ class RetrievalFirst:
     mixed batches of runs 1-9 the retrieval answers were a small share of every step's gradient, and the lookup had
     not formed when the rate had decayed (run 9: the short contexts' answer loss began to fall at step 1,100 of 1,579,
     the long ones' never). So for at most `focus_frac` of the planned steps every batch is retrieval rows of 2 to
-    `focus_max_pairs` pairs: recitals of every line with the loss on the values (`focus_recital`, chance 1/45), or
-    each key asked in turn (chance 2/3: the key and the end of turn are easy); the phase ends early once a logged
-    step's answer-token accuracy reaches `focus_until_acc`."""
+    `focus_max_pairs` pairs: recitals of the context's lines drawn with replacement, the loss on the values
+    (`focus_recital`; copying any value of the context scores 1/n of n lines), or each key asked in turn (2/3 without
+    a lookup: the key and the end of turn are easy); the phase ends early once a logged step's answer-token accuracy
+    reaches `focus_until_acc`."""
 
     def __init__(self, tc: TrainConfig, rows: list):
         self.rows, self.max_frac, self.until_acc = rows, tc.focus_frac, tc.focus_until_acc
