@@ -122,17 +122,17 @@ def m3_model(mlp: str, kv_heads: int, seed: int, all_full: bool = False, fast: b
 
 
 def batch(pairs: int, rows: int, g: torch.Generator, colon: bool = False, question: bool = False, *,
-          newline: bool = False, values: int = VALUES[1] - VALUES[0], preamble: int = 0, replacement: bool = False
+          newline: bool = False, n_values: int = VALUES[1] - VALUES[0], preamble: int = 0, replacement: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [rows, 4P + 1] (6P + 1 with `colon`: key, COLON, value) and the bool mask of the answered values. With
     `question` each asked pair is QUESTION key QUESTION_END REPLY key value (the learned model's retrieval turn: "What
     is the code for key?", the template's reply prefix, then " key value"), so the asked key occurs once more before
     the answer, followed by QUESTION_END instead of its value. The learned model's rows differ in more ways, each an
-    option: `newline` ends every line with NEWLINE; `values` draws the values from that many ids (its words: 45);
+    option: `newline` ends every line with NEWLINE; `n_values` draws the values from that many ids (its words: 45);
     `preamble` opens each row with that many fixed tokens; `replacement` asks keys drawn with replacement (a
     recital: no value can be had by elimination)."""
     keys = torch.stack([torch.randperm(KEYS[1] - KEYS[0], generator=g)[:pairs] + KEYS[0] for _ in range(rows)])
-    values = torch.randint(VALUES[0], VALUES[0] + values, (rows, pairs), generator=g)
+    values = torch.randint(VALUES[0], VALUES[0] + n_values, (rows, pairs), generator=g)
     order = (torch.randint(0, pairs, (rows, pairs), generator=g) if replacement
              else torch.stack([torch.randperm(pairs, generator=g) for _ in range(rows)]))
 
@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
         p.error(f"--values must be 1..{VALUES[1] - VALUES[0]}, got {a.values}")
     if not 0 <= a.preamble <= 1000:
         p.error(f"--preamble must be 0..1000, got {a.preamble}")
-    shape = {"newline": a.newline, "values": a.values, "preamble": a.preamble, "replacement": a.replacement}
+    shape = {"newline": a.newline, "n_values": a.values, "preamble": a.preamble, "replacement": a.replacement}
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     if a.arch == "m3":

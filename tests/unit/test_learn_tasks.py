@@ -238,7 +238,7 @@ def test_the_retrieval_first_phase_draws_short_training_contexts():
             make_examples(task, split, 3, pairs=n)
 
 
-def test_recital_rows_recite_every_line_with_the_loss_on_the_values(tok_dir, tok):
+def test_recital_rows_recite_lines_drawn_with_replacement_the_loss_on_the_values(tok_dir, tok):
     """A recital row (the retrieval-first phase's, data.Job recital=True): the user's list without a question about
     one key, then the reply reciting as many lines as it has, drawn with replacement (no elimination: some lines twice,
     some never); the loss is on the value tokens alone, each right after its key; the ids are the chat template's text

@@ -48,7 +48,7 @@ def test_word_like_rows_keep_every_answer_on_its_keys_value(question):
     the first 45 ids, asked keys drawn with replacement; each answered value is still its key's in the context."""
     pairs, pre = 6, 40
     g = torch.Generator().manual_seed(5)
-    ids, answered = rp.batch(pairs, 16, g, question=question, newline=True, values=45, preamble=pre,
+    ids, answered = rp.batch(pairs, 16, g, question=question, newline=True, n_values=45, preamble=pre,
                              replacement=True)
     w = 3  # key value NEWLINE
     asked_w = w + (4 if question else 0)
