@@ -170,13 +170,17 @@ def _quoted(key: str, value: str) -> str:
     return f" {key} {value}"
 
 
+def _context_lines(example: Example) -> list[tuple[str, str]]:
+    """A retrieval example's context as (key, value) lines, in order (the text between the heading and the
+    question)."""
+    return [tuple(line.split()) for line in example.messages[0]["content"].split("\n")[1:-1]]
+
+
 def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[tuple[str, str]]:
     """`n` more (question, answer) turns about other keys of a retrieval example's context (training rows ask
     several questions per context: one long context, several answers to learn from)."""
-    text = example.messages[0]["content"]
-    pairs = [line.split() for line in text.split("\n")[1:-1]]
-    asked = text.rsplit(" ", 1)[-1].rstrip("?")
-    others = [(k, v) for k, v in pairs if k != asked]
+    asked = example.messages[0]["content"].rsplit(" ", 1)[-1].rstrip("?")
+    others = [(k, v) for k, v in _context_lines(example) if k != asked]
     return [(_CODE_QUESTION.format(k), _quoted(k, v)) for k, v in rng.sample(others, min(n, len(others)))]
 
 
@@ -193,9 +197,8 @@ def retrieval_recital(example: Example, rng: random.Random) -> tuple[list[dict],
     (benchmarks/recall_plateau.py --question, docs/quality.md). With replacement, because a recital of every line
     once in a shuffled order can be half right without any lookup: the values not yet recited narrow the choice,
     and the last is certain (an H100 run, 2026-12-05, plateaued at 0.45-0.49, what that elimination gives)."""
-    text = example.messages[0]["content"]
-    head, _question = text.rsplit("\n", 1)
-    lines = [tuple(line.split()) for line in head.split("\n")[1:]]
+    head = example.messages[0]["content"].rsplit("\n", 1)[0]
+    lines = _context_lines(example)
     return [{"role": "user", "content": f"{head}\n{_RECITE}"}], [rng.choice(lines) for _ in lines]
 
 
