@@ -1,10 +1,12 @@
 """Does the retrieval-first phase (learn/train.py `RetrievalFirst`) form the in-context lookup on the learned config
 with the real word-retrieval task? Trains a fresh target (the trainer's init: fan_in, silent MLPs frozen for the
 first quarter) on 2-16-pair retrieval rows alone through `train_target`, keeps the weights every 100 steps, then
-scores each by teacher-forced exact match on 100 held-out prompts of 16 pairs and of 180 pairs (the eval's length).
-The held-out prompts are question turns whatever the training rows (recitals by default, as the trainer's phase;
---no-recital: question turns), plus 100 recitals of 8 pairs (exact match: every recited value right). docs/quality.md ("The retrieval-first phase on the CPU") has its runs:
-    python benchmarks/retrieval_first.py --threads 2 --budget-s 4200 --tokens-per-batch 6144 --no-recital
+scores each by teacher-forced exact match on 100 held-out prompts of 16 pairs and of RETRIEVAL_PAIRS (the eval's
+length). The held-out prompts are question turns whatever the training rows (--recital: plain recitals by default, as
+the trainer's phase; chat: in the template; none: question turns), plus 100 recitals of 8 pairs in the training rows'
+form (chat where they are question turns; exact match: every recited value right). docs/quality.md ("The
+retrieval-first phase on the CPU" and after) has its runs:
+    python benchmarks/retrieval_first.py --threads 2 --budget-s 2400 --planned-steps 1200 --tokens-per-batch 6144
 """
 from __future__ import annotations
 
@@ -19,21 +21,21 @@ import torch
 
 import m3serve.learn.tasks as tasks
 from m3serve.learn.config import learned_config
-from m3serve.learn.data import make_rows
-from m3serve.learn.render import render, render_recital
+from m3serve.learn.data import RECITALS, make_rows
+from m3serve.learn.render import recital_row, render
 from m3serve.learn.tokenizer import build_tokenizer
 from m3serve.learn.train import TrainConfig, build_target, exact_match, fresh_init, train_target
 from m3serve.text.tokenizer import Tokenizer
 
 
-def eval_rows(tok, pairs: int, n: int, recital: bool = False) -> list:
-    """n held-out retrieval rows whose contexts hold `pairs` pairs: question turns, or (`recital`) recitals, whose
-    exact match needs every recited value right (chance (1 / pairs) ** pairs without a lookup)."""
+def eval_rows(tok, pairs: int, n: int, recital: str = "none") -> list:
+    """n held-out retrieval rows whose contexts hold `pairs` pairs: question turns, or (`recital` "chat" or "plain")
+    recitals, whose exact match needs every recited value right (chance (1 / pairs) ** pairs without a lookup)."""
     retrieval = tasks.TASKS.index("retrieval")
     examples = tasks.make_examples("retrieval", "eval", n, seed=1, pairs=pairs)
-    if recital:
+    if recital != "none":
         rng = random.Random(1)
-        return [(*render_recital(*tasks.retrieval_recital(ex, rng), tok), retrieval) for ex in examples]
+        return [(*recital_row(ex, rng, tok, plain=recital == "plain"), retrieval) for ex in examples]
     return [(*render(ex, tok), retrieval) for ex in examples]
 
 
@@ -45,10 +47,14 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=12000)
     p.add_argument("--max-pairs", type=int, default=16)
     p.add_argument("--planned-steps", type=int, default=1600, help="the cosine schedule's length")
+    p.add_argument("--min-lr-ratio", type=float, default=TrainConfig.min_lr_ratio,
+                   help="where the cosine decay ends (1: a constant rate after the warm-up, as the trainer's phase has "
+                   "near the start of a long run; the trainer's default decays within --planned-steps)")
     p.add_argument("--prompt-loss-weight", type=float, default=TrainConfig.prompt_loss_weight,
                    help="the context tokens' cross-entropy, this much of it added (the trainer's default)")
-    p.add_argument("--recital", action=argparse.BooleanOptionalAction, default=True,
-                   help="recital rows (the trainer's default, focus_recital); --no-recital: question turns")
+    p.add_argument("--recital", choices=RECITALS, default=TrainConfig.focus_recital,
+                   help="recital rows, plain or in the chat template (as the trainer's focus_recital), or none: "
+                   "question turns")
     p.add_argument("--out", help="JSON of the curve and the scores")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -61,11 +67,12 @@ def main() -> None:
                      max_pairs=a.max_pairs, recital=a.recital)
     text_tok = Tokenizer.from_pretrained(tok_dir)
     evals = {f"{pairs}_pairs": eval_rows(text_tok, pairs, 100) for pairs in (16, tasks.RETRIEVAL_PAIRS)}
-    evals["8_pairs_recital"] = eval_rows(text_tok, 8, 100, recital=True)
+    evals["8_pairs_recital"] = eval_rows(text_tok, 8, 100, recital="chat" if a.recital == "none" else a.recital)
     model = build_target(cfg, cpu, 0)
     fresh_init(model, "fan_in", 0, True)
     tc = TrainConfig(out=os.path.join(tok_dir, "m"), device="cpu", tokens_per_batch=a.tokens_per_batch,
-                     max_steps=a.planned_steps, log_every=25, prompt_loss_weight=a.prompt_loss_weight)
+                     max_steps=a.planned_steps, log_every=25, prompt_loss_weight=a.prompt_loss_weight,
+                     min_lr_ratio=a.min_lr_ratio)
     kept, curve = {}, []
 
     def log(msg: str) -> None:

@@ -3,7 +3,7 @@
 6 layers: full attention at layers 0 and 3, MSA (lightning indexer, 32-token blocks, top-4 + the local block) at the
 other four; a dense MLP at layer 0 and MoE (8 experts, top-2, a shared expert) after it; QK-norm and partial RoPE (half
 of each 64-dim head) as in every M3 config. MSA therefore attends to 4 x 32 = 128 selected tokens, and the retrieval
-task's ~700-token prompts are over 5x that span."""
+task's 619-token prompts (512 tokens of key-value pairs) are over 4x that span."""
 from __future__ import annotations
 
 from m3serve.config import FULL, SPARSE, ModelConfig

@@ -22,13 +22,14 @@ from typing import Any, NamedTuple
 from m3serve.learn.tasks import TASKS
 
 Row = tuple[list[int], list[int], int]
+RECITALS = ("none", "chat", "plain")  # retrieval rows: question turns, or recitals in the chat template or plain (Job)
 
 
 class Job(NamedTuple):
     """One worker's share: `examples` problems of `task`'s `split` drawn with `seed`, `per_row` problems per row;
-    `max_pairs` caps retrieval's training contexts (0: the task's own range); `recital` (retrieval) makes recital
-    rows (tasks.retrieval_recital: the reply recites lines drawn with replacement, the loss on the values) instead of
-    question turns."""
+    `max_pairs` caps retrieval's training contexts (0: the task's own range); `recital` (retrieval) "chat" or "plain"
+    makes recital rows (render.recital_row: the reply recites pairs drawn with replacement, the loss on the values;
+    in the chat template, or plain text after BOS) instead of question turns ("none")."""
     task: str
     split: str
     examples: int
@@ -36,7 +37,7 @@ class Job(NamedTuple):
     tok_dir: str
     per_row: int
     max_pairs: int = 0
-    recital: bool = False
+    recital: str = "none"
 
 
 _WORKER_TOKENIZER: dict[str, Any] = {}
@@ -44,8 +45,8 @@ _WORKER_TOKENIZER: dict[str, Any] = {}
 
 def _render_chunk(job: Job) -> list[Row]:
     """A job's rows [(input_ids, loss_mask, task index)]; runs in a worker."""
-    from m3serve.learn.render import render, render_recital, render_turns
-    from m3serve.learn.tasks import make_examples, retrieval_follow_ups, retrieval_recital
+    from m3serve.learn.render import recital_row, render, render_turns
+    from m3serve.learn.tasks import make_examples, retrieval_follow_ups
     from m3serve.text.tokenizer import Tokenizer
 
     task, split, n, seed, tok_dir, per_row, max_pairs, recital = job
@@ -54,9 +55,9 @@ def _render_chunk(job: Job) -> list[Row]:
         tok = _WORKER_TOKENIZER[tok_dir] = Tokenizer.from_pretrained(tok_dir)
     ti = TASKS.index(task)
     examples = make_examples(task, split, n, seed=seed, max_pairs=max_pairs)
-    if recital:
+    if recital != "none":
         rng = random.Random(seed)
-        return [(*render_recital(*retrieval_recital(ex, rng), tok), ti) for ex in examples]
+        return [(*recital_row(ex, rng, tok, plain=recital == "plain"), ti) for ex in examples]
     if per_row <= 1:
         return [(*render(ex, tok), ti) for ex in examples]
     if task == "retrieval":  # one context, several of its keys asked in turn
@@ -69,14 +70,16 @@ def _render_chunk(job: Job) -> list[Row]:
 
 def row_jobs(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, chunk: int = 500,
              weights: dict[str, float] | None = None, packed: dict[str, int] | None = None,
-             max_pairs: int = 0, recital: bool = False) -> list[Job]:
+             max_pairs: int = 0, recital: str = "none") -> list[Job]:
     """The jobs that make `n_per_task` examples per task (times `weights[task]`, default 1; `packed[task]` problems
     per row, default 1): a task's examples in chunks of `chunk` (a fifth of it for rows of over 8 problems, which
     cost ~30 chat-template passes each: more jobs to spread), chunk c drawn with seed `seed * 1000 + c` (so the rows
     do not depend on the number of workers); the costliest jobs (most problems per row) first, so that no straggler
     is left at the end. `max_pairs` (retrieval only): its training contexts hold at most that many pairs; `recital`
     (retrieval only): recital rows (Job)."""
-    if recital and set(tasks) != {"retrieval"}:
+    if recital not in RECITALS:
+        raise ValueError(f"recital must be one of {list(RECITALS)}, got {recital!r}")
+    if recital != "none" and set(tasks) != {"retrieval"}:
         raise ValueError(f"recital rows are retrieval's, not {sorted(set(tasks) - {'retrieval'})}")
     counts = {t: max(1, round(n_per_task * (weights or {}).get(t, 1.0))) for t in tasks}
     per_job = {t: max(1, chunk // 5) if (packed or {}).get(t, 1) > 8 else chunk for t in tasks}
@@ -101,7 +104,7 @@ def _lower_priority() -> None:
 
 def make_rows(tok_dir: str, tasks, split: str, n_per_task: int, seed: int, workers: int = 0,
               chunk: int = 500, weights: dict[str, float] | None = None, packed: dict[str, int] | None = None,
-              pool=None, max_pairs: int = 0, recital: bool = False) -> list[Row]:
+              pool=None, max_pairs: int = 0, recital: str = "none") -> list[Row]:
     """Rendered rows of `row_jobs(...)`, in worker processes (`pool`, else a pool of `workers` made for the call;
     one worker: in this process)."""
     jobs = row_jobs(tok_dir, tasks, split, n_per_task, seed, chunk, weights, packed, max_pairs, recital)

@@ -2,7 +2,9 @@
 end-of-turn token the engine stops on; the loss mask covers only the target."""
 from __future__ import annotations
 
-from m3serve.learn.tasks import THINK_OFF, Example
+import random
+
+from m3serve.learn.tasks import THINK_OFF, Example, context_pairs, retrieval_recital
 
 
 def prompt_ids(example: Example, tokenizer) -> list[int]:
@@ -77,16 +79,24 @@ def _answered(ids: list[int], mask: list[int], prompt: list[int], answer: str, t
     return prompt + target, mask + [0] * (len(prompt) - len(ids)) + [1] * len(target)
 
 
-def render_recital(messages: list[dict], lines: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a recital row (tasks.retrieval_recital): the prompt (thinking disabled), then the
-    reply's lines " key value" joined by newlines and the end-of-turn token, the loss on the value tokens only (the
-    keys come in an arbitrary order: nothing to learn from them). The reply is tokenized piece by piece to know which
-    tokens are values; with the learned tokenizer that is the whole reply's own tokenization (tests)."""
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **THINK_OFF)
+def recital_row(example: Example, rng: random.Random, tokenizer, plain: bool) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a recital of a retrieval example (tasks.retrieval_recital, drawn with `rng`): the
+    chat template's conversation (the user's list, then "Repeat the codes.", thinking disabled), or where `plain` no
+    template at all: BOS, the list's pairs, a newline, the recital (a pretraining-style row: nothing before the list
+    but BOS). The reply's pairs " key value" follow each other as the list writes them, then the end-of-turn token;
+    the loss is on the value tokens only (the keys come in an arbitrary order: nothing to learn from them). The reply
+    is tokenized piece by piece to know which tokens are values; with the learned tokenizer that is the whole row's
+    own tokenization (tests)."""
+    messages, recited = retrieval_recital(example, rng)
+    if plain:
+        listed = "".join(f" {k} {v}" for k, v in context_pairs(example))
+        prompt = [tokenizer.bos_token_id] + tokenizer.encode(listed) + tokenizer.encode("\n")
+    else:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **THINK_OFF)
     ids, mask = list(prompt), [0] * len(prompt)
-    for i, (key, value) in enumerate(lines):
-        for text, loss in (("\n" if i else "", 0), (f" {key}", 0), (f" {value}", 1)):
-            piece = tokenizer.encode(text) if text else []
+    for key, value in recited:
+        for text, loss in ((f" {key}", 0), (f" {value}", 1)):
+            piece = tokenizer.encode(text)
             ids += piece
             mask += [loss] * len(piece)
     return ids + [tokenizer.eos_token_id], mask + [0]

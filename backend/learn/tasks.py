@@ -5,10 +5,10 @@ Five tasks, each a chat in M3's template with one exact answer:
 - `arithmetic`: "What is A op B?" with op in + - *; A and B have 1-3 digits for + and - (A >= B for -, so no
   negative results); * multiplies a 1-2 digit number by a digit. Sizes a ~12M-parameter model reads digit by digit
   (the tokenizer splits digits) and can learn in minutes: at most 4 answer digits, carries over at most 3 positions.
-- `retrieval`: RETRIEVAL_PAIRS ` key value` lines (a random choice of key words, each with a random value word; one
-  token each), then a question about one key; the answer quotes that key's line (` key value`). The prompt is about
-  645 tokens with the learned tokenizer, over 4x the span MSA selects (top-4 blocks of 32 = 128 tokens), so the
-  indexer has to find the block that holds the key.
+- `retrieval`: a list of RETRIEVAL_PAIRS ` key value` pairs on one line (a random choice of key words, each with a
+  random value word; one token each), then a question about one key; the answer quotes that key's pair
+  (` key value`). The pairs are 512 tokens with the learned tokenizer (the prompt about 615), 4x the span MSA selects
+  (top-4 blocks of 32 = 128 tokens), so the indexer has to find the block that holds the key.
   Training contexts hold RETRIEVAL_TRAIN_MIN_PAIRS to RETRIEVAL_PAIRS pairs, log-uniformly (`retrieval_train_pairs`);
   the eval split always RETRIEVAL_PAIRS.
 - `tool_call`: 1-3 tools given as JSON schemas (`tools=`), the answer one call in M3's tool-call markup with the
@@ -44,8 +44,8 @@ from m3serve.text.tool_parser import parse_tool_calls
 TASKS = ("arithmetic", "retrieval", "tool_call", "reasoning", "multi_turn")
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 8  # 1 in 8 problems is held out for eval
-RETRIEVAL_PAIRS = 180  # eval contexts: over 4x the span MSA selects (5x: tests/gpu/test_learned_gpu.py)
-RETRIEVAL_TRAIN_MIN_PAIRS = 2  # training contexts hold 2-180 pairs: a lookup is learned sooner among fewer keys
+RETRIEVAL_PAIRS = 256  # eval contexts: 512 tokens of pairs, 4x the span MSA selects (the prompt ~4.8x)
+RETRIEVAL_TRAIN_MIN_PAIRS = 2  # training contexts hold 2-256 pairs: a lookup is learned sooner among fewer keys
 END_OF_TURN = EOS_TOKEN + "\n"  # what the template writes after an assistant reply
 
 THINK_OFF = {"thinking_mode": "disabled"}
@@ -113,8 +113,9 @@ def _arithmetic(rng: random.Random):
 # ---------------------------------------------------------------- retrieval
 
 # keys and values are words (one token each with the learned tokenizer), written so that a word is the same token
-# in the context, in the question and in the answer: each line is " key value", the key with its space as after
-# "for " in the question, the value with its space as in the reply (which starts with the key's space).
+# in the context, in the question and in the answer: each pair is " key value", the key with its space as after
+# "for " in the question, the value with its space as in the reply (which starts with the key's space). The list is
+# one line of such pairs.
 # (Random 4-letter keys with 4-digit values made the model copy multi-token keys and digit strings whose tokens
 # recur all over the context; no run learned that in the time of a device call, docs/quality.md.)
 _KEY_WORDS = tuple("""
@@ -129,6 +130,13 @@ temple thunder ticket tiger timber tulip tunnel turtle velvet violin walnut wago
 apron attic awning bamboo barley beetle biscuit blossom boulder bramble breeze buckle cactus canoe cargo cedar cherry
 cider cobweb compass cricket cushion daisy donkey easel elbow engine ferret flute fortress gadget garlic goose gutter
 hatchet hedge iceberg igloo jigsaw juniper kayak kernel koala lagoon lobster maple mussel napkin nugget oyster
+acrobat almond antler apricot artist avocado ballet balloon bandit beaver bison blender bonnet bouquet bubble
+buffalo bugle cabbage canary cannon carrot cashew cello chariot cheetah chess chisel cinema cliff cloak cocoa coconut
+collar cookie crayon crown cupboard curtain dentist diamond dinosaur domino doorbell dune fence ferry flamingo frog
+gazelle giraffe glove gondola gorilla guitar hamster hedgehog hippo hornet hotel jaguar kangaroo kitchen lettuce
+library lighthouse llama mammoth meteor moose muffin mushroom nest notebook octopus onion orbit ostrich owl pancake
+papaya peacock pelican penguin piano pickle pigeon pumpkin raccoon rhino robot sandal scarf scooter skunk sled snail
+sock squirrel statue swan tractor trumpet tuba umbrella unicorn volcano waffle walrus whistle yacht yogurt
 """.split())
 _VALUE_WORDS = tuple("""
 red blue green gold gray pink black white brown amber azure beige coral cream crimson cyan ebony indigo jade khaki
@@ -142,8 +150,8 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
     keys = rng.sample(_KEY_WORDS, pairs)
     values = [rng.choice(_VALUE_WORDS) for _ in keys]
     q = rng.randrange(len(keys))
-    lines = "".join(_quoted(k, v) + "\n" for k, v in zip(keys, values))
-    text = f"Here is a list of codes.\n{lines}" + _CODE_QUESTION.format(keys[q])
+    pairs = "".join(_quoted(k, v) for k, v in zip(keys, values))
+    text = f"Here is a list of codes.\n{pairs}\n" + _CODE_QUESTION.format(keys[q])
     messages = [{"role": "user", "content": text}]
     reply = _quoted(keys[q], values[q])
     return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": reply}, reply)
@@ -151,7 +159,7 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
 
 def retrieval_train_pairs(rng: random.Random, hi: int = RETRIEVAL_PAIRS) -> int:
     """The pairs of one training context, log-uniform over RETRIEVAL_TRAIN_MIN_PAIRS..`hi` (default RETRIEVAL_PAIRS):
-    half the contexts hold at most ~15 pairs, where the lookup is easiest to learn (1 of 2-15 keys to match), and the
+    half the contexts hold at most ~23 pairs, where the lookup is easiest to learn (1 of 2-23 keys to match), and the
     rest reach the eval's length. (Uniform over 8-112, most contexts were long; three H200 runs left retrieval at
     chance.) A smaller `hi` makes the short contexts of the training's retrieval-first phase (train.py)."""
     lo = RETRIEVAL_TRAIN_MIN_PAIRS
@@ -166,21 +174,24 @@ def _quoted(key: str, value: str) -> str:
     answer position and match it there; no H200 run learned that. Quoting the line puts the key right before the
     value, the next-token copy an induction head does (two layers: one marks each token with the one before it, one
     matches on that mark). With a colon between key and value (" key:value", until 2026-12-05) the copy took a third
-    hop, and a micro model learned it several times slower (docs/quality.md)."""
+    hop, and a micro model learned it several times slower; with a newline after every pair (also until
+    2026-12-05) a micro model had not learned it after twice the steps it took without (docs/quality.md), so the
+    pairs follow each other on one line: " k1 v1 k2 v2 ..." (keys and values are drawn from disjoint words)."""
     return f" {key} {value}"
 
 
-def _context_lines(example: Example) -> list[tuple[str, str]]:
-    """A retrieval example's context as (key, value) lines, in order (the text between the heading and the
+def context_pairs(example: Example) -> list[tuple[str, str]]:
+    """A retrieval example's context as (key, value) pairs, in order (the line between the heading and the
     question)."""
-    return [tuple(line.split()) for line in example.messages[0]["content"].split("\n")[1:-1]]
+    words = example.messages[0]["content"].split("\n")[1].split()
+    return list(zip(words[::2], words[1::2]))
 
 
 def retrieval_follow_ups(example: Example, n: int, rng: random.Random) -> list[tuple[str, str]]:
     """`n` more (question, answer) turns about other keys of a retrieval example's context (training rows ask
     several questions per context: one long context, several answers to learn from)."""
     asked = example.messages[0]["content"].rsplit(" ", 1)[-1].rstrip("?")
-    others = [(k, v) for k, v in _context_lines(example) if k != asked]
+    others = [(k, v) for k, v in context_pairs(example) if k != asked]
     return [(_CODE_QUESTION.format(k), _quoted(k, v)) for k, v in rng.sample(others, min(n, len(others)))]
 
 
@@ -188,18 +199,18 @@ _RECITE = "Repeat the codes."
 
 
 def retrieval_recital(example: Example, rng: random.Random) -> tuple[list[dict], list[tuple[str, str]]]:
-    """A recital of a retrieval example's context, for the training's retrieval-first phase: (messages, lines) where
+    """A recital of a retrieval example's context, for the training's retrieval-first phase: (messages, pairs) where
     the user gives the list and asks for it back (no question about one key) and the reply is as many of its
-    (key, value) lines as it has, each drawn at random with replacement (render.render_recital puts the loss on the
-    values only). Each key then occurs once before the value it must recall, as in a context line; in a question
+    (key, value) pairs as it has, each drawn at random with replacement (render.recital_row puts the loss on the
+    values only). Each key then occurs once before the value it must recall, as in the context; in a question
     turn it occurs twice (in its line and in the question), and on the CPU that extra occurrence kept the lookup from
     forming while a model that had learned it on plain lines answered questions at once
-    (benchmarks/recall_plateau.py --question, docs/quality.md). With replacement, because a recital of every line
+    (benchmarks/recall_plateau.py --question, docs/quality.md). With replacement, because a recital of every pair
     once in a shuffled order can be half right without any lookup: the values not yet recited narrow the choice,
     and the last is certain (an H100 run, 2026-12-05, plateaued at 0.45-0.49, what that elimination gives)."""
     head = example.messages[0]["content"].rsplit("\n", 1)[0]
-    lines = _context_lines(example)
-    return [{"role": "user", "content": f"{head}\n{_RECITE}"}], [rng.choice(lines) for _ in lines]
+    pairs = context_pairs(example)
+    return [{"role": "user", "content": f"{head}\n{_RECITE}"}], [rng.choice(pairs) for _ in pairs]
 
 
 # ---------------------------------------------------------------- tool_call

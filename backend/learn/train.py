@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from m3serve.learn.data import FreshRows, make_rows, row_jobs
+from m3serve.learn.data import RECITALS, FreshRows, make_rows, row_jobs
 from m3serve.learn.loop import Schedule, autocast, batches, collate, prefetch
 from m3serve.learn.tasks import RETRIEVAL_PAIRS, RETRIEVAL_TRAIN_MIN_PAIRS, TASKS
 
@@ -106,10 +106,11 @@ class TrainConfig:
     focus_examples: int = 24000
     focus_tokens_per_batch: int = 32768
     focus_until_acc: float = 0.97
-    # the phase's rows are recitals (the reply recites the context's lines, the loss on the values; tasks.
-    # retrieval_recital) rather than question turns, whose second occurrence of the asked key kept the lookup from
-    # forming on the CPU (docs/quality.md, "The question is what stalls it")
-    focus_recital: bool = True
+    # the phase's rows are recitals (the reply recites the context's pairs, the loss on the values; render.
+    # recital_row) rather than question turns ("none"), whose second occurrence of the asked key kept the lookup from
+    # forming on the CPU (docs/quality.md, "The question is what stalls it"); "plain": BOS, the list, the recital, no
+    # chat template, whose fixed opening kept a micro model's lookup from forming ("chat": in the template)
+    focus_recital: str = "plain"
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -518,10 +519,10 @@ class RetrievalFirst:
     mixed batches of runs 1-9 the retrieval answers were a small share of every step's gradient, and the lookup had
     not formed when the rate had decayed (run 9: the short contexts' answer loss began to fall at step 1,100 of 1,579,
     the long ones' never). So for at most `focus_frac` of the planned steps every batch is retrieval rows of 2 to
-    `focus_max_pairs` pairs: recitals of the context's lines drawn with replacement, the loss on the values
-    (`focus_recital`; copying any value of the context scores 1/n of n lines), or each key asked in turn (2/3 without
-    a lookup: the key and the end of turn are easy); the phase ends early once a logged step's answer-token accuracy
-    reaches `focus_until_acc`."""
+    `focus_max_pairs` pairs: recitals of the context's pairs drawn with replacement, the loss on the values, plain
+    or in the chat template (`focus_recital`; copying any value of the context scores 1/n of n pairs), or each key
+    asked in turn (2/3 without a lookup: the key and the end of turn are easy); the phase ends early once a logged
+    step's answer-token accuracy reaches `focus_until_acc`."""
 
     def __init__(self, tc: TrainConfig, rows: list):
         self.rows, self.max_frac, self.until_acc = rows, tc.focus_frac, tc.focus_until_acc
@@ -834,6 +835,8 @@ def run(tc: TrainConfig) -> dict:
         raise ValueError(f"init must be one of {list(INITS)}, got {tc.init!r}")
     if not 0 <= tc.focus_frac < 1:
         raise ValueError(f"focus_frac must be in [0, 1), got {tc.focus_frac}")
+    if tc.focus_recital not in RECITALS:
+        raise ValueError(f"focus_recital must be one of {list(RECITALS)}, got {tc.focus_recital!r}")
     if not RETRIEVAL_TRAIN_MIN_PAIRS <= tc.focus_max_pairs <= RETRIEVAL_PAIRS:
         raise ValueError(f"focus_max_pairs must be in {RETRIEVAL_TRAIN_MIN_PAIRS}-{RETRIEVAL_PAIRS}, "
                          f"got {tc.focus_max_pairs}")

@@ -1,7 +1,7 @@
 """The learned model's shape on CUDA (m3serve.learn.config: 32-token MSA blocks, top-4, 64-dim heads; the other
 GPU tests run the tiny model's 16-token blocks): the Triton kernels agree with the torch reference at every layer
-of every step (the shadow backend, tests/support/shadow.py) on retrieval prompts of ~646 tokens, where the indexer
-keeps 4 of ~21 blocks, for each KV cache format. Random weights: only the kernels are under test here."""
+of every step (the shadow backend, tests/support/shadow.py) on retrieval prompts of ~619 tokens, where the indexer
+keeps 4 of ~20 blocks, for each KV cache format. Random weights: only the kernels are under test here."""
 from __future__ import annotations
 
 import pytest

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from m3serve.learn import tasks
 from m3serve.learn.config import learned_config, make_learned, selected_span
 from m3serve.learn.data import make_rows
 from m3serve.learn.render import prompt_ids, render
@@ -205,71 +206,89 @@ def test_a_retrieval_key_and_value_are_the_same_token_in_context_question_and_an
         assert tok.encode(ex.answer) == ids[at[0]:at[0] + 2]
 
 
-def test_retrieval_prompts_are_over_4x_the_msa_span(tok):
+def n_pairs(ex):
+    return len(tasks.context_pairs(ex))
+
+
+def test_retrieval_contexts_are_4x_the_msa_span(tok):
+    """The eval's list of pairs alone is at least 4x the tokens MSA selects; the pairs are one line, no separator
+    between them (a newline after each kept a micro model's lookup from forming, docs/quality.md)."""
     cfg = learned_config(2048, 0, 1)
-    lens = [len(prompt_ids(ex, tok)) for ex in make_examples("retrieval", "eval", 20)]
-    assert min(lens) >= 4 * selected_span(cfg) and max(lens) <= 1024
-    # training contexts vary from 2 pairs up to the eval's length, log-uniformly: half hold at most ~15
-    pairs = sorted(ex.messages[0]["content"].count("\n") - 1 for ex in make_examples("retrieval", "train", 200))
+    for ex in make_examples("retrieval", "eval", 20):
+        ids = prompt_ids(ex, tok)
+        pairs = tok.encode("".join(f" {k} {v}" for k, v in tasks.context_pairs(ex)))
+        assert len(pairs) == 2 * RETRIEVAL_PAIRS >= 4 * selected_span(cfg) and len(ids) <= 1024
+        at = next(i for i in range(len(ids)) if ids[i:i + len(pairs)] == pairs)  # the prompt holds them in a row
+        assert tok.decode(ids[at - 1:at]) == "\n" and tok.decode(ids[at + len(pairs):at + len(pairs) + 1]) == "\n"
+    # training contexts vary from 2 pairs up to the eval's length, log-uniformly: half hold at most ~23
+    pairs = sorted(n_pairs(ex) for ex in make_examples("retrieval", "train", 200))
     assert pairs[0] == 2 and 0.8 * RETRIEVAL_PAIRS <= pairs[-1] <= RETRIEVAL_PAIRS and len(set(pairs)) > 20
-    assert 8 <= pairs[len(pairs) // 2] <= 24
-    assert {ex.messages[0]["content"].count("\n") - 1 for ex in make_examples("retrieval", "eval", 50)} == {
-        RETRIEVAL_PAIRS}
+    assert 12 <= pairs[len(pairs) // 2] <= 36
+    assert {n_pairs(ex) for ex in make_examples("retrieval", "eval", 50)} == {RETRIEVAL_PAIRS}
 
 
 def test_the_retrieval_first_phase_draws_short_training_contexts():
     """max_pairs caps the training contexts (log-uniform from 2 up to it); it is refused for the eval split, for
     other tasks and outside 2..RETRIEVAL_PAIRS."""
-    pairs = [ex.messages[0]["content"].count("\n") - 1
-             for ex in make_examples("retrieval", "train", 300, seed=2, max_pairs=16)]
+    pairs = [n_pairs(ex) for ex in make_examples("retrieval", "train", 300, seed=2, max_pairs=16)]
     assert min(pairs) == 2 and max(pairs) == 16 and len(set(pairs)) == 15
     assert 4 <= sorted(pairs)[len(pairs) // 2] <= 8
     for task, split, cap, match in (("retrieval", "eval", 16, "max_pairs"), ("arithmetic", "train", 16, "max_pairs"),
-                                    ("retrieval", "train", 1, "2-180"), ("retrieval", "train", 181, "2-180")):
+                                    ("retrieval", "train", 1, "2-256"), ("retrieval", "train", 257, "2-256")):
         with pytest.raises(ValueError, match=match):
             make_examples(task, split, 3, max_pairs=cap)
     # pairs: held-out contexts of one shorter length (probes of the lookup), still the eval split's problems
     short = make_examples("retrieval", "eval", 20, seed=1, pairs=16)
-    assert {ex.messages[0]["content"].count("\n") - 1 for ex in short} == {16}
+    assert {n_pairs(ex) for ex in short} == {16}
     assert all(split_of("retrieval", ex.key) == "eval" for ex in short)
     for task, split, n, match in (("retrieval", "train", 16, "pairs"), ("tool_call", "eval", 16, "pairs"),
-                                  ("retrieval", "eval", 1, "2-180"), ("retrieval", "eval", 181, "2-180")):
+                                  ("retrieval", "eval", 1, "2-256"), ("retrieval", "eval", 257, "2-256")):
         with pytest.raises(ValueError, match=match):
             make_examples(task, split, 3, pairs=n)
 
 
-def test_recital_rows_recite_lines_drawn_with_replacement_the_loss_on_the_values(tok_dir, tok):
-    """A recital row (the retrieval-first phase's, data.Job recital=True): the user's list without a question about
-    one key, then the reply reciting as many lines as it has, drawn with replacement (no elimination: some lines twice,
-    some never); the loss is on the value tokens alone, each right after its key; the ids are the chat template's text
-    of that conversation tokenized whole."""
+@pytest.mark.parametrize("form", ["chat", "plain"])
+def test_recital_rows_recite_pairs_drawn_with_replacement_the_loss_on_the_values(tok_dir, tok, form):
+    """A recital row (the retrieval-first phase's, data.Job recital="chat" or "plain"): the list without a question
+    about one key, then the reply reciting as many pairs as it has, drawn with replacement (no elimination: some pairs
+    twice, some never); the loss is on the value tokens alone, each right after its key. "chat": the ids are the chat
+    template's text of that conversation tokenized whole; "plain": BOS, the list, a newline, the recital, the end of
+    turn, and nothing else."""
     rows = make_rows(tok_dir[0], ("retrieval",), "train", 40, 3, workers=1, packed={"retrieval": 32}, max_pairs=16,
-                     recital=True)
+                     recital=form)
     examples = make_examples("retrieval", "train", 40, seed=3000, max_pairs=16)  # the job's own draw (seed*1000)
     assert len(rows) == len(examples) == 40
     repeated = 0
     for (ids, mask, task), ex in zip(rows, examples):
         assert task == TASKS.index("retrieval") and len(ids) == len(mask)
         head = ex.messages[0]["content"].rsplit("\n", 1)[0]
-        lines = [tuple(line.split()) for line in head.split("\n")[1:]]
-        recited = [l.split() for l in tok.decode(ids, skip_special_tokens=False).split(THINK_END)[-1]
-                   .removesuffix("[e~[").split("\n")]
-        assert len(recited) == len(lines) and {tuple(r) for r in recited} <= set(lines)
-        repeated += len({tuple(r) for r in recited}) < len(lines)
+        words = head.split("\n")[1].split()
+        pairs = list(zip(words[::2], words[1::2]))
         text = tok.decode(ids, skip_special_tokens=False)
-        assert "What is the code" not in text and "Repeat the codes." in text
+        reply = text.split(THINK_END)[-1] if form == "chat" else text.split("\n")[-1]
+        words = reply.removesuffix("[e~[").split()
+        recited = list(zip(words[::2], words[1::2]))
+        assert len(recited) == len(pairs) and set(recited) <= set(pairs)
+        repeated += len(set(recited)) < len(pairs)
+        assert "What is the code" not in text
         assert tok.encode(text) == ids  # no merge across the pieces the mask was built from
         values = [i for i, m in enumerate(mask) if m]
         assert [tok.decode([ids[i]]).strip() for i in values] == [v for _k, v in recited]
         assert all(tok.decode([ids[i - 1]]).strip() == k for i, (k, _v) in zip(values, recited))
+        spoken = "".join(f" {k} {v}" for k, v in recited)
+        if form == "plain":
+            assert ids == [tok.bos_token_id] + tok.encode(head.split("\n")[1] + "\n" + spoken) + [tok.eos_token_id]
+            continue
+        assert "Repeat the codes." in text
         conversation = [{"role": "user", "content": head + "\nRepeat the codes."},
-                        {"role": "assistant", "content": "\n".join(f" {k} {v}" for k, v in recited)}]
+                        {"role": "assistant", "content": spoken}]
         full = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=False,
                                        thinking_mode="disabled")  # ... the reply, the end of turn, a newline
         assert full[:len(ids)] == ids and tok.decode(full[len(ids):]) == "\n"
     assert repeated >= 30
-    with pytest.raises(ValueError, match="recital"):
-        make_rows(tok_dir[0], ("arithmetic", "retrieval"), "train", 4, 3, workers=1, recital=True)
+    for tasks_, recital, match in ((("arithmetic", "retrieval"), "chat", "recital"), (("retrieval",), True, "one of")):
+        with pytest.raises(ValueError, match=match):
+            make_rows(tok_dir[0], tasks_, "train", 4, 3, workers=1, recital=recital)
 
 
 # ------------------------------------------------------------------ the engine's chat path, config

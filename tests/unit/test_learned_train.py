@@ -439,7 +439,8 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
                                                  ("mlp_warmup_frac", -0.1, "mlp_warmup_frac"),
                                                  ("focus_frac", 1.0, "focus_frac"),
                                                  ("focus_max_pairs", 1, "focus_max_pairs"),
-                                                 ("focus_max_pairs", 500, "focus_max_pairs")])
+                                                 ("focus_max_pairs", 500, "focus_max_pairs"),
+                                                 ("focus_recital", "yes", "focus_recital must be one of")])
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value, match):
     from m3serve.learn.train import run
 
