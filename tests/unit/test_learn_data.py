@@ -64,8 +64,8 @@ def test_a_failing_stream_reports_its_error_and_leaves_the_rows(tok_dir):
 
 
 def test_a_whole_run_trains_on_rows_rendered_while_it_runs(tmp_path):
-    """train-learned end to end on a micro model: the run's log counts the rows that arrived during training, and
-    the checkpoint and log are written."""
+    """train-learned end to end on a micro model with the default recipe (the retrieval-first phase included): the
+    run's log counts the rows that arrived during training, and the checkpoint and log are written."""
     from m3serve.config import FULL, SPARSE
     from m3serve.learn.train import TrainConfig, run
 
@@ -73,14 +73,16 @@ def test_a_whole_run_trains_on_rows_rendered_while_it_runs(tmp_path):
                  index_n_heads=1, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
                  num_hidden_layers=2, layer_types=[FULL, SPARSE], mlp_layer_types=["dense", "sparse"],
                  num_local_experts=4, index_block_size=8, index_topk_blocks=2)
-    tc = TrainConfig(out=str(tmp_path / "m"), device="cpu", tasks=TASKS, train_examples=8, eval_examples=4,
-                     workers=1, tokens_per_batch=4096, max_steps=40, warmup_steps=2, log_every=10, budget_s=600,
-                     reserve_s=0, draft_frac=0.0, draft_max_steps=2, draft_tokens_per_batch=1024, draft_anchors=4,
-                     model_overrides=micro, max_rows=200)
+    tc = TrainConfig(out=str(tmp_path / "m"), device="cpu", tasks=(*TASKS, "retrieval"), train_examples=8,
+                     eval_examples=4, workers=1, tokens_per_batch=4096, max_steps=40, warmup_steps=2, log_every=10,
+                     budget_s=600, reserve_s=0, draft_frac=0.0, draft_max_steps=2, draft_tokens_per_batch=1024,
+                     draft_anchors=4, model_overrides=micro, max_rows=200, focus_examples=16)
     result = run(tc)
     fresh = result["data"]["fresh"]
     assert fresh["error"] is None and 0 < fresh["rows_added"] <= 200 - result["data"]["train_rows"]
     assert result["target"]["steps"] == 40
+    # the retrieval-first phase is on by default: its plain recital rows were rendered and it ran first
+    assert result["data"]["retrieval_first_rows"] == 16 and result["target"]["retrieval_first"]["step"] <= 12
     with open(os.path.join(tc.out, "train_log.json")) as f:
         assert json.load(f)["data"]["fresh"] == fresh
     # a run that goes on from it keeps its tokenizer, though this run's seed builds another one
