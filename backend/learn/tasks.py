@@ -7,7 +7,7 @@ Five tasks, each a chat in M3's template with one exact answer:
   (the tokenizer splits digits) and can learn in minutes: at most 4 answer digits, carries over at most 3 positions.
 - `retrieval`: a list of RETRIEVAL_PAIRS ` key value` pairs on one line (a random choice of key words, each with a
   random value word; one token each), then a question about one key; the answer quotes that key's pair
-  (` key value`). The pairs are 512 tokens with the learned tokenizer (the prompt about 615), 4x the span MSA selects
+  (` key value`). The pairs are 512 tokens with the learned tokenizer (the prompt 619), 4x the span MSA selects
   (top-4 blocks of 32 = 128 tokens), so the indexer has to find the block that holds the key.
   Training contexts hold RETRIEVAL_TRAIN_MIN_PAIRS to RETRIEVAL_PAIRS pairs, log-uniformly (`retrieval_train_pairs`);
   the eval split always RETRIEVAL_PAIRS.
@@ -169,14 +169,14 @@ def retrieval_train_pairs(rng: random.Random, hi: int = RETRIEVAL_PAIRS) -> int:
 
 
 def _quoted(key: str, value: str) -> str:
-    """A context line, and a retrieval reply quoting the asked key's line (" key value"): the same tokens in both.
+    """A context pair, and a retrieval reply quoting the asked key's pair (" key value"): the same tokens in both.
     Where the reply was the value alone, the model had to carry the key from the question, eight tokens back, to the
     answer position and match it there; no H200 run learned that. Quoting the line puts the key right before the
     value, the next-token copy an induction head does (two layers: one marks each token with the one before it, one
     matches on that mark). With a colon between key and value (" key:value", until 2026-12-05) the copy took a third
     hop, and a micro model learned it several times slower; with a newline after every pair (also until
-    2026-12-05) a micro model had not learned it after twice the steps it took without (docs/quality.md), so the
-    pairs follow each other on one line: " k1 v1 k2 v2 ..." (keys and values are drawn from disjoint words)."""
+    2026-12-05) a micro model had not learned it by step 1,400, where it took 750-850 without (docs/quality.md), so
+    the pairs follow each other on one line: " k1 v1 k2 v2 ..." (keys and values are drawn from disjoint words)."""
     return f" {key} {value}"
 
 

@@ -109,7 +109,7 @@ class TrainConfig:
     # the phase's rows are recitals (the reply recites the context's pairs, the loss on the values; render.
     # recital_row) rather than question turns ("none"), whose second occurrence of the asked key kept the lookup from
     # forming on the CPU (docs/quality.md, "The question is what stalls it"); "plain": BOS, the list, the recital, no
-    # chat template, whose fixed opening kept a micro model's lookup from forming ("chat": in the template)
+    # chat template, whose fixed opening had kept a micro model's lookup from forming by step 800 ("chat": in it)
     focus_recital: str = "plain"
     eval_examples: int = 200  # per task
     workers: int = 0  # data-generation processes (0: one per CPU core, at most 16)

@@ -212,7 +212,8 @@ def n_pairs(ex):
 
 def test_retrieval_contexts_are_4x_the_msa_span(tok):
     """The eval's list of pairs alone is at least 4x the tokens MSA selects; the pairs are one line, no separator
-    between them (a newline after each kept a micro model's lookup from forming, docs/quality.md)."""
+    between them (with a newline after each, a micro model had not learned the lookup by step 1,400:
+    docs/quality.md)."""
     cfg = learned_config(2048, 0, 1)
     for ex in make_examples("retrieval", "eval", 20):
         ids = prompt_ids(ex, tok)
