@@ -871,19 +871,25 @@ def run(tc: TrainConfig) -> dict:
     fresh = FreshRows(rows, lambda r: row_jobs(tc.out, tc.tasks, "train", tc.train_examples, tc.seed + 7919 * r,
                                                weights=tc.task_weights, packed=tc.packed_turns),
                       tc.workers, tc.max_rows)
+    parts = {"setup": round(time.time() - t_start, 1)}  # where the data phase's time goes: imports, BPE, workers
     try:
+        mark = time.time()
         rows += make_rows(tc.out, tc.tasks, "train", tc.train_examples, tc.seed, weights=tc.task_weights,
                           packed=tc.packed_turns, pool=fresh.pool)
+        parts["train_rows"], mark = round(time.time() - mark, 1), time.time()
         focus_rows = (make_rows(tc.out, ("retrieval",), "train", tc.focus_examples, tc.seed + 3,
                                 packed=tc.packed_turns, pool=fresh.pool, max_pairs=tc.focus_max_pairs,
                                 recital=tc.focus_recital)
                       if tc.focus_frac > 0 and "retrieval" in tc.tasks else [])
+        parts["retrieval_first_rows"], mark = round(time.time() - mark, 1), time.time()
         eval_rows = make_rows(tc.out, tc.tasks, "eval", tc.eval_examples, tc.seed + 1, pool=fresh.pool)
+        parts["eval_rows"] = round(time.time() - mark, 1)
         lengths = sorted(len(r[0]) for r in rows)
         result["data"] = {"train_rows": len(rows), "retrieval_first_rows": len(focus_rows),
                           "eval_rows": len(eval_rows),
                           "median_len": lengths[len(lengths) // 2], "max_len": lengths[-1],
-                          "answer_tokens": sum(sum(r[1]) for r in rows), "seconds": round(time.time() - t_start, 1)}
+                          "answer_tokens": sum(sum(r[1]) for r in rows), "seconds": round(time.time() - t_start, 1),
+                          "seconds_by_part": parts}
         log("data " + json.dumps(result["data"]))
         if tc.fresh_rows:
             fresh.start()

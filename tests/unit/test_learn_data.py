@@ -83,6 +83,9 @@ def test_a_whole_run_trains_on_rows_rendered_while_it_runs(tmp_path):
     assert result["target"]["steps"] == 40
     # the retrieval-first phase is on by default: its plain recital rows were rendered and it ran first
     assert result["data"]["retrieval_first_rows"] == 16 and result["target"]["retrieval_first"]["step"] <= 12
+    parts = result["data"]["seconds_by_part"]  # where the data phase's time went: parts of its whole
+    assert set(parts) == {"setup", "train_rows", "retrieval_first_rows", "eval_rows"} and min(parts.values()) >= 0
+    assert sum(parts.values()) <= result["data"]["seconds"] + 0.2
     with open(os.path.join(tc.out, "train_log.json")) as f:
         assert json.load(f)["data"]["fresh"] == fresh
     # a run that goes on from it keeps its tokenizer, though this run's seed builds another one
