@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from m3serve.learn.tasks import THINK_OFF, Example, context_pairs, retrieval_recital
+from m3serve.learn.tasks import THINK_OFF, Example, context_pairs, pairs_text, retrieval_recital
 
 
 def prompt_ids(example: Example, tokenizer) -> list[int]:
@@ -89,7 +89,7 @@ def recital_row(example: Example, rng: random.Random, tokenizer, plain: bool) ->
     own tokenization (tests)."""
     messages, recited = retrieval_recital(example, rng)
     if plain:
-        listed = "".join(f" {k} {v}" for k, v in context_pairs(example))
+        listed = pairs_text(context_pairs(example))
         prompt = [tokenizer.bos_token_id] + tokenizer.encode(listed) + tokenizer.encode("\n")
     else:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **THINK_OFF)

@@ -150,8 +150,7 @@ def _retrieval(rng: random.Random, pairs: int = RETRIEVAL_PAIRS):
     keys = rng.sample(_KEY_WORDS, pairs)
     values = [rng.choice(_VALUE_WORDS) for _ in keys]
     q = rng.randrange(len(keys))
-    pairs = "".join(_quoted(k, v) for k, v in zip(keys, values))
-    text = f"Here is a list of codes.\n{pairs}\n" + _CODE_QUESTION.format(keys[q])
+    text = f"Here is a list of codes.\n{pairs_text(zip(keys, values))}\n" + _CODE_QUESTION.format(keys[q])
     messages = [{"role": "user", "content": text}]
     reply = _quoted(keys[q], values[q])
     return text, lambda: _example("retrieval", messages, {"role": "assistant", "content": reply}, reply)
@@ -178,6 +177,11 @@ def _quoted(key: str, value: str) -> str:
     2026-12-05) a micro model had not learned it by step 1,400, where it took 750-850 without (docs/quality.md), so
     the pairs follow each other on one line: " k1 v1 k2 v2 ..." (keys and values are drawn from disjoint words)."""
     return f" {key} {value}"
+
+
+def pairs_text(pairs) -> str:
+    """The list's line: its (key, value) pairs one after another, each as `_quoted` writes it."""
+    return "".join(_quoted(k, v) for k, v in pairs)
 
 
 def context_pairs(example: Example) -> list[tuple[str, str]]:
