@@ -57,6 +57,8 @@ def main() -> None:
                    "question turns")
     p.add_argument("--out", help="JSON of the curve and the scores")
     a = p.parse_args()
+    if not 0 <= a.min_lr_ratio <= 1:  # NaN too
+        p.error(f"--min-lr-ratio must be in [0, 1], got {a.min_lr_ratio}")
     torch.set_num_threads(a.threads)
     cpu = torch.device("cpu")
     tok_dir = tempfile.mkdtemp(prefix="m3-retrieval-first-")

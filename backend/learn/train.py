@@ -833,6 +833,8 @@ def run(tc: TrainConfig) -> dict:
             raise ValueError(f"{name} must be 0 or more, got {getattr(tc, name)}")
     if tc.init not in INITS:
         raise ValueError(f"init must be one of {list(INITS)}, got {tc.init!r}")
+    if not 0 <= tc.min_lr_ratio <= 1:  # NaN too
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {tc.min_lr_ratio}")
     if not 0 <= tc.focus_frac < 1:
         raise ValueError(f"focus_frac must be in [0, 1), got {tc.focus_frac}")
     if tc.focus_recital not in RECITALS:

@@ -435,6 +435,8 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
                                                  ("tokens_per_batch", -1, "tokens_per_batch"),
                                                  ("workers", -2, "workers"), ("max_rows", -1, "max_rows"),
                                                  ("init", "xavier", "init must be one of"),
+                                                 ("min_lr_ratio", -0.1, "min_lr_ratio"),
+                                                 ("min_lr_ratio", float("nan"), "min_lr_ratio"),
                                                  ("mlp_warmup_frac", 1.0, "mlp_warmup_frac"),
                                                  ("mlp_warmup_frac", -0.1, "mlp_warmup_frac"),
                                                  ("focus_frac", 1.0, "focus_frac"),
