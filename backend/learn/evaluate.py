@@ -11,6 +11,10 @@ Paths (each gets the same prompts, the chat template's generation prompt, and th
   dspark-sampled   the same at temperature 1, probabilistic drafts, a fixed seed per prompt
   triton-m3        a running tritonserver (--triton-url), model `m3` (text contract; messages + tools on the server)
   triton-ensemble  the same server's `ensemble` (preprocessing -> m3_ids -> postprocessing; the rendered prompt text)
+  openai           an OpenAI-compatible gateway (`m3serve openai`, --openai-url) in front of that server, through the
+                   `openai` client: /v1/chat/completions with the example's messages, tools and chat_template_kwargs;
+                   its parsed message (content, reasoning_content, tool_calls) written back as text by the chat
+                   template (`Example.reply_text`)
 
 The engine paths put every prompt in one `generate` call (the DSpark paths one call per task, so that the
 engine's spec_decode_* counters give acceptance per task). Replies are decoded with special tokens kept (the tool-call
@@ -33,7 +37,7 @@ from m3serve.learn.render import prompt_ids
 from m3serve.learn.tasks import TASKS, Example, make_examples
 
 PATHS = ("reference", "engine", "nvfp4", "nvfp4-kv", "dspark-greedy", "dspark-sampled", "triton-m3",
-         "triton-ensemble")
+         "triton-ensemble", "openai")
 DEFAULT_PATHS = ("reference", "engine")
 SLACK_TOKENS = 16  # tokens allowed past the longest answer of a task
 DSPARK = {"method": "dspark", "num_speculative_tokens": 7}
@@ -207,6 +211,39 @@ def generate_triton(url: str, model: str, sets, tok, budgets):
     return {t: [next(replies) for _ in exs] for t, exs in sets.items()}, {}
 
 
+def openai_reply(message: dict) -> dict:
+    """An OpenAI chat completion's message as the chat template's assistant message (tool-call arguments, a JSON
+    string in the API, back to an object; a missing content is empty)."""
+    reply = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("reasoning_content"):
+        reply["reasoning_content"] = message["reasoning_content"]
+    if message.get("tool_calls"):
+        reply["tool_calls"] = [{"type": "function", "function": {
+            "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in message["tool_calls"]]
+    return reply
+
+
+def generate_openai(url: str, sets, budgets, api_key: str | None = None, concurrency: int = 16):
+    """Every example through /v1/chat/completions (greedy, `concurrency` requests in flight); the replies as text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key=api_key or "unused", timeout=600.0, max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ask(task: str, ex) -> str:
+        extra = {"chat_template_kwargs": ex.chat_template_kwargs}
+        r = client.chat.completions.create(model=model, messages=ex.messages, tools=ex.tools or openai.NOT_GIVEN,
+                                           temperature=0, max_tokens=budgets[task], extra_body=extra)
+        return ex.reply_text(openai_reply(r.choices[0].message.model_dump()))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = {t: [pool.submit(ask, t, ex) for ex in exs] for t, exs in sets.items()}
+        return {t: [f.result() for f in fs] for t, fs in futures.items()}, {}
+
+
 # ---------------------------------------------------------------- the command
 
 def _quantized(model_dir: str, tmp: str) -> str:
@@ -219,7 +256,7 @@ def _quantized(model_dir: str, tmp: str) -> str:
 
 
 def path_runner(path: str, model_dir: str, tmp: str, device: str, dtype: str, triton_url: str | None,
-                max_model_len: int) -> Callable:
+                max_model_len: int, openai_url: str | None = None) -> Callable:
     """A function (sets, tok, budgets) -> (texts, extra) for `path`."""
     eng = engine_options(device, dtype, max_model_len)
     if path == "reference":
@@ -241,6 +278,10 @@ def path_runner(path: str, model_dir: str, tmp: str, device: str, dtype: str, tr
         if not triton_url:
             raise ValueError(f"path {path} needs --triton-url")
         return lambda s, t, b: generate_triton(triton_url, path.removeprefix("triton-"), s, t, b)
+    if path == "openai":
+        if not openai_url:
+            raise ValueError("path openai needs --openai-url")
+        return lambda s, t, b: generate_openai(openai_url, s, b, os.environ.get("M3SERVE_OPENAI_API_KEY"))
     raise ValueError(f"unknown path {path!r}; one of {PATHS}")
 
 
@@ -255,7 +296,7 @@ def score(sets, texts) -> dict[str, dict]:
 def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "cpu", dtype: str = "auto",
              triton_url: str | None = None, seed: int = 0, tasks=TASKS, max_model_len: int = MAX_MODEL_LEN,
              slack: int = SLACK_TOKENS, log: Callable[[str], None] | None = None,
-             on_path: Callable[[dict], None] | None = None) -> dict:
+             on_path: Callable[[dict], None] | None = None, openai_url: str | None = None) -> dict:
     """Run `paths` on `n` eval examples per task; the report dict (also what --out writes). `on_path(report)` is
     called after each path (the report so far), so that a run cut short keeps the paths it finished."""
     from m3serve.text.tokenizer import Tokenizer
@@ -270,7 +311,7 @@ def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "c
             if path == "reference" and not _transformers_ok():
                 report["paths"][path] = {"skipped": "transformers (with MiniMaxM3VLForCausalLM) is not importable"}
                 continue
-            run = path_runner(path, model_dir, tmp, device, dtype, triton_url, max_model_len)
+            run = path_runner(path, model_dir, tmp, device, dtype, triton_url, max_model_len, openai_url)
             t0 = time.perf_counter()
             texts, extra = run(sets, tok, budgets)
             scores = score(sets, texts)
@@ -283,7 +324,8 @@ def evaluate(model_dir: str, n: int = 200, paths=DEFAULT_PATHS, device: str = "c
             if on_path:
                 on_path(report)
     if "engine" in report["replies"]:  # greedy paths that must answer as the engine does, token for token
-        same = [p for p in ("reference", "dspark-greedy", "triton-m3", "triton-ensemble") if p in report["replies"]]
+        same = [p for p in ("reference", "dspark-greedy", "triton-m3", "triton-ensemble", "openai")
+                if p in report["replies"]]
         report["same_replies_as_engine"] = {p: report["replies"][p] == report["replies"]["engine"] for p in same}
         report["replies_unlike_engine"] = {p: unlike(report["replies"]["engine"], report["replies"][p]) for p in same}
     return report
@@ -352,6 +394,8 @@ def add_parser(sub) -> None:
     e.add_argument("--device", default="cpu", help="cpu or cuda")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     e.add_argument("--triton-url", help="gRPC address of a tritonserver serving the model (triton-* paths)")
+    e.add_argument("--openai-url", help="base URL of an OpenAI-compatible gateway serving the model, e.g. "
+                   "http://localhost:9000/v1 (the openai path; its key from $M3SERVE_OPENAI_API_KEY)")
     e.add_argument("--seed", type=int, default=0, help="eval set seed")
     e.add_argument("--out", help="write the JSON report here")
     e.add_argument("--replies", action="store_true", help="keep every reply in the JSON report")
@@ -364,6 +408,8 @@ def _command_line(a) -> str:
              "--tasks " + " ".join(a.tasks), f"--device {a.device}", f"--dtype {a.dtype}", f"--seed {a.seed}"]
     if a.triton_url:
         parts.append(f"--triton-url {a.triton_url}")
+    if a.openai_url:
+        parts.append(f"--openai-url {a.openai_url}")
     return " ".join(parts)
 
 
@@ -377,7 +423,7 @@ def cmd_eval_tasks(a) -> int:
                 json.dump({**{k: v for k, v in report.items() if a.replies or k != "replies"}, **meta}, f, indent=1)
 
     report = evaluate(a.model, a.n, a.paths, a.device, a.dtype, a.triton_url, a.seed, tuple(a.tasks),
-                      log=lambda s: print(s, file=sys.stderr, flush=True), on_path=write)
+                      log=lambda s: print(s, file=sys.stderr, flush=True), on_path=write, openai_url=a.openai_url)
     write(report)
     print(format_table(report))
     return 0

@@ -12,16 +12,26 @@ from collections.abc import Iterator
 import torch
 
 
-def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group: int = 256
+def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_batches: int = 16
             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Endless length-bucketed batches (ids [B, S], loss mask [B, S], real-token mask [B, S], task index [B]),
-    right-padded, B * S <= tokens_per_batch (one over-long row makes a batch of its own)."""
+    right-padded, B * S <= tokens_per_batch (one over-long row makes a batch of its own). Rows are sorted by length
+    within groups of about `group_batches` batches' tokens, so a group's last, part-filled batch is at most one in
+    that many (groups of a fixed 256 rows, at 128K-token batches, left most groups' few long retrieval rows a batch of
+    their own: about half the logged steps of runs 11-13, docs/quality.md)."""
     order = list(range(len(rows)))
+    group_tokens = group_batches * tokens_per_batch
     while True:
         rng.shuffle(order)
         cut: list[list[int]] = []
-        for g0 in range(0, len(order), group):
-            chunk = sorted(order[g0:g0 + group], key=lambda i: len(rows[i][0]))
+        g0 = 0
+        while g0 < len(order):
+            g1, size = g0, 0
+            while g1 < len(order) and size < group_tokens:
+                size += len(rows[order[g1]][0])
+                g1 += 1
+            chunk = sorted(order[g0:g1], key=lambda i: len(rows[i][0]))
+            g0 = g1
             cur: list[int] = []
             for i in chunk:  # ascending lengths: row i is the longest so far
                 if cur and len(rows[i][0]) * (len(cur) + 1) > tokens_per_batch:

@@ -75,6 +75,12 @@ class Example:
             return not rest.strip() and calls == [self.expected]
         return content == self.expected
 
+    def reply_text(self, reply: dict) -> str:
+        """The text the chat template renders for the assistant message `reply` ({"content", "reasoning_content",
+        "tool_calls"} with the arguments an object) after this example's prompt: a parsed reply (an OpenAI-compatible
+        server's) written back as the model's own text, for `check` and to compare with other paths' replies."""
+        return _reply_text(self.messages, reply, self.tools, self.chat_template_kwargs)
+
 
 def _reply_text(messages: list[dict], reply: dict, tools: list[dict] | None, kwargs: dict) -> str:
     """The text the chat template renders for `reply` after the generation prompt of `messages`."""

@@ -8,15 +8,18 @@ import os
 
 import pytest
 
-from m3serve.learn.evaluate import format_table, reply_text, score
+import json
+
+from m3serve.learn.evaluate import format_table, openai_reply, reply_text, score
 from m3serve.learn.tasks import TASKS, make_examples
+from m3serve.text.reasoning import extract
 from support.required import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEARNED_DIR = os.environ.get("M3SERVE_LEARNED_DIR", os.path.join(ROOT, "models", "m3-tiny-learned"))
-SLICE = 8  # eval examples per task
-MIN_TASK_ACCURACY = 0.75  # every task: at least 6 of its 8
-MIN_MEAN_ACCURACY = 0.9  # over the 40
+SLICE = 16  # eval examples per task
+MIN_TASK_ACCURACY = 0.875  # every task: at least 14 of its 16
+MIN_MEAN_ACCURACY = 0.95  # over the 80
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +113,24 @@ def test_unlike_counts_and_shows_the_replies_that_differ():
     got = unlike(base, {"a": ["1", "9", "8"], "b": ["x"]}, show=1)
     assert got == {"a": {"n": 2, "of": 3, "first": [{"i": 1, "engine": "2", "path": "9"}]},
                    "b": {"n": 0, "of": 1, "first": []}}
+
+
+def test_openai_messages_are_written_back_as_the_models_text():
+    """The openai path: a chat completion's parsed message (what the gateway sends) becomes the reply text the model
+    wrote (tool calls, think block and all), which `check` scores; a wrong parse does not pass."""
+    def message(ex, **change):
+        reply = {"content": ex.expected if ex.task != "tool_call" else None, "reasoning_content": None}
+        if ex.task == "tool_call":
+            reply["tool_calls"] = [{"id": "call_0", "type": "function", "function": {
+                "name": ex.expected["name"], "arguments": json.dumps(ex.expected["arguments"])}}]
+        if ex.task == "reasoning":  # the trace: what the reasoning parser takes out of the answer
+            reply["reasoning_content"] = extract(ex.answer, ex.chat_template_kwargs.get("thinking_mode"))[0]
+        return {**reply, **change}
+
+    for task in TASKS:
+        for ex in make_examples(task, "eval", 3):
+            text = ex.reply_text(openai_reply(message(ex)))
+            assert text == ex.answer and ex.check(text), (task, text, ex.answer)
+            wrong = message(ex, content="7") if task != "tool_call" else message(ex, tool_calls=[
+                {"type": "function", "function": {"name": ex.expected["name"], "arguments": "{}"}}])
+            assert not ex.check(ex.reply_text(openai_reply(wrong))), task
