@@ -12,6 +12,8 @@
 #                      model), stream an arithmetic answer and a parsed tool call, stop the server
 #   ./build.sh test    setup, check the package graph (lint-imports), run the whole test suite
 #   ./build.sh lint-imports               only check the package graph (import-linter's contracts in pyproject.toml)
+#   ./build.sh genai-perf [ARGS]          genai-perf (NVIDIA's LLM benchmark, with perf_analyzer) in its own venv
+#                                         (.cache/genai-perf; made on first use, `test` makes it too), run with ARGS
 #   ./build.sh assemble                   only assemble the backend dir (with $M3SERVE_PYTHON: no venv; Docker)
 # $M3SERVE_PYTHON: use this Python (packages already installed) instead of .venv; $M3SERVE_TRITON_DIR: where the
 # backend dir goes (default .cache/triton); $M3SERVE_MODEL_DIR: where model.json's relative "model" paths resolve.
@@ -26,6 +28,13 @@ PYBIN="${M3SERVE_PYTHON:-$VENV/bin/python}"
 case "$PYBIN" in */*) ;; *) PYBIN="$(command -v "$PYBIN")" ;; esac  # a bare name: its PATH entry (venv kept)
 TRANSFORMERS_VERSION=5.25.0
 PYTRITON_VERSION=0.7.0
+# genai-perf in a venv of its own (it pulls pandas, plotly, transformers...): the release that pairs with Triton 2.51's
+# perf_analyzer (the tritonclient wheel ships the binary), which needs libcudart (a PyPI wheel; no GPU is touched
+# for an HTTP endpoint) and libb64 (Debian's package, unpacked: no root)
+GENAI_PERF="$ROOT/.cache/genai-perf"
+GENAI_PERF_PKGS=("genai-perf==0.0.8" "tritonclient[all]==2.51.0" "nvidia-cuda-runtime-cu12==12.9.79")
+LIBB64_DEB="http://deb.debian.org/debian/pool/main/libb/libb64/libb64-0d_1.2-5%2bb1_amd64.deb"
+LIBB64_SHA256=b0e1d6fde8bdccc18c3884144aede064dc82464dd4777275fa80e74c05583e82
 
 log() { printf '[build.sh] %s\n' "$*" >&2; }
 
@@ -262,12 +271,42 @@ lint_imports() {
   return "$rc"
 }
 
+genai_perf_setup() {
+  local want="${GENAI_PERF_PKGS[*]} $LIBB64_SHA256" deb libs
+  if [ -x "$GENAI_PERF/bin/genai-perf" ] && [ "$(cat "$GENAI_PERF/.stamp" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  log "installing genai-perf into $GENAI_PERF"
+  rm -rf "$GENAI_PERF" && mkdir -p "$GENAI_PERF/bin" "$GENAI_PERF/deb"
+  "$PY" -m venv "$GENAI_PERF/venv"
+  "$GENAI_PERF/venv/bin/python" -m pip install -q --disable-pip-version-check "${GENAI_PERF_PKGS[@]}"
+  deb="$GENAI_PERF/deb/libb64.deb"
+  "$GENAI_PERF/venv/bin/python" -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
+    "$LIBB64_DEB" "$deb"
+  if [ "$(sha256sum "$deb" | cut -d' ' -f1)" != "$LIBB64_SHA256" ]; then
+    log "error: $LIBB64_DEB does not have the pinned sha256"; return 1
+  fi
+  dpkg-deb -x "$deb" "$GENAI_PERF/deb/x"
+  libs="$(dirname "$(find "$GENAI_PERF/venv" -name 'libcudart.so.12' | head -n 1)"):$GENAI_PERF/deb/x/usr/lib/x86_64-linux-gnu"
+  printf '%s\n' '#!/usr/bin/env bash' '# genai-perf, perf_analyzer on PATH and its libraries found (written by build.sh)' \
+    "export PATH=\"$GENAI_PERF/venv/bin:\$PATH\" HF_HUB_OFFLINE=1" \
+    "export LD_LIBRARY_PATH=\"$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\"" \
+    "exec \"$GENAI_PERF/venv/bin/genai-perf\" \"\$@\"" > "$GENAI_PERF/bin/genai-perf"
+  chmod 755 "$GENAI_PERF/bin/genai-perf"
+  if ! LD_LIBRARY_PATH="$libs" "$GENAI_PERF/venv/bin/perf_analyzer" --help >/dev/null 2>&1; then
+    log "error: perf_analyzer does not start:"; LD_LIBRARY_PATH="$libs" "$GENAI_PERF/venv/bin/perf_analyzer" --help | tail -n 3
+    return 1
+  fi
+  echo "$want" > "$GENAI_PERF/.stamp"
+}
+
 # The suite through tests/run_suite.py: one pytest process without a GPU; with one, tests/kernels (interpreter)
 # and the rest (compiled kernels, tests/gpu included) in two. transformers and the server wheel are required
 # (tests/support/required.py): a missing one fails the run.
 run_tests() {
   setup
   lint_imports
+  genai_perf_setup  # for tests/gateway/test_genai_perf.py
   export USE_HUB_KERNELS=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
   "$VENV/bin/python" tests/run_suite.py -q -p no:cacheprovider "$@"
 }
@@ -281,5 +320,6 @@ case "$cmd" in
   demo) demo "$@" ;;
   test) run_tests "$@" ;;
   lint-imports) lint_imports ;;
-  *) echo "usage: $0 {setup|serve|demo|test|lint-imports|assemble} [args]" >&2; exit 2 ;;
+  genai-perf) genai_perf_setup && "$GENAI_PERF/bin/genai-perf" "$@" ;;
+  *) echo "usage: $0 {setup|serve|demo|test|lint-imports|assemble|genai-perf} [args]" >&2; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """What the suite needs installed. transformers (the only independent numerical oracle) and the server wheel
 (tritonserver, tritonclient) are required: a missing one fails the run instead of turning its tests into skips.
-`M3SERVE_TEST_OPTIONAL` (comma separated: `transformers`, `server`) names what may be missing on this machine; only
+`M3SERVE_TEST_OPTIONAL` (comma separated: `transformers`, `server`, `genai-perf`) names what may be missing on this machine; only
 those tests then skip, saying why."""
 from __future__ import annotations
 
@@ -42,3 +42,17 @@ def require_server() -> None:
             pytest.skip(f"{why}; {OPTIONAL_ENV} names server", allow_module_level=True)
         pytest.fail(f"{why}: the server tests require it (./build.sh setup installs it); set {OPTIONAL_ENV}=server "
                     "only where it cannot be installed", pytrace=False)
+
+
+def require_genai_perf() -> str:
+    """genai-perf with its perf_analyzer (`./build.sh genai-perf` makes .cache/genai-perf; $M3SERVE_GENAI_PERF names
+    another launcher): its path, else a skip (where $M3SERVE_TEST_OPTIONAL names `genai-perf`) or a failure."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("M3SERVE_GENAI_PERF") or os.path.join(root, ".cache", "genai-perf", "bin", "genai-perf")
+    if os.access(path, os.X_OK):
+        return path
+    why = f"no genai-perf at {path}"
+    if optional("genai-perf"):
+        pytest.skip(f"{why}; {OPTIONAL_ENV} names genai-perf", allow_module_level=True)
+    pytest.fail(f"{why}: ./build.sh test (or ./build.sh genai-perf --help) installs it; set "
+                f"{OPTIONAL_ENV}=genai-perf only where it cannot be installed", pytrace=False)
