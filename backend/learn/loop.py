@@ -18,10 +18,12 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_
     right-padded, B * S <= tokens_per_batch (one over-long row makes a batch of its own). Rows are sorted by length
     within groups of about `group_batches` batches' tokens, so a group's last, part-filled batch is at most one in
     that many (groups of a fixed 256 rows, at 128K-token batches, left most groups' few long retrieval rows a batch of
-    their own: about half the logged steps of runs 11-13, docs/quality.md)."""
-    order = list(range(len(rows)))
+    their own: about half the logged steps of runs 11-13, docs/quality.md). Each pass takes every row `rows` holds
+    when it begins: rows appended meanwhile (data.FreshRows) join the next pass (until 2026-12-05 the first pass's
+    row count was kept, so no run trained on a fresh row)."""
     group_tokens = group_batches * tokens_per_batch
     while True:
+        order = list(range(len(rows)))
         rng.shuffle(order)
         cut: list[list[int]] = []
         g0 = 0

@@ -202,6 +202,21 @@ def test_long_rows_do_not_make_most_batches():
     assert sum(s < 10000 for s in sizes) <= len(sizes) / 10, sizes
 
 
+def test_rows_added_meanwhile_join_the_next_pass():
+    """FreshRows appends to the list batches() reads: the next pass takes the new rows too."""
+    rows = [([1] * 4, [1] * 4, 0) for _ in range(6)]
+    it = batches(rows, 64, random.Random(0), pad_id=0)
+    seen = 0
+    while seen < 6:
+        seen += next(it)[0].shape[0]
+    assert seen == 6
+    rows.extend([([1] * 4, [1] * 4, 1) for _ in range(6)])  # arrive during the first pass's last batch
+    tasks = []
+    while len(tasks) < 12:
+        tasks += next(it)[3].tolist()
+    assert sorted(tasks) == [0] * 6 + [1] * 6
+
+
 def test_pack_reassembles(tmp_path):
     src = tmp_path / "m"
     src.mkdir()
