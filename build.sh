@@ -293,9 +293,10 @@ genai_perf_setup() {
     "export LD_LIBRARY_PATH=\"$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\"" \
     "exec \"$GENAI_PERF/venv/bin/genai-perf\" \"\$@\"" > "$GENAI_PERF/bin/genai-perf"
   chmod 755 "$GENAI_PERF/bin/genai-perf"
-  if ! LD_LIBRARY_PATH="$libs" "$GENAI_PERF/venv/bin/perf_analyzer" --help >/dev/null 2>&1; then
-    log "error: perf_analyzer does not start:"; LD_LIBRARY_PATH="$libs" "$GENAI_PERF/venv/bin/perf_analyzer" --help | tail -n 3
-    return 1
+  local usage  # perf_analyzer --help exits 99; a library it cannot load exits before the usage text
+  usage="$(LD_LIBRARY_PATH="$libs" "$GENAI_PERF/venv/bin/perf_analyzer" --help 2>&1 || true)"
+  if ! grep -q -- "--service-kind" <<<"$usage"; then
+    log "error: perf_analyzer does not start: $(head -n 3 <<<"$usage")"; return 1
   fi
   echo "$want" > "$GENAI_PERF/.stamp"
 }
