@@ -5,11 +5,10 @@ and the learned draft is accepted. Runs on the committed checkpoint
 exercises the parity test; only the accuracy test needs trained weights)."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
-
-import json
 
 from m3serve.learn.evaluate import format_table, openai_reply, reply_text, score
 from m3serve.learn.tasks import TASKS, make_examples
