@@ -30,7 +30,7 @@ TRANSFORMERS_VERSION=5.25.0
 PYTRITON_VERSION=0.7.0
 # genai-perf in a venv of its own (it pulls pandas, plotly, transformers...): the release that pairs with Triton 2.51's
 # perf_analyzer (the tritonclient wheel ships the binary), which needs libcudart (a PyPI wheel; no GPU is touched
-# for an HTTP endpoint) and libb64 (Debian's package, unpacked: no root)
+# for an HTTP endpoint) and libb64 (Debian's package, unpacked by Python: no root, no dpkg)
 GENAI_PERF="$ROOT/.cache/genai-perf"
 GENAI_PERF_PKGS=("genai-perf==0.0.8" "tritonclient[all]==2.51.0" "nvidia-cuda-runtime-cu12==12.9.79")
 LIBB64_DEB="http://deb.debian.org/debian/pool/main/libb/libb64/libb64-0d_1.2-5%2bb1_amd64.deb"
@@ -286,7 +286,16 @@ genai_perf_setup() {
   if [ "$(sha256sum "$deb" | cut -d' ' -f1)" != "$LIBB64_SHA256" ]; then
     log "error: $LIBB64_DEB does not have the pinned sha256"; return 1
   fi
-  dpkg-deb -x "$deb" "$GENAI_PERF/deb/x"
+  "$GENAI_PERF/venv/bin/python" - "$deb" "$GENAI_PERF/deb/x" <<'PY'  # a .deb is an ar archive; no dpkg needed
+import io, sys, tarfile
+blob, at = open(sys.argv[1], "rb").read(), 8
+while at < len(blob):
+    name, size = blob[at:at + 16].strip().decode(), int(blob[at + 48:at + 58])
+    if name.startswith("data.tar"):
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12
+        tarfile.open(fileobj=io.BytesIO(blob[at + 60:at + 60 + size])).extractall(sys.argv[2], **safe)
+    at += 60 + size + size % 2
+PY
   libs="$(dirname "$(find "$GENAI_PERF/venv" -name 'libcudart.so.12' | head -n 1)"):$GENAI_PERF/deb/x/usr/lib/x86_64-linux-gnu"
   printf '%s\n' '#!/usr/bin/env bash' '# genai-perf, perf_analyzer on PATH and its libraries found (written by build.sh)' \
     "export PATH=\"$GENAI_PERF/venv/bin:\$PATH\" HF_HUB_OFFLINE=1" \
