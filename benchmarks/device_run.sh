@@ -29,8 +29,10 @@
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
 # "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
 # 27), with transformers 5.25 from .carry-reference/ or .whl/ (into /tmp/site); where .ckpt/ holds a packed checkpoint
-# (part-aa ..., an earlier call's $OUT), it is unpacked to /tmp/ckpt and the run goes on from its weights (add
-# "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS). "evaltasks": `m3serve eval-tasks` on that checkpoint (or on $EVAL_MODEL; where neither exists, on .ckpt/'s) on the GPU
+# (part-aa ..., an earlier call's $OUT; .ckpt/ is gitignored, so name it in the call's carry), it is unpacked to
+# /tmp/ckpt and the run goes on from its weights (add "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS).
+# "evaltasks": `m3serve eval-tasks` on that checkpoint (or on $EVAL_MODEL; where neither exists, on .ckpt/'s, else on
+# the committed models/m3-tiny-learned) on the GPU
 # (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json. "learnedspec":
 # benchmarks/bench_learned_spec.py on that checkpoint (or on $LSPEC_MODEL; where neither exists, on .ckpt/'s packed
 # one, unpacked to /tmp/ckpt) $LSPEC_ARGS (DSpark vs plain tok/s on its eval tasks at batch 1 and 8, bf16) into
@@ -63,9 +65,10 @@ unpack_ckpt() {  # .ckpt/part-* (a packed checkpoint: an earlier call's $OUT) in
   rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt && cat .ckpt/part-* | tar -x -C /tmp/ckpt
   echo "/tmp/ckpt/$(ls /tmp/ckpt)"
 }
-learned_model() {  # $1 (else the train step's /tmp/m3-tiny-learned); where it is missing, .ckpt/'s packed checkpoint
-  local model="${1:-/tmp/m3-tiny-learned}"
+learned_model() {  # $1 (else the train step's /tmp/m3-tiny-learned); where it is missing, .ckpt/'s packed checkpoint,
+  local model="${1:-/tmp/m3-tiny-learned}"  # else the committed models/m3-tiny-learned
   [ ! -d "$model" ] && ls .ckpt/part-* >/dev/null 2>&1 && model="$(unpack_ckpt)"
+  [ ! -d "$model" ] && model="models/m3-tiny-learned"
   echo "$model"
 }
 reference_site() {  # transformers 5.25 into /tmp/site, once: .carry-reference's tar (make_carry_reference.sh), else
