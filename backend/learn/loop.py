@@ -26,14 +26,8 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_
         order = list(range(len(rows)))
         rng.shuffle(order)
         cut: list[list[int]] = []
-        g0 = 0
-        while g0 < len(order):
-            g1, size = g0, 0
-            while g1 < len(order) and size < group_tokens:
-                size += len(rows[order[g1]][0])
-                g1 += 1
-            chunk = sorted(order[g0:g1], key=lambda i: len(rows[i][0]))
-            g0 = g1
+        for group in _token_groups(order, rows, group_tokens):
+            chunk = sorted(group, key=lambda i: len(rows[i][0]))
             cur: list[int] = []
             for i in chunk:  # ascending lengths: row i is the longest so far
                 if cur and len(rows[i][0]) * (len(cur) + 1) > tokens_per_batch:
@@ -45,6 +39,21 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_
         rng.shuffle(cut)
         for idx in cut:
             yield (*collate([rows[i] for i in idx], pad_id), torch.tensor([rows[i][2] for i in idx]))
+
+
+def _token_groups(order: list[int], rows, group_tokens: int) -> Iterator[list[int]]:
+    """`order` cut into consecutive groups, each closed by the row that brings its tokens to `group_tokens` (the
+    last group may hold fewer)."""
+    group: list[int] = []
+    size = 0
+    for i in order:
+        group.append(i)
+        size += len(rows[i][0])
+        if size >= group_tokens:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 def prefetch(it: Iterator, depth: int = 4, pin: bool = False) -> Iterator:

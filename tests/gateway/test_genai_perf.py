@@ -4,19 +4,13 @@ was answered in full (the gateway's own counters: no errors, exactly max_tokens 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
-import urllib.request
 
 from gateway_procs import start_gateway
+from server.triton_helpers import metric, metrics
 from support.required import require_genai_perf
 
 MAX_TOKENS = 16
-
-
-def _metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}(?:\{{{re.escape(labels)}\}})? ([0-9.e+]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def test_genai_perf_chat_streaming(m3_server, tiny_model_dir, tmp_path):
@@ -36,13 +30,12 @@ def test_genai_perf_chat_streaming(m3_server, tiny_model_dir, tmp_path):
         assert stats["request_throughput"]["avg"] > 0 and stats["output_token_throughput"]["avg"] > 0, stats
         assert 0 < stats["time_to_first_token"]["avg"] <= stats["request_latency"]["avg"], stats
         sent = sum(len(e["requests"]) for e in json.loads((art / "profile_export.json").read_text())["experiments"])
-        with urllib.request.urlopen(gw.url + "/metrics") as f:
-            metrics = f.read().decode()
-        answered = _metric(metrics, "m3serve_gateway_requests_total", 'endpoint="chat",status="200"')
+        values = metrics(gw.url + "/metrics")
+        answered = metric(values, "m3serve_gateway_requests_total", endpoint="chat", status="200") or 0
         print(f"genai-perf: {sent} requests measured, {answered:.0f} answered;",
               {k: round(stats[k]["avg"], 1) for k in ("time_to_first_token", "request_throughput", "request_latency")})
         assert answered >= sent > 0, (answered, sent)
-        assert "m3serve_gateway_request_errors_total{" not in metrics, metrics
-        assert _metric(metrics, "m3serve_gateway_generation_tokens_total") == MAX_TOKENS * answered
+        assert metric(values, "m3serve_gateway_request_errors_total") is None, values
+        assert metric(values, "m3serve_gateway_generation_tokens_total") == MAX_TOKENS * answered
     finally:
         gw.stop()

@@ -16,17 +16,21 @@ def optional(what: str) -> bool:
     return what in {w.strip() for w in os.environ.get(OPTIONAL_ENV, "").split(",")}
 
 
+def missing(why: str, what: str, needed: str) -> None:
+    """Skip (where $M3SERVE_TEST_OPTIONAL names `what`) or fail (everywhere else: at module level a collection error,
+    in a test a failure), saying `why` and `needed` (who requires it and what installs it)."""
+    if optional(what):
+        pytest.skip(f"{why}; {OPTIONAL_ENV} names {what}", allow_module_level=True)
+    pytest.fail(f"{why}: {needed}; set {OPTIONAL_ENV}={what} only where it cannot be installed", pytrace=False)
+
+
 def require(module: str, what: str = "transformers"):
     """`import module`; if it is missing, skip (where $M3SERVE_TEST_OPTIONAL names `what`) or fail (everywhere
     else: at module level a collection error, in a test a failure)."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        why = f"{module} is not installed ({e})"
-        if optional(what):
-            pytest.skip(f"{why}; {OPTIONAL_ENV} names {what}", allow_module_level=True)
-        pytest.fail(f"{why}: the test suite requires it (./build.sh setup installs it); set {OPTIONAL_ENV}={what} "
-                    "only where it cannot be installed", pytrace=False)
+        missing(f"{module} is not installed ({e})", what, "the test suite requires it (./build.sh setup installs it)")
 
 
 def require_server() -> None:
@@ -37,11 +41,8 @@ def require_server() -> None:
     spec = importlib.util.find_spec("pytriton")
     where = list(spec.submodule_search_locations or []) if spec else []
     if not any(os.access(os.path.join(d, "tritonserver", "bin", "tritonserver"), os.X_OK) for d in where):
-        why = "no tritonserver binary (the nvidia-pytriton wheel is not installed)"
-        if optional("server"):
-            pytest.skip(f"{why}; {OPTIONAL_ENV} names server", allow_module_level=True)
-        pytest.fail(f"{why}: the server tests require it (./build.sh setup installs it); set {OPTIONAL_ENV}=server "
-                    "only where it cannot be installed", pytrace=False)
+        missing("no tritonserver binary (the nvidia-pytriton wheel is not installed)", "server",
+                "the server tests require it (./build.sh setup installs it)")
 
 
 def require_genai_perf() -> str:
@@ -51,8 +52,4 @@ def require_genai_perf() -> str:
     path = os.environ.get("M3SERVE_GENAI_PERF") or os.path.join(root, ".cache", "genai-perf", "bin", "genai-perf")
     if os.access(path, os.X_OK):
         return path
-    why = f"no genai-perf at {path}"
-    if optional("genai-perf"):
-        pytest.skip(f"{why}; {OPTIONAL_ENV} names genai-perf", allow_module_level=True)
-    pytest.fail(f"{why}: ./build.sh test (or ./build.sh genai-perf --help) installs it; set "
-                f"{OPTIONAL_ENV}=genai-perf only where it cannot be installed", pytrace=False)
+    missing(f"no genai-perf at {path}", "genai-perf", "./build.sh test (or ./build.sh genai-perf --help) installs it")
