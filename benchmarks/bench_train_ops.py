@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Ops per training step of the learned model (train-learned's target step: answer + prompt loss, the indexer's KL,
-router balancing, AdamW), eager and with `--compile` (learn/fast_paths.CompiledPieces): the host launches every op,
-so their count is what a host-bound step costs. Random weights of the learned config, a synthetic batch.
+router balancing, AdamW), eager, with `--compile` (learn/fast_paths.CompiledPieces; `--no-compiled` skips it) and,
+on CUDA with `--graphs`, captured as a CUDA graph (train-learned `--cuda-graphs`, learn/graphed_step.py): the host
+launches every op, so their count is what a host-bound step costs. Random weights of the learned config, a synthetic
+batch.
 
-    python benchmarks/bench_train_ops.py --rows 8 --len 512 --steps 3 [--backend inductor] [--out ops.json]
+    python benchmarks/bench_train_ops.py --rows 8 --len 512 --steps 3 [--backend inductor] [--graphs] [--out ops.json]
 
 Prints per mode: aten ops per step (every aten call the profiler saw, nested ones included, and the top-level
-ones), device kernels per step (CUDA), and ms per step (wall, this machine)."""
+ones), device kernels per step (CUDA), ms per step (wall, this machine) under the profiler and without it, and with
+`--graphs` the graphed step's speedup over the eager one (unprofiled ms)."""
 from __future__ import annotations
 
 import argparse
@@ -20,23 +23,35 @@ import torch
 os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 
-def count(model, batch, steps: int, device, args) -> dict:
-    from m3serve.learn.train import IndexerDistill, RouterBalance, _param_groups, _target_step
+def count(model, batch, steps: int, device, args, graphed: bool = False) -> dict:
+    """Ops and time per step; `graphed`: the step captured as a CUDA graph (learn/graphed_step.py; its first step runs
+    eagerly, the second captures, the timed ones replay)."""
+    from m3serve.learn.graphed_step import GraphedSteps
+    from m3serve.learn.step import IndexerDistill, RouterBalance, param_groups, target_step
 
-    groups = _param_groups(model, 0.1)
-    opt = torch.optim.AdamW(groups, lr=1e-3, fused=device.type == "cuda")
+    groups = param_groups(model, 0.1)
+    opt = torch.optim.AdamW(groups, lr=torch.tensor(1e-3, device=device) if graphed else 1e-3,
+                            fused=device.type == "cuda", capturable=graphed)
     distill, balance = IndexerDistill(model, args.distill_rows, 0), RouterBalance(model, 1e-2)
     distill.enabled = balance.enabled = True
+    graphs = GraphedSteps(model, opt, groups, distill, balance, device, 0.25, print) if graphed else None
 
     def step():
-        _target_step(model, opt, groups, distill, balance, batch, 1e-3, args.dense, device, 0.25)
+        if graphs is not None:
+            graphs.step(batch, 1e-3, args.dense)
+        else:
+            target_step(model, opt, groups, distill, balance, batch, 1e-3, args.dense, device, 0.25)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     t0 = time.perf_counter()
     step()  # warm (compiles, when compiled)
     first = time.perf_counter() - t0
-    step()
+    step()  # captures, when graphed
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    unprofiled = (time.perf_counter() - t0) / steps
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
                                                     else [])
     t0 = time.perf_counter()
@@ -52,7 +67,8 @@ def count(model, batch, steps: int, device, args) -> dict:
     balance.remove()
     return {"aten_ops_per_step": round(len(aten) / steps), "top_level_aten_ops_per_step": round(len(top) / steps),
             "device_kernels_per_step": round(len(kernels) / steps), "ms_per_step": round(wall * 1e3, 1),
-            "first_step_s": round(first, 1)}
+            "ms_per_step_unprofiled": round(unprofiled * 1e3, 1), "first_step_s": round(first, 1),
+            **({"graphs": graphs.summary()} if graphs is not None else {})}
 
 
 def main() -> None:
@@ -64,6 +80,8 @@ def main() -> None:
     p.add_argument("--distill-rows", type=int, default=16)
     p.add_argument("--dense", action="store_true", help="the dense warm-up's step (default: the sparse one)")
     p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--graphs", action="store_true", help="also the step captured as a CUDA graph (CUDA only)")
+    p.add_argument("--no-compiled", dest="compiled", action="store_false", help="skip the compiled step")
     p.add_argument("--out")
     args = p.parse_args()
     from m3serve.learn.config import learned_config
@@ -77,11 +95,17 @@ def main() -> None:
     mask[:, -args.len // 8:] = True
     batch = (ids, mask, torch.ones_like(mask), torch.arange(args.rows) % 2)
     eager = build_target(learned_config(args.vocab, 0, 1), device, 0)
-    compiled = copy.deepcopy(eager)
-    CompiledPieces(compiled, args.backend)
+    graphed = copy.deepcopy(eager) if args.graphs and device.type == "cuda" else None
+    compiled = copy.deepcopy(eager) if args.compiled else None
     out = {"device": str(device), "torch": torch.__version__, "rows": args.rows, "len": args.len,
-           "dense": args.dense, "eager": count(eager, batch, args.steps, device, args),
-           "compiled": {"backend": args.backend, **count(compiled, batch, args.steps, device, args)}}
+           "dense": args.dense, "eager": count(eager, batch, args.steps, device, args)}
+    if graphed is not None:
+        out["graphed"] = count(graphed, batch, args.steps, device, args, graphed=True)
+        out["graphed_speedup"] = round(out["eager"]["ms_per_step_unprofiled"]
+                                       / out["graphed"]["ms_per_step_unprofiled"], 2)
+    if compiled is not None:
+        CompiledPieces(compiled, args.backend)
+        out["compiled"] = {"backend": args.backend, **count(compiled, batch, args.steps, device, args)}
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

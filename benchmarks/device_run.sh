@@ -27,6 +27,8 @@
 # "server" and "soak" need tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
+# "trainops": benchmarks/bench_train_ops.py $TRAINOPS_ARGS (default: 256 rows of 512 tokens, eager vs captured as
+# a CUDA graph) into $OUT/bench_train_ops.json, with transformers as "train" has it.
 # "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
 # 27), with transformers 5.25 from .carry-reference/ or .whl/ (into /tmp/site); where .ckpt/ holds a packed checkpoint
 # (part-aa ..., an earlier call's $OUT; .ckpt/ is gitignored, so name it in the call's carry), it is unpacked to
@@ -83,8 +85,13 @@ reference_site() {  # transformers 5.25 into /tmp/site, once: .carry-reference's
 }
 for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
-    tests) timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 \
-             | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) reference_site  # tests/gpu/test_learned_gpu.py trains transformers' model
+           PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q \
+             -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    trainops) reference_site
+      PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TRAINOPS_TIMEOUT:-240}" python3 \
+        benchmarks/bench_train_ops.py --out "$OUT/bench_train_ops.json" \
+        ${TRAINOPS_ARGS:---rows 256 --len 512 --steps 5 --graphs --no-compiled} 2>&1 | tail -60 ;;
     msa) timeout "${MSA_TIMEOUT:-300}" python3 benchmarks/bench_msa.py --out "$OUT/bench_msa.json" ${MSA_ARGS:-} 2>&1 \
            | tee "$OUT/bench_msa.log" | grep -v "^decode \|^prefill {\|^insert {" ;;
     qkv) timeout "${QKV_TIMEOUT:-200}" python3 benchmarks/bench_qkv.py --out "$OUT/bench_qkv.json" ${QKV_ARGS:-} 2>&1 \

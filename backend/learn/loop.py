@@ -1,7 +1,9 @@
 """The training loop's pieces that the target's and the draft's training share (train.py, train_draft.py):
-length-bucketed batches, the planned learning-rate schedule, bf16 autocast."""
+length-bucketed batches (optionally in a ladder's few shapes, for captured steps), the planned learning-rate
+schedule, bf16 autocast."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import random
@@ -12,7 +14,29 @@ from collections.abc import Iterator
 import torch
 
 
-def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_batches: int = 16
+@dataclasses.dataclass(frozen=True)
+class ShapeLadder:
+    """The few batch shapes a captured training step comes in (train-learned `--cuda-graphs`, learn/graphed_step.py):
+    a batch's length is its longest row's rounded up to a rung (multiples of `align`, each rung about `ratio` times
+    the one below), and it holds `tokens_per_batch // length` rows, padding rows (no real token) where the rows run
+    out. A captured step replays only at the shape it was captured at, so the ladder trades padding (at most
+    `ratio` - 1 of a batch's length) for the number of captures."""
+
+    align: int = 32
+    ratio: float = 1.25
+
+    def length(self, n: int) -> int:
+        v = self.align
+        while v < n:
+            v = max(v + self.align, -(-int(v * self.ratio) // self.align) * self.align)
+        return v
+
+    def rows(self, length: int, tokens_per_batch: int) -> int:
+        return max(1, tokens_per_batch // length)
+
+
+def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_batches: int = 16,
+            ladder: ShapeLadder | None = None
             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Endless length-bucketed batches (ids [B, S], loss mask [B, S], real-token mask [B, S], task index [B]),
     right-padded, B * S <= tokens_per_batch (one over-long row makes a batch of its own). Rows are sorted by length
@@ -20,8 +44,10 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_
     that many (groups of a fixed 256 rows, at 128K-token batches, left most groups' few long retrieval rows a batch of
     their own: about half the logged steps of runs 11-13, docs/quality.md). Each pass takes every row `rows` holds
     when it begins: rows appended meanwhile (data.FreshRows) join the next pass (until 2026-12-05 the first pass's
-    row count was kept, so no run trained on a fresh row)."""
+    row count was kept, so no run trained on a fresh row). With a `ladder`, every batch has one of its shapes (a
+    batch's rows are cut by their rung's length, and padding rows, task 0, fill it)."""
     group_tokens = group_batches * tokens_per_batch
+    size = (lambda n: n) if ladder is None else ladder.length
     while True:
         order = list(range(len(rows)))
         rng.shuffle(order)
@@ -30,7 +56,7 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_
             chunk = sorted(group, key=lambda i: len(rows[i][0]))
             cur: list[int] = []
             for i in chunk:  # ascending lengths: row i is the longest so far
-                if cur and len(rows[i][0]) * (len(cur) + 1) > tokens_per_batch:
+                if cur and size(len(rows[i][0])) * (len(cur) + 1) > tokens_per_batch:
                     cut.append(cur)
                     cur = []
                 cur.append(i)
@@ -38,7 +64,13 @@ def batches(rows, tokens_per_batch: int, rng: random.Random, pad_id: int, group_
                 cut.append(cur)
         rng.shuffle(cut)
         for idx in cut:
-            yield (*collate([rows[i] for i in idx], pad_id), torch.tensor([rows[i][2] for i in idx]))
+            length = n_rows = None
+            if ladder is not None:
+                length = size(max(len(rows[i][0]) for i in idx))
+                n_rows = max(len(idx), ladder.rows(length, tokens_per_batch))
+            task = torch.zeros(n_rows or len(idx), dtype=torch.long)
+            task[:len(idx)] = torch.tensor([rows[i][2] for i in idx])
+            yield (*collate([rows[i] for i in idx], pad_id, length, n_rows), task)
 
 
 def _token_groups(order: list[int], rows, group_tokens: int) -> Iterator[list[int]]:
@@ -92,11 +124,14 @@ def prefetch(it: Iterator, depth: int = 4, pin: bool = False) -> Iterator:
         stop.set()
 
 
-def collate(rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    s = max(len(r[0]) for r in rows)
-    ids = torch.full((len(rows), s), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), s, dtype=torch.bool)
-    real = torch.zeros(len(rows), s, dtype=torch.bool)
+def collate(rows, pad_id: int, length: int | None = None, n_rows: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, loss mask and real-token mask [n_rows, length] (default: the rows', right-padded to the longest)."""
+    s = length or max(len(r[0]) for r in rows)
+    b = n_rows or len(rows)
+    ids = torch.full((b, s), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    real = torch.zeros(b, s, dtype=torch.bool)
     for b, r in enumerate(rows):
         n = len(r[0])
         ids[b, :n] = torch.tensor(r[0])
@@ -136,5 +171,7 @@ class Schedule:
             self.total = max(step + 1, min(self.cap, fit))
 
 
-def autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+def autocast(device: torch.device, cache: bool = True):
+    """bf16 autocast on CUDA (off elsewhere); `cache=False` inside a CUDA graph capture (its weight casts are redone in
+    every replay instead of being kept from the capture)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=cache)

@@ -13,16 +13,13 @@ import torch
 os.environ.setdefault("USE_HUB_KERNELS", "0")
 pytest.importorskip("transformers")
 
-from m3serve.config import FULL, SPARSE  # noqa: E402
 from m3serve.learn.config import learned_config  # noqa: E402
 from m3serve.learn.fast_paths import ATTENTION, CompiledPieces, block_keep  # noqa: E402
-from m3serve.learn.train import (DenseAttention, IndexerDistill, RouterBalance, TrainConfig, answer_loss,  # noqa: E402
-                                 build_target, train_target)
+from m3serve.learn.step import DenseAttention, IndexerDistill, RouterBalance, answer_loss  # noqa: E402
+from m3serve.learn.train import TrainConfig, build_target, train_target  # noqa: E402
 
-MICRO = dict(hidden_size=32, head_dim=16, index_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-             index_n_heads=2, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
-             num_hidden_layers=3, layer_types=[FULL, SPARSE, SPARSE], mlp_layer_types=["dense", "sparse", "sparse"],
-             num_local_experts=4, index_block_size=8, index_topk_blocks=2)
+from support.learned import MICRO  # noqa: E402
+
 
 
 @pytest.fixture(scope="module")

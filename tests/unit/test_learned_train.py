@@ -27,8 +27,9 @@ from m3serve.learn.render import prompt_ids  # noqa: E402
 from m3serve.learn.tasks import TASKS as TASKS_ALL  # noqa: E402
 from m3serve.learn.tasks import make_examples, retrieval_follow_ups  # noqa: E402
 from m3serve.learn.tokenizer import build_tokenizer  # noqa: E402
-from m3serve.learn.train import (DenseAttention, IndexerDistill, MlpWarmup, SparseRamp, TrainConfig,  # noqa: E402
-                                 answer_loss, batches, build_target, collate, exact_match, fresh_init, keep_better,
+from m3serve.learn.step import DenseAttention, IndexerDistill, answer_loss  # noqa: E402
+from m3serve.learn.train import (MlpWarmup, SparseRamp, TrainConfig,  # noqa: E402
+                                 batches, build_target, collate, exact_match, fresh_init, keep_better,
                                  load_weights, make_rows, mlp_parameters, pack,
                                  pick_experts_implementation, save_target, train_target)
 from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
@@ -270,10 +271,10 @@ def test_experts_implementation_falls_back_to_the_loop(monkeypatch, trained):
 
 
 def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypatch, trained):
-    import m3serve.learn.train as train
+    import m3serve.learn.step as step
 
     model = build_target(trained["cfg"], torch.device("cpu"), 1)
-    calls, real_loss = [], train.answer_loss
+    calls, real_loss = [], step.answer_loss
 
     def flaky(*args):
         calls.append(1)
@@ -281,7 +282,7 @@ def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypat
             raise RuntimeError("device-side assert (simulated)")
         return real_loss(*args)
 
-    monkeypatch.setattr(train, "answer_loss", flaky)
+    monkeypatch.setattr(step, "answer_loss", flaky)
     tc = dataclasses.replace(trained["tc"], max_steps=10, log_every=1)
     said = []
     out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], said.append)
@@ -293,10 +294,11 @@ def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypat
 def test_out_of_memory_halves_the_batches_and_runs_the_step_again(monkeypatch, trained):
     """A step that runs out of memory is run again on batches of half the tokens (not counted, no gradient left
     over); below MIN_TOKENS_PER_BATCH the run stops with the last good weights."""
+    import m3serve.learn.step as step
     import m3serve.learn.train as train
 
     model = build_target(trained["cfg"], torch.device("cpu"), 1)
-    sizes, real_loss = [], train.answer_loss
+    sizes, real_loss = [], step.answer_loss
 
     def big_batches_fail(model, ids, *args):
         sizes.append(ids.numel())
@@ -304,7 +306,7 @@ def test_out_of_memory_halves_the_batches_and_runs_the_step_again(monkeypatch, t
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_loss(model, ids, *args)
 
-    monkeypatch.setattr(train, "answer_loss", big_batches_fail)
+    monkeypatch.setattr(step, "answer_loss", big_batches_fail)
     monkeypatch.setattr(train, "MIN_TOKENS_PER_BATCH", 256)
     tc = dataclasses.replace(trained["tc"], max_steps=6, log_every=1, tokens_per_batch=4096)
     said = []
