@@ -25,6 +25,10 @@ emits, the bonus token included) and acceptance rate from the engine's spec_deco
 the most requests its scheduler ran at once (max_running: B when the task has B prompts or more), the exact-match
 accuracy of the plain replies, and whether the greedy replies are identical (they must be: `mismatches` shows the
 first ones that differ). The row "all" sums the tasks.
+
+`--variants` measures several speculative settings against the one plain engine in one run: each a JSON object of
+speculative_config keys over the default (`'{}' '{"num_speculative_tokens": 3}' '{"confidence_threshold": 0.5}'`);
+each row names its variant.
 """
 from __future__ import annotations
 
@@ -102,11 +106,12 @@ def measure(llm: LLM, prompts: dict[str, list[list[int]]], budgets: dict[str, in
     return res
 
 
-def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, mismatches: dict) -> dict:
+def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, mismatches: dict,
+        variant: str = "{}") -> dict:
     p_tok_s, s_tok_s = plain["tokens"] / plain["seconds"], spec["tokens"] / spec["seconds"]
-    return {"task": task, "batch": batch, "plain_tok_s": p_tok_s, "spec_tok_s": s_tok_s, "speedup": s_tok_s / p_tok_s,
+    return {"variant": variant, "task": task, "batch": batch, "plain_tok_s": p_tok_s, "spec_tok_s": s_tok_s, "speedup": s_tok_s / p_tok_s,
             "mean_accepted_length": spec["mean_accepted_length"], "acceptance_rate": spec["acceptance_rate"],
-            "num_drafts": spec["num_drafts"], "plain_tokens": plain["tokens"], "spec_tokens": spec["tokens"],
+            "num_drafts": spec["num_drafts"], "verified_per_draft": spec["verified_per_draft"], "plain_tokens": plain["tokens"], "spec_tokens": spec["tokens"],
             "plain_seconds": plain["seconds"], "spec_seconds": spec["seconds"], "plain_steps": plain["steps"],
             "spec_steps": spec["steps"], "plain_mixed_steps": plain["mixed_steps"],
             "spec_mixed_steps": spec["mixed_steps"], "max_running": max(plain["max_running"], spec["max_running"]),
@@ -126,21 +131,23 @@ def total(task_rows: list[dict]) -> dict:
     spec = {"tokens": s["spec_tokens"], "seconds": s["spec_seconds"], "steps": s["spec_steps"],
             "mixed_steps": s["spec_mixed_steps"], "max_running": most,
             "num_drafts": s["num_drafts"],
+            "verified_per_draft": sum(r["verified_per_draft"] * r["num_drafts"] for r in task_rows) / drafts,
             "mean_accepted_length": sum(r["mean_accepted_length"] * r["num_drafts"] for r in task_rows) / drafts,
             "acceptance_rate": sum(r["acceptance_rate"] * r["num_drafts"] for r in task_rows) / drafts}
     mism = {"n": sum(r["mismatches"]["n"] for r in task_rows), "of": sum(r["mismatches"]["of"] for r in task_rows),
             "first": []}
     acc = [r["plain_accuracy"] for r in task_rows]
-    return row("all", task_rows[0]["batch"], plain, spec, sum(acc) / len(acc), mism)
+    return row("all", task_rows[0]["batch"], plain, spec, sum(acc) / len(acc), mism, task_rows[0]["variant"])
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| task | batch | plain tok/s | spec tok/s | speedup | mean accepted | acceptance | plain steps "
-            "| spec steps | plain accuracy | identical |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| speculative_config over the default | task | batch | plain tok/s | spec tok/s | speedup | mean accepted "
+            "| acceptance | plain steps | spec steps | plain accuracy | identical |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = []
     for r in rows:
         same = "yes" if r["identical"] else f"NO ({r['mismatches']['n']} of {r['mismatches']['of']})"
-        lines.append(f"| {r['task']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
+        lines.append(f"| `{r['variant']}` | {r['task']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
                      f"| {r['speedup']:.2f} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.3f} "
                      f"| {r['plain_steps']} | {r['spec_steps']} | {100 * r['plain_accuracy']:.1f}% | {same} |")
     return "\n".join([head] + lines)
@@ -157,8 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--seed", type=int, default=0, help="eval set seed")
+    ap.add_argument("--variants", nargs="+", default=["{}"],
+                    help="speculative settings to measure, each a JSON object of speculative_config keys over the "
+                    "default (K = --k, greedy drafts); default: the default alone")
     ap.add_argument("--out", default=None, help="JSON results (a markdown table is printed)")
     a = ap.parse_args(argv)
+    variants = {v: json.loads(v) for v in a.variants}
+    if not all(isinstance(o, dict) for o in variants.values()):
+        ap.error(f"--variants: each must be a JSON object, got {a.variants}")
     batches = [int(b) for b in a.batches.split(",")]
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     tok = Tokenizer.from_pretrained(a.model)
@@ -168,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     warmup_n = min(a.warmup_n, a.n)
 
     results: dict[str, dict[int, dict]] = {}
-    for mode in ("plain", "spec"):
-        opts = engine_options(a.device, a.dtype, speculative=mode == "spec")
-        if mode == "spec":
-            opts["speculative_config"]["num_speculative_tokens"] = a.k
+    for mode in ["plain", *variants]:
+        opts = engine_options(a.device, a.dtype, speculative=mode != "plain")
+        if mode != "plain":
+            opts["speculative_config"].update({"num_speculative_tokens": a.k, **variants[mode]})
         t0 = time.perf_counter()
         with LLM(model=a.model, enable_prefix_caching=False, **opts) as llm:
             print(f"{mode}: engine built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -186,18 +199,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
     rows = []
-    for b in batches:
-        plain, spec = results["plain"][b], results["spec"][b]
+    for v, b in itertools.product(variants, batches):
+        plain, spec = results["plain"][b], results[v][b]
         texts = {t: plain[t]["texts"] for t in sets}
         acc = score(sets, texts)
         diff = unlike(texts, {t: spec[t]["texts"] for t in sets})
-        task_rows = [row(t, b, plain[t], spec[t], acc[t]["accuracy"], diff[t]) for t in sets]
+        task_rows = [row(t, b, plain[t], spec[t], acc[t]["accuracy"], diff[t], v) for t in sets]
         rows += task_rows + [total(task_rows)]
 
     res = {"date": started, "device_name": _device_name(a.device), "torch": torch.__version__,
            "command": "python benchmarks/bench_learned_spec.py " + shlex.join(sys.argv[1:] if argv is None else argv),
            "commit": os.environ.get("COMMIT") or _commit(HERE), "model": a.model, "device": a.device,
-           "dtype": a.dtype, "k": a.k, "n_per_task": a.n, "warmup_n": warmup_n, "seed": a.seed, "batches": batches,
+           "dtype": a.dtype, "k": a.k, "variants": list(variants), "n_per_task": a.n, "warmup_n": warmup_n, "seed": a.seed, "batches": batches,
            "tasks": list(sets), "budgets": budgets, "rows": rows,
            "identical": all(r["identical"] for r in rows)}
     print(f"\n{res['device_name']}, {a.dtype}, {a.model}, K={a.k}, {a.n} prompts per task, commit {res['commit']}\n")

@@ -106,10 +106,11 @@ def spec_counters(llm) -> tuple[int, int, int]:
 
 def spec_acceptance(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
     """Acceptance between two `spec_counters` readings: rate, mean accepted length (tokens per speculative step,
-    the bonus token included), drafts."""
+    the bonus token included), drafts, drafted tokens verified per draft."""
     drafts, drafted, accepted = (a - b for a, b in zip(after, before))
     return {"acceptance_rate": accepted / max(drafted, 1),
-            "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0, "num_drafts": drafts}
+            "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0, "num_drafts": drafts,
+            "verified_per_draft": drafted / drafts if drafts else 0.0}
 
 
 def engine_options(device: str, dtype: str, max_model_len: int = MAX_MODEL_LEN, speculative: bool = False) -> dict:

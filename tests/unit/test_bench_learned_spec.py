@@ -25,15 +25,23 @@ def test_bench_learned_spec_runs(tmp_path, capsys):
     make_learned(model, dtype="float32", random_dspark=True)
     out = tmp_path / "lspec.json"
     assert _bench().main(["--model", model, "--device", "cpu", "--dtype", "float32", "--n", "2", "--warmup-n", "1",
-                          "--batches", "1,2", "--tasks", *TASKS, "--out", str(out)]) == 0
+                          "--batches", "1,2", "--tasks", *TASKS, "--variants", "{}", '{"num_speculative_tokens": 3}',
+                          "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert {"date", "device_name", "command", "commit", "torch"} <= set(res)
     assert "bench_learned_spec.py" in res["command"] and "--batches 1,2" in res["command"]
     assert res["k"] == 7 and res["batches"] == [1, 2] and res["tasks"] == TASKS
     # eval-tasks' budgets for the same eval sets
     assert res["budgets"] == token_budgets(eval_sets(2, 0, TASKS), Tokenizer.from_pretrained(model))
-    rows = res["rows"]
-    assert [(r["task"], r["batch"]) for r in rows] == [(t, b) for b in (1, 2) for t in TASKS + ["all"]]
+    k3 = '{"num_speculative_tokens": 3}'
+    assert res["variants"] == ["{}", k3]
+    rows = [r for r in res["rows"] if r["variant"] == "{}"]
+    assert [(r["variant"], r["task"], r["batch"]) for r in res["rows"]] == [
+        (v, t, b) for v in ("{}", k3) for b in (1, 2) for t in TASKS + ["all"]]
+    for r in res["rows"]:  # K = 3: at most 3 drafts verified and 4 tokens emitted a step; K = 7: up to 7
+        k = 3 if r["variant"] == k3 else 7
+        assert r["identical"] and r["plain_tokens"] == r["spec_tokens"]
+        assert 1.0 <= r["mean_accepted_length"] <= k + 1 and k - 2 < r["verified_per_draft"] <= k
     for r in rows:
         # greedy: speculation changes no reply (fp32 on the CPU), so both engines emit the same tokens
         assert r["identical"] and r["mismatches"]["n"] == 0 and r["plain_tokens"] == r["spec_tokens"] > 0
@@ -61,12 +69,13 @@ def test_differing_replies_are_reported():
 
     bench = _bench()
     plain = {"tokens": 10, "seconds": 1.0, "steps": 10, "mixed_steps": 0, "max_running": 1}
-    spec = dict(plain, seconds=0.5, steps=4, num_drafts=4, mean_accepted_length=2.5, acceptance_rate=0.25)
+    spec = dict(plain, seconds=0.5, steps=4, num_drafts=4, mean_accepted_length=2.5, acceptance_rate=0.25,
+                verified_per_draft=7.0)
     diff = unlike({"a": ["x", "y"], "b": ["z"]}, {"a": ["x", "w"], "b": ["z"]})
     rows = [bench.row("a", 1, plain, spec, 0.5, diff["a"]), bench.row("b", 1, plain, spec, 1.0, diff["b"])]
     assert not rows[0]["identical"] and rows[0]["mismatches"]["first"] == [{"i": 1, "engine": "y", "path": "w"}]
     assert rows[1]["identical"] and rows[0]["speedup"] == 2.0
     every = bench.total(rows)
     assert not every["identical"] and every["mismatches"]["n"] == 1 and every["mismatches"]["of"] == 3
-    assert every["mean_accepted_length"] == 2.5 and every["plain_accuracy"] == 0.75
+    assert every["mean_accepted_length"] == 2.5 and every["plain_accuracy"] == 0.75 and every["verified_per_draft"] == 7.0
     assert "NO (1 of 2)" in bench.table(rows) and "NO (1 of 3)" in bench.table([every])
