@@ -27,6 +27,7 @@ import dataclasses
 
 import torch
 
+from m3serve.learn.loop import PIN_LOCK
 from m3serve.learn.step import set_lr, step_body, step_record, target_step
 
 
@@ -98,7 +99,8 @@ class GraphedSteps:
         graph = torch.cuda.CUDAGraph()
         try:
             self.distill.sel = rows
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the batch-prefetch thread is not this capture's (and pins nothing meanwhile: PIN_LOCK)
+            with PIN_LOCK, torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = step_body(self.model, self.opt, self.groups, self.distill, self.balance, *inputs, dense,
                                 self.device, self.prompt_weight, cache=False)
             if len(self.opt.state) != states:  # its memory is the pool's, which other replays reuse

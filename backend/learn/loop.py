@@ -88,6 +88,16 @@ def _token_groups(order: list[int], rows, group_tokens: int) -> Iterator[list[in
         yield group
 
 
+# held while a CUDA graph is captured (learn/graphed_step.py): the prefetch threads pin no memory then (pinning allocates
+# page-locked memory and queries CUDA events, which a capture in progress may refuse or be spoiled by)
+PIN_LOCK = threading.Lock()
+
+
+def pinned(item: tuple) -> tuple:
+    with PIN_LOCK:
+        return tuple(t.pin_memory() for t in item)
+
+
 def prefetch(it: Iterator, depth: int = 4, pin: bool = False) -> Iterator:
     """`it`'s items made ahead in a daemon thread (`depth` at most waiting; tensors pinned if `pin`, so that the
     step's non-blocking copies overlap): the host builds the next batches while the device runs this one. An error
@@ -107,7 +117,7 @@ def prefetch(it: Iterator, depth: int = 4, pin: bool = False) -> Iterator:
     def fill():
         try:
             for item in it:
-                if not put((True, tuple(t.pin_memory() for t in item) if pin else item)):
+                if not put((True, pinned(item) if pin else item)):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             put((False, e))
