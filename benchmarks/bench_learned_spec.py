@@ -109,9 +109,11 @@ def measure(llm: LLM, prompts: dict[str, list[list[int]]], budgets: dict[str, in
 def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, mismatches: dict,
         variant: str = "{}") -> dict:
     p_tok_s, s_tok_s = plain["tokens"] / plain["seconds"], spec["tokens"] / spec["seconds"]
-    return {"variant": variant, "task": task, "batch": batch, "plain_tok_s": p_tok_s, "spec_tok_s": s_tok_s, "speedup": s_tok_s / p_tok_s,
+    return {"variant": variant, "task": task, "batch": batch, "plain_tok_s": p_tok_s, "spec_tok_s": s_tok_s,
+            "speedup": s_tok_s / p_tok_s,
             "mean_accepted_length": spec["mean_accepted_length"], "acceptance_rate": spec["acceptance_rate"],
-            "num_drafts": spec["num_drafts"], "verified_per_draft": spec["verified_per_draft"], "plain_tokens": plain["tokens"], "spec_tokens": spec["tokens"],
+            "num_drafts": spec["num_drafts"], "verified_per_draft": spec["verified_per_draft"],
+            "plain_tokens": plain["tokens"], "spec_tokens": spec["tokens"],
             "plain_seconds": plain["seconds"], "spec_seconds": spec["seconds"], "plain_steps": plain["steps"],
             "spec_steps": spec["steps"], "plain_mixed_steps": plain["mixed_steps"],
             "spec_mixed_steps": spec["mixed_steps"], "max_running": max(plain["max_running"], spec["max_running"]),
@@ -147,7 +149,8 @@ def table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         same = "yes" if r["identical"] else f"NO ({r['mismatches']['n']} of {r['mismatches']['of']})"
-        lines.append(f"| `{r['variant']}` | {r['task']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
+        lines.append(f"| `{r['variant']}` | {r['task']} | {r['batch']} | {r['plain_tok_s']:.1f} "
+                     f"| {r['spec_tok_s']:.1f} "
                      f"| {r['speedup']:.2f} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.3f} "
                      f"| {r['plain_steps']} | {r['spec_steps']} | {100 * r['plain_accuracy']:.1f}% | {same} |")
     return "\n".join([head] + lines)
@@ -210,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"date": started, "device_name": _device_name(a.device), "torch": torch.__version__,
            "command": "python benchmarks/bench_learned_spec.py " + shlex.join(sys.argv[1:] if argv is None else argv),
            "commit": os.environ.get("COMMIT") or _commit(HERE), "model": a.model, "device": a.device,
-           "dtype": a.dtype, "k": a.k, "variants": list(variants), "n_per_task": a.n, "warmup_n": warmup_n, "seed": a.seed, "batches": batches,
+           "dtype": a.dtype, "k": a.k, "variants": list(variants), "n_per_task": a.n, "warmup_n": warmup_n,
+           "seed": a.seed, "batches": batches,
            "tasks": list(sets), "budgets": budgets, "rows": rows,
            "identical": all(r["identical"] for r in rows)}
     print(f"\n{res['device_name']}, {a.dtype}, {a.model}, K={a.k}, {a.n} prompts per task, commit {res['commit']}\n")

@@ -77,7 +77,7 @@ class GraphedSteps:
             self.seen.add(key)
             self.counts["eager"] += 1
             return target_step(self.model, self.opt, self.groups, self.distill, self.balance, batch, lr, dense,
-                                self.device, self.prompt_weight)
+                               self.device, self.prompt_weight)
         set_lr(self.opt, lr)
         for dst, src in zip(cap.inputs, batch):
             dst.copy_(src, non_blocking=True)
@@ -106,13 +106,15 @@ class GraphedSteps:
             if len(self.opt.state) != states:  # its memory is the pool's, which other replays reuse
                 raise RuntimeError("the optimizer made a parameter's state inside the capture (no eager step "
                                    "had given it a gradient since the trainable parameters changed)")
-        except Exception as e:  # noqa: BLE001 - any failure: eager steps from here on
-            self.off = f"capture of {key}: {type(e).__name__}: {e}"
-            self.log(f"target: CUDA graph capture failed ({self.off}); eager steps from here")
+        except Exception as e:  # noqa: BLE001 - out of memory: the trainer's (smaller batches); else eager from here on
             self.opt.zero_grad(set_to_none=True)
             self.distill.reset()
             self.balance.loads.clear()
             self.graphs.clear()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            self.off = f"capture of {key}: {type(e).__name__}: {e}"
+            self.log(f"target: CUDA graph capture failed ({self.off}); eager steps from here")
             torch.cuda.synchronize(self.device)
             return None
         finally:

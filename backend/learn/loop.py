@@ -88,8 +88,8 @@ def _token_groups(order: list[int], rows, group_tokens: int) -> Iterator[list[in
         yield group
 
 
-# held while a CUDA graph is captured (learn/graphed_step.py): the prefetch threads pin no memory then (pinning allocates
-# page-locked memory and queries CUDA events, which a capture in progress may refuse or be spoiled by)
+# held while a CUDA graph is captured (learn/graphed_step.py): the prefetch threads pin no memory then (pinning
+# allocates page-locked memory and queries CUDA events, which a capture in progress may refuse or be spoiled by)
 PIN_LOCK = threading.Lock()
 
 
