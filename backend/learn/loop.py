@@ -19,8 +19,8 @@ class ShapeLadder:
     """The few batch shapes a captured training step comes in (train-learned `--cuda-graphs`, learn/graphed_step.py):
     a batch's length is its longest row's rounded up to a rung (multiples of `align`, each rung about `ratio` times
     the one below), and it holds `tokens_per_batch // length` rows, padding rows (no real token) where the rows run
-    out. A captured step replays only at the shape it was captured at, so the ladder trades padding (at most
-    `ratio` - 1 of a batch's length) for the number of captures."""
+    out. A captured step replays only at the shape it was captured at, so the ladder trades padding (up to about
+    `ratio` - 1 of a batch's length, more on the short rungs, one `align` apart) for the number of captures."""
 
     align: int = 32
     ratio: float = 1.25
@@ -138,10 +138,10 @@ def collate(rows, pad_id: int, length: int | None = None, n_rows: int | None = N
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids, loss mask and real-token mask [n_rows, length] (default: the rows', right-padded to the longest)."""
     s = length or max(len(r[0]) for r in rows)
-    b = n_rows or len(rows)
-    ids = torch.full((b, s), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, s, dtype=torch.bool)
-    real = torch.zeros(b, s, dtype=torch.bool)
+    shape = (n_rows or len(rows), s)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    real = torch.zeros(shape, dtype=torch.bool)
     for b, r in enumerate(rows):
         n = len(r[0])
         ids[b, :n] = torch.tensor(r[0])
