@@ -156,8 +156,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join([head] + lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def learned_bench_args(ap: argparse.ArgumentParser) -> None:
+    """The options of this script that bench_learned_server.py shares: checkpoint, device, batch sizes, prompts, K."""
     ap.add_argument("--model", required=True, help="a learned checkpoint (transformers layout, DSpark in dspark/)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--seed", type=int, default=0, help="eval set seed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    learned_bench_args(ap)
     ap.add_argument("--variants", nargs="+", default=["{}"],
                     help="speculative settings to measure, each a JSON object of speculative_config keys over the "
                     "default (K = --k, greedy drafts); default: the default alone")

@@ -38,7 +38,8 @@
 # (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json. "learnedspec":
 # benchmarks/bench_learned_spec.py on that checkpoint (or on $LSPEC_MODEL; where neither exists, on .ckpt/'s packed
 # one, unpacked to /tmp/ckpt) $LSPEC_ARGS (DSpark vs plain tok/s on its eval tasks at batch 1 and 8, bf16) into
-# $OUT/bench_learned_spec.json.
+# $OUT/bench_learned_spec.json. "learnedserver": benchmarks/bench_learned_server.py on the same checkpoint (or
+# $LSERVER_MODEL) $LSERVER_ARGS: DSpark vs plain through tritonserver (`m3` vs `m3_spec`) into $OUT/learned_server/.
 # $SANITIZER prefixes the GPU tests' python, e.g. "compute-sanitizer --tool memcheck --error-exitcode 9".
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
@@ -158,6 +159,13 @@ for step in ${STEPS:-tests msa qkv}; do
         benchmarks/bench_learned_spec.py --model "$model" --device cuda --dtype bfloat16 \
         --out "$OUT/bench_learned_spec.json" ${LSPEC_ARGS:-} > "$OUT/bench_learned_spec.log" 2>&1
       tail -25 "$OUT/bench_learned_spec.log" ;;
+    learnedserver)  # DSpark vs plain through tritonserver on the learned model's tasks (issue 28)
+      install_server
+      model="$(learned_model "${LSERVER_MODEL:-}")"
+      M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton timeout "${LSERVER_TIMEOUT:-400}" \
+        python3 benchmarks/bench_learned_server.py --model "$model" --device cuda --dtype bfloat16 \
+        --out "$OUT/learned_server" ${LSERVER_ARGS:-} 2>&1 | tee "$OUT/bench_learned_server.log" \
+        | grep -v "^I1\|^W1" | tail -25 ;;
     *) echo "unknown step $step" ;;
   esac
 done

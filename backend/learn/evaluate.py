@@ -145,8 +145,10 @@ def generate_engine(model_dir: str, sets, tok, budgets, sampled: bool = False, *
     return texts, extra
 
 
-def _triton_requests(url: str, model: str, requests: list[list], timeout: float = 600.0) -> list[str]:
-    """Send every request (a list of InferInput) on one gRPC stream; each reply's text_output joined."""
+def triton_requests(url: str, model: str, requests: list[list], timeout: float = 600.0, window: int = 0
+                    ) -> list[str]:
+    """Send every request (a list of InferInput) on one gRPC stream, at most `window` in flight (0: all at once, the
+    next one sent as one finishes); each reply's text_output joined."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -155,9 +157,16 @@ def _triton_requests(url: str, model: str, requests: list[list], timeout: float 
     done: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: done.put((result, error)))
     texts: dict[str, list[str]] = {str(i): [] for i in range(len(requests))}
+    sent = 0
+
+    def send() -> None:
+        nonlocal sent
+        client.async_stream_infer(model, requests[sent], request_id=str(sent), enable_empty_final_response=True)
+        sent += 1
+
     try:
-        for i, inputs in enumerate(requests):
-            client.async_stream_infer(model, inputs, request_id=str(i), enable_empty_final_response=True)
+        while sent < (min(window, len(requests)) if window > 0 else len(requests)):
+            send()
         left = set(texts)
         deadline = time.monotonic() + timeout
         while left:
@@ -171,13 +180,17 @@ def _triton_requests(url: str, model: str, requests: list[list], timeout: float 
             final = resp.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 left.discard(resp.id)
+                if sent < len(requests):
+                    send()
     finally:
         client.stop_stream()
         client.close()
     return ["".join(texts[str(i)]) for i in range(len(requests))]
 
 
-def generate_triton(url: str, model: str, sets, tok, budgets):
+def triton_inputs(model: str, ex, tok, budget: int) -> list:
+    """One eval example as a request of `model`: the `m3` text contract's messages and tools (rendered on the server),
+    or for the `ensemble` the rendered prompt's text; greedy, `budget` tokens, special tokens kept."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
@@ -191,25 +204,29 @@ def generate_triton(url: str, model: str, sets, tok, budgets):
         t.set_data_from_numpy(arr)
         return t
 
-    requests = []
-    for task, exs in sets.items():
-        for ex in exs:
-            if model == "ensemble":  # raw text: the rendered prompt (its special strings tokenize back to the ids)
-                text = tok.decode(prompt_ids(ex, tok), skip_special_tokens=False)
-                requests.append([tensor("text_input", text, True), tensor("max_tokens", np.int32(budgets[task]), True),
-                                 tensor("stream", False, True), tensor("temperature", np.float32(0.0), True),
-                                 tensor("exclude_input_in_output", True, True)])
-            else:
-                sp = {"max_tokens": budgets[task], "temperature": 0, "skip_special_tokens": False}
-                inputs = [tensor("messages", json.dumps(ex.messages)), tensor("stream", False),
-                          tensor("exclude_input_in_output", True), tensor("sampling_parameters", json.dumps(sp)),
-                          tensor("chat_template_kwargs", json.dumps(ex.chat_template_kwargs))]
-                if ex.tools:
-                    inputs.append(tensor("tools", json.dumps(ex.tools)))
-                requests.append(inputs)
+    if model == "ensemble":  # raw text: the rendered prompt (its special strings tokenize back to the ids)
+        text = tok.decode(prompt_ids(ex, tok), skip_special_tokens=False)
+        return [tensor("text_input", text, True), tensor("max_tokens", np.int32(budget), True),
+                tensor("stream", False, True), tensor("temperature", np.float32(0.0), True),
+                tensor("exclude_input_in_output", True, True)]
+    sp = {"max_tokens": budget, "temperature": 0, "skip_special_tokens": False}
+    inputs = [tensor("messages", json.dumps(ex.messages)), tensor("stream", False),
+              tensor("exclude_input_in_output", True), tensor("sampling_parameters", json.dumps(sp)),
+              tensor("chat_template_kwargs", json.dumps(ex.chat_template_kwargs))]
+    if ex.tools:
+        inputs.append(tensor("tools", json.dumps(ex.tools)))
+    return inputs
+
+
+def triton_replies(url: str, model: str, exs, tok, budget: int, window: int = 0) -> list[str]:
+    """`exs`' replies from `model` (triton_inputs), at most `window` requests in flight (0: all)."""
     # the ensemble's text keeps the stop token when special tokens are kept: drop it, as reply_text does
-    replies = iter(r.removesuffix(tok.eos_token) for r in _triton_requests(url, model, requests))
-    return {t: [next(replies) for _ in exs] for t, exs in sets.items()}, {}
+    return [r.removesuffix(tok.eos_token) for r in
+            triton_requests(url, model, [triton_inputs(model, ex, tok, budget) for ex in exs], window=window)]
+
+
+def generate_triton(url: str, model: str, sets, tok, budgets):
+    return {t: triton_replies(url, model, exs, tok, budgets[t]) for t, exs in sets.items()}, {}
 
 
 def openai_reply(message: dict) -> dict:
