@@ -25,6 +25,11 @@ Keys:
   confidence_cost_table    [[tokens, step time], ...] (>= 2 points; required with confidence_scheduling): the
                            speculative step's time at that many verify tokens on this machine (bench_spec prints it
                            as `cost_table`).
+  draft_backoff            0 (off, default) | N >= 1: a greedy request whose speculative step accepted none of its
+                           drafts decodes plainly for its next N x 2^(f-1) tokens (f: such steps in a row; at most
+                           16 N), then drafts again (engine/speculative_scheduling.py). Exact: greedy tokens do not
+                           depend on the drafts. For replies whose drafts rarely hold (a few tokens of random digits),
+                           where a step that accepts nothing costs more than a plain one (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -76,6 +81,7 @@ class SpeculativeConfig:
     confidence_scheduling: bool = False
     confidence_cost_table: list | None = None
     draft_vocab_size: int | None = None
+    draft_backoff: int = 0
 
     @classmethod
     def problems(cls, raw: Any) -> list[str]:
@@ -106,6 +112,9 @@ class SpeculativeConfig:
         n = g("draft_vocab_size")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             bad("draft_vocab_size", f"must be an integer >= 1 (or null: the whole vocabulary), got {n!r}")
+        b = g("draft_backoff", 0)
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            bad("draft_backoff", f"must be an integer >= 0 (0: off), got {b!r}")
         thr = g("confidence_threshold", 0.0)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr < 1.0:
             bad("confidence_threshold", f"must be a number in [0, 1), got {thr!r}")

@@ -31,7 +31,7 @@ from m3serve.engine.sampling_params import InvalidRequest, SamplingParams, TextO
 from m3serve.engine.scheduler import ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
 from m3serve.engine.speculative_metrics import SpeculativeStats
-from m3serve.engine.speculative_scheduling import num_draft_tokens
+from m3serve.engine.speculative_scheduling import after_speculative_step, num_draft_tokens
 from m3serve.executor.speculative.confidence import VerifyScheduler
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.engine.step_builder import StepBuilder
@@ -96,6 +96,7 @@ class LLMEngine:
         self.verify_scheduler = (VerifyScheduler(k, speculative.confidence_cost_table)
                                  if k and speculative.confidence_scheduling else None)
         self.verify_width = k
+        self.draft_backoff = speculative.draft_backoff if speculative is not None else 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
                                    num_lookahead=(lambda seq: num_draft_tokens(seq, self.verify_width)) if k else None)
@@ -355,6 +356,8 @@ class LLMEngine:
                 for seq, conf in zip(seqs, sampled.draft_confidence.tolist()):
                     if scheduled[id(seq)]:
                         seq.draft_confidence = conf[:scheduled[id(seq)]]
+            for seq in seqs:  # draft backoff (speculative_config.draft_backoff; off: nothing changes)
+                after_speculative_step(seq, scheduled[id(seq)], emitted[id(seq)], self.draft_backoff)
         queued = self._inflight.batch.seqs if self._inflight is not None else ()  # their lookahead pages stay
         self.scheduler.update(batch, rejected, keep_lookahead=queued)
         self.num_steps += 1

@@ -145,6 +145,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.first_output_sent = False
         self.draft_confidence: list[float] = []  # DSpark: its drafts' confidence scores in its last speculative step
+        # DSpark draft backoff (speculative_scheduling.after_speculative_step): speculative steps in a row that
+        # accepted no draft, and the output count from which it drafts again
+        self.draft_misses, self.draft_resume_at = 0, 0
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

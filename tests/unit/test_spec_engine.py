@@ -193,6 +193,58 @@ def test_greedy_with_the_real_draft_fp8_cache_and_confidence_threshold(make_engi
     assert st["spec_decode_num_draft_tokens"] < st_all["spec_decode_num_draft_tokens"]  # the threshold cut drafts
 
 
+def test_draft_backoff_drafts_less_where_drafts_fail_and_changes_no_token(make_engine, reference_greedy, eu):
+    """speculative_config.draft_backoff: the tiny random draft is almost never right, so greedy requests back off
+    (fewer drafts than without it) and still give the reference's tokens; a sampled request in the same steps never
+    backs off (its tokens and its drafts are those of an engine without backoff)."""
+    prompts = eu.random_prompts([9, 30, 17], seed=5)
+    sps = [greedy(24, 1), greedy(24, 2), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=3)]
+    engines = [make_engine(speculative_config=dspark(4, draft_backoff=2)), make_engine(speculative_config=dspark(4))]
+    anchors = [[], []]  # per engine: (seed, anchor position) of every speculating row
+    for e, log in zip(engines, anchors):
+        e.executor.worker.drafter.proposal_hook = lambda prop, ids, pos, seeds, log=log: (
+            log.extend(zip(seeds.tolist(), pos.tolist())), prop)[1]
+    outs = []
+    for e in engines:
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            e.add_request(f"r{i}", prompt_token_ids=p, sampling_params=sp)
+        outs.append(eu.run_to_completion(e))
+    backoff, plain = outs
+    for i in range(2):
+        assert backoff[f"r{i}"][0] == plain[f"r{i}"][0] == reference_greedy(prompts[i], 24), f"r{i}"
+    assert backoff["r2"][0] == plain["r2"][0]  # sampled: the same drafts, so the same tokens
+    by_seed = [{s: sorted(p for t, p in log if t == s) for s in (1, 2, 3)} for log in anchors]
+    assert by_seed[0][3] == by_seed[1][3]
+    for s in (1, 2):
+        assert 0 < len(by_seed[0][s]) < len(by_seed[1][s]), s  # backed off, and drafted again after it
+    st, st_off = engines[0].stats(), engines[1].stats()
+    assert st["spec_decode_num_drafts"] < st_off["spec_decode_num_drafts"]
+    assert st["num_free_pages"] == st["num_total_pages"]
+
+
+def test_draft_backoff_policy():
+    """A step that accepted no draft doubles the plain stretch (N, 2N, 4N, ... at most 16N output tokens); one that
+    accepted a draft ends it; sampled requests, steps without drafts and backoff 0 change nothing."""
+    from m3serve.engine.sequence import Sequence
+    from m3serve.engine.speculative_scheduling import after_speculative_step, num_draft_tokens
+
+    seq = Sequence("a", 0, [1, 2, 3], greedy(100, 1), 100)
+    waits = []
+    for _ in range(7):
+        seq.token_ids.append(5)
+        after_speculative_step(seq, 4, 1, 3)
+        waits.append(seq.draft_resume_at - seq.num_output_tokens)
+        assert num_draft_tokens(seq, 4) == 0 and num_draft_tokens(seq, 4, waits[-1]) == 4
+    assert waits == [3, 6, 12, 24, 48, 48, 48]
+    after_speculative_step(seq, 4, 2, 3)  # a draft held
+    assert (seq.draft_misses, seq.draft_resume_at, num_draft_tokens(seq, 4)) == (0, 0, 4)
+    for drafted, backoff, sp in ((0, 3, greedy(100, 1)), (4, 0, greedy(100, 1)),
+                                 (4, 3, SamplingParams(temperature=0.8, max_tokens=100, seed=1))):
+        other = Sequence("b", 0, [1, 2, 3], sp, 100)
+        after_speculative_step(other, drafted, 1, backoff)
+        assert (other.draft_misses, other.draft_resume_at) == (0, 0)
+
+
 # ---- temperature > 0 ------------------------------------------------------------------------------------------
 def test_sampled_tokens_do_not_depend_on_batch_chunks_or_preemption(make_engine, reference_greedy, eu):
     """Seeded requests at temperature 0.8 / top-p 0.9, block verification: the same tokens alone in a roomy engine
@@ -433,6 +485,7 @@ def test_speculative_config_validation():
            (dspark(rejection_sample_method="tree"), "rejection_sample_method"), (dspark(kv_cache_dtype="nvfp4"),
                                                                               "kv_cache_dtype"),
            (dspark(confidence_threshold=1.5), "confidence_threshold"), (dspark(num_draft=3), "unknown key"),
+           (dspark(draft_backoff=-1), "draft_backoff"), (dspark(draft_backoff=True), "draft_backoff"),
            ("dspark", "JSON object")]
     for raw, match in bad:
         with pytest.raises(ConfigError, match=match):

@@ -55,6 +55,27 @@ def test_greedy_static_path_equals_plain_decoding_with_padding(make_engine, refe
     assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
 
 
+def test_draft_backoff_steps_of_plain_decodes_run_width_zero(make_engine, reference_greedy, eu):
+    """speculative_config.draft_backoff with drafts right 10% of the time: the sequences back off, steps where all
+    of them decode plainly take the width-0 static step (no draft phase: one row per sequence), and the tokens are
+    plain greedy decoding's."""
+    prompts = eu.random_prompts([9, 30, 17], seed=23)
+    gens = [30, 24, 28]
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=1000 + i) for i, n in enumerate(gens)]
+    known = {1000 + i: p + reference_greedy(p, n) for i, (p, n) in enumerate(zip(prompts, gens))}
+    eng = _engine(make_engine, True, draft_backoff=2)
+    graphs = eng.executor.worker.drafter.graphs
+    widths = []
+    execute = graphs.execute
+    graphs.execute = lambda step, prev=None: (widths.append(graphs._step_k(step)), execute(step, prev))[1]
+    got = _run(eng, prompts, sps, known, 0.1)
+    assert got == [reference_greedy(p, n) for p, n in zip(prompts, gens)]
+    assert 0 in widths and K in widths  # steps of plain decodes only at width 0, speculative ones at K
+    assert any(key[3] == 0 for key in graphs.views) and graphs.buffers[0].k == 0
+    st = eng.stats()
+    assert 0 < st["spec_decode_num_drafts"] < eng.num_steps * len(prompts)
+
+
 def test_sampled_static_path_equals_eager_path(make_engine, reference_greedy, eu):
     """Seeded sampling (temperature 0.8, top-p 0.9), probabilistic drafts, block verification: the same tokens with
     and without the static path, which took some steps but not the mixed ones."""

@@ -203,7 +203,7 @@ class SpeculativeDecoder:
         """The draft backbone over [anchor, mask x (gamma-1)] of every speculating sequence, chunked over sequences:
         block hidden h [c, K, H] and base logits U fp32 [c, K, V] per chunk."""
         step, sp = st.step, st.step.speculative
-        if sp is None:
+        if sp is None or not sp.num_speculative_tokens:  # no drafts (a width-0 step: graphs.py)
             return
         anchors, positions = step.input_ids[sp.anchor_rows], step.positions[sp.anchor_rows]
         tables, k = step.block_tables[sp.seq_index], sp.num_speculative_tokens
@@ -220,6 +220,10 @@ class SpeculativeDecoder:
         if sp is None:
             return
         k, method = sp.num_speculative_tokens, self.config.draft_sample_method
+        if not k:  # a width-0 step (graphs.py: greedy plain decodes under draft backoff): the rule verifies nothing
+            none = torch.zeros(sp.num_seqs, 0, device=step.input_ids.device)
+            st.proposal = Proposal(none.long(), None, none, None, self.draft.vocab_ids)
+            return
         ss = step.sampling.select(sp.sample_rows)
         anchors = step.input_ids[sp.anchor_rows]
         u = stream_uniforms(ss.seeds, ss.positions, DRAFT, k) if method == "probabilistic" else None

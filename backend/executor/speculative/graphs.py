@@ -2,7 +2,8 @@
 greedy or sampled with the sampling filters some row needs), like the decode graphs (cuda_graph.py).
 
 A step is graphed when every sequence in it speculates: S sequences x (K+1) rows (the anchor, then K
-placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0).
+placeholders), nothing else (no prefill chunk, no top-n logprobs; plain decodes only in all-greedy steps, as k = 0;
+a step of such plain decodes alone is K wide, or with draft backoff 0 wide: one row per sequence, no draft phase).
 A sequence near its max_tokens verifies k < K drafts: its rows past its k+1 tokens are padding (`fill_speculative`).
 Such a step has one shape per bucket, so its tensors are static: `SpeculativeBuffers` holds them at the largest
 sizes, each step copies its `StepInput` into their leading rows (two copies to the device: its small inputs packed
@@ -177,6 +178,10 @@ class SpeculativeGraphs:
         """new_state(step): what the decoder's phases hand each other (its `StepState`)."""
         r = decoder.runner
         self.decoder, self.new_state, self.k = decoder, new_state, decoder.config.num_speculative_tokens
+        # a step of greedy plain decodes only: with draft backoff (speculative_config.draft_backoff, where such steps
+        # are common) a width-0 step (no draft, no Markov positions: the target's forward, its argmaxes, the
+        # draft-cache insert); else the K-wide one, each sequence verifying 0 drafts
+        self.plain_k = 0 if decoder.config.draft_backoff else self.k
         self.batches = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_pages)
         self.max_pages = max_pages
@@ -201,7 +206,7 @@ class SpeculativeGraphs:
         prefill chunk (host fields only)."""
         sp, s, n, k = step.speculative, step.sampling, step.num_seqs, self._step_k(step)
         return (s is not None and (s.all_greedy or sp is not None and sp.num_seqs == n) and n == s.num_rows
-                and n <= self.batches[-1] and 1 <= k <= self.k
+                and n <= self.batches[-1] and (1 <= k or sp is None) and k <= self.k
                 and step.num_tokens == n + (0 if sp is None else sp.draft_rows.shape[0]) <= n * (k + 1)
                 and step.block_tables.shape[1] <= self.widths[-1] and s.max_num_logprobs <= 0
                 and s.repetition_penalty is None and s.frequency_penalty is None and s.presence_penalty is None
@@ -212,8 +217,8 @@ class SpeculativeGraphs:
 
     def _step_k(self, step: StepInput) -> int:
         """The step's K (rows per sequence - 1): its drafts per sequence, a confidence-scheduled width or the
-        configured K, and the configured K for a step of plain decodes only."""
-        return step.speculative.num_speculative_tokens if step.speculative is not None else self.k
+        configured K, and `plain_k` for a step of plain decodes only."""
+        return step.speculative.num_speculative_tokens if step.speculative is not None else self.plain_k
 
     def _buffers(self, k: int) -> SpeculativeBuffers:
         if k not in self.buffers:

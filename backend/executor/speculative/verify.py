@@ -164,6 +164,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
 def _emitted(draft_tokens: torch.Tensor, n: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """[S, K+1]: x_1..x_n, y, then -1."""
     col = torch.arange(draft_tokens.shape[1] + 1, device=draft_tokens.device)[None, :]
-    padded = torch.cat([draft_tokens.long(), torch.full_like(draft_tokens[:, :1].long(), -1)], 1)
+    end = torch.full((draft_tokens.shape[0], 1), -1, dtype=torch.long, device=draft_tokens.device)  # K = 0 too
+    padded = torch.cat([draft_tokens.long(), end], 1)
     tokens = torch.where(col < n[:, None], padded, -1)
     return torch.where(col == n[:, None], y[:, None], tokens)
