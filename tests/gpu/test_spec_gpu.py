@@ -79,6 +79,29 @@ def test_greedy_speculation_equals_plain_decoding_with_graphs_on_and_off(tiny_mo
     assert parted <= 2, f"{parted} of 5 requests parted from plain decoding"
 
 
+def test_draft_backoff_plain_steps_replay_width_zero_graphs(tiny_model_dir):
+    """speculative_config.draft_backoff with drafts right 10% of the time: steps where every sequence has backed off
+    replay their own width-0 graphs (no draft phase), and the tokens are plain decoding's up to a near-tie."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, seed=100 + i)
+              for i, n in enumerate((40, 33, 25, 48, 30))]
+    llm = _llm(tiny_model_dir, False, None)
+    plain = [o.token_ids for o in llm.generate(_prompts(), params)]
+    known = {100 + i: p + t for i, (p, t) in enumerate(zip(_prompts(), plain))}
+    spec = _llm(tiny_model_dir, False, {"draft_backoff": 2})
+    drafter = spec.engine.executor.worker.drafter
+    drafter.proposal_hook = ControlledProposals(known, 0.1, drafter.draft.config.vocab_size, "cuda")
+    got = [o.token_ids for o in spec.generate(_prompts(), params)]
+    graphs = drafter.graphs
+    assert any(key[3] == 0 for key in graphs.graphs) and any(key[3] == K for key in graphs.graphs)
+    parted = 0
+    for prompt, want, have in zip(_prompts(), plain, got):
+        split = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), None)
+        if split is not None:
+            _near_tie(llm, prompt + want[:split], want[split], have[split])
+            parted += 1
+    assert parted <= 2, f"{parted} of 5 requests parted from plain decoding"
+
+
 def test_sampled_speculation_same_tokens_with_graphs_on_and_off(tiny_model_dir):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=n, ignore_eos=True, seed=200 + i)
               for i, n in enumerate((30, 22, 35, 18, 27))]
