@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Ops per training step of the learned model (train-learned's target step: answer + prompt loss, the indexer's KL,
 router balancing, AdamW), eager, with `--compile` (learn/fast_paths.CompiledPieces; `--no-compiled` skips it) and,
-on CUDA with `--graphs`, captured as a CUDA graph (train-learned `--cuda-graphs`, learn/graphed_step.py): the host
-launches every op, so their count is what a host-bound step costs. Random weights of the learned config, a synthetic
-batch.
+on CUDA with `--graphs`, captured as a CUDA graph (train-learned `--cuda-graphs`, learn/graphed_step.py), and with
+both (`--compile --cuda-graphs`): the host launches every op, so their count is what a host-bound step costs. Random
+weights of the learned config, a synthetic batch.
 
     python benchmarks/bench_train_ops.py --rows 8 --len 512 --steps 3 [--backend inductor] [--graphs] [--out ops.json]
 
 Prints per mode: aten ops per step (every aten call the profiler saw, nested ones included, and the top-level
 ones), device kernels per step (CUDA), ms per step (wall, this machine) under the profiler and without it, and with
-`--graphs` the graphed step's speedup over the eager one (unprofiled ms)."""
+`--graphs` the graphed steps' speedups over the eager one (unprofiled ms)."""
 from __future__ import annotations
 
 import argparse
@@ -97,6 +97,7 @@ def main() -> None:
     eager = build_target(learned_config(args.vocab, 0, 1), device, 0)
     graphed = copy.deepcopy(eager) if args.graphs and device.type == "cuda" else None
     compiled = copy.deepcopy(eager) if args.compiled else None
+    both = copy.deepcopy(eager) if args.compiled and graphed is not None else None
     out = {"device": str(device), "torch": torch.__version__, "rows": args.rows, "len": args.len,
            "dense": args.dense, "eager": count(eager, batch, args.steps, device, args)}
     if graphed is not None:
@@ -106,6 +107,12 @@ def main() -> None:
     if compiled is not None:
         CompiledPieces(compiled, args.backend)
         out["compiled"] = {"backend": args.backend, **count(compiled, batch, args.steps, device, args)}
+    if both is not None:  # the compiled pieces' kernels inside the captured step: no guards left to run per step
+        CompiledPieces(both, args.backend)
+        out["compiled_graphed"] = {"backend": args.backend,
+                                   **count(both, batch, args.steps, device, args, graphed=True)}
+        out["compiled_graphed_speedup"] = round(out["eager"]["ms_per_step_unprofiled"]
+                                                / out["compiled_graphed"]["ms_per_step_unprofiled"], 2)
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

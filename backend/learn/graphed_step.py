@@ -77,7 +77,7 @@ class GraphedSteps:
             self.seen.add(key)
             self.counts["eager"] += 1
             return target_step(self.model, self.opt, self.groups, self.distill, self.balance, batch, lr, dense,
-                               self.device, self.prompt_weight)
+                               self.device, self.prompt_weight, cache=False)
         set_lr(self.opt, lr)
         for dst, src in zip(cap.inputs, batch):
             dst.copy_(src, non_blocking=True)

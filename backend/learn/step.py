@@ -256,12 +256,13 @@ def step_record(body: dict, batch, lr: float, dense: bool) -> dict:
 
 
 def target_step(model, opt, groups, distill, balance, batch, lr: float, dense: bool, device,
-                prompt_weight: float = 0.0) -> dict:
-    """One eager optimizer step on `batch`; returns its log record."""
+                prompt_weight: float = 0.0, cache: bool = True) -> dict:
+    """One eager optimizer step on `batch`; returns its log record. `cache`: autocast's weight-cast cache (off
+    beside captured steps, so that compiled pieces see the autocast state the capture has)."""
     ids, mask, real, task = (t.to(device, non_blocking=True) for t in batch)
     set_lr(opt, lr)
     opt.zero_grad(set_to_none=True)  # a captured step (graphed_step.py) leaves its gradients in its graph's memory
-    body = step_body(model, opt, groups, distill, balance, ids, mask, real, task, dense, device, prompt_weight)
+    body = step_body(model, opt, groups, distill, balance, ids, mask, real, task, dense, device, prompt_weight, cache)
     opt.zero_grad(set_to_none=True)
     return step_record(body, batch, lr, dense)
 
