@@ -7,9 +7,10 @@ come in a ShapeLadder's few shapes (learn/loop.py), and `GraphedSteps` keeps one
 mask), all in one memory pool:
 
 - a shape's first step runs eagerly (it also makes the optimizer's state, outside the pool: a capture that would make
-  some is refused); its next one captures
-  `step.step_body` (forward, backward, clipping, the fused AdamW with its learning rate as a device tensor, the
-  routers' bias) and every later one copies the batch into the graph's input tensors and replays;
+  some is refused; and it compiles the `--compile` pieces for the shape, under the capture's autocast state); its
+  next one captures `step.step_body` (forward, backward, clipping, the fused AdamW with its learning rate as a device
+  tensor, the routers' bias) and every later one copies the batch into the graph's input tensors and replays;
+- the batch-prefetch thread pins no memory while a capture runs (`loop.PIN_LOCK`), and the capture is thread-local;
 - what a replay reads is either written earlier in the same replay (activations, gradients) or lives outside the pool
   (weights, optimizer state, the routers' biases, the input tensors, the learning rate, the distilled rows' index),
   so the graphs can share the pool: none runs while another does, and a record's tensors are read (`log_record`)
