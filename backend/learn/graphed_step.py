@@ -1,7 +1,8 @@
 """The target's training step captured as CUDA graphs (train-learned `--cuda-graphs`; issue 27).
 
-The learned model's step is host-bound: on the H200 a 128K-token step took 217-370 ms of wall time while the device
-was busy ~158 ms of it (docs/quality.md), the rest being the host launching ~10,000 small ops. A CUDA graph replays
+The learned model's step is host-bound (docs/quality.md): a 128K-token step of run 8 (H200) took 217 ms of wall time
+and 158 ms of device time, and run 14's (H100) took 320 ms on average; the rest is the host launching ~10,000 small
+ops. A CUDA graph replays
 a captured step's kernels with one launch, so the host's share goes. A graph replays one shape only, so the batches
 come in a ShapeLadder's few shapes (learn/loop.py), and `GraphedSteps` keeps one graph per (shape, dense or sparse
 mask), all in one memory pool:
