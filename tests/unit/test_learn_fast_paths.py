@@ -268,3 +268,12 @@ def test_a_compiler_error_falls_back_to_the_eager_step(eager_training):
     assert got[1]["stopped_by"] == "steps" and any("eager from here" in m for m in said)
     _assert_same_training(got, want=eager_training)
     torch._dynamo.reset()
+
+
+def test_cuda_graphs_off_the_gpu_train_eagerly(eager_training):
+    """train-learned --cuda-graphs on the CPU: said once, then the same eager training (no ladder, no graphs)."""
+    said = []
+    got = _train(TrainConfig(**TRAIN, cuda_graphs=True), said.append)
+    assert got[1]["cuda_graphs"] is None and eager_training[1]["cuda_graphs"] is None
+    assert sum("--cuda-graphs needs a CUDA device" in m for m in said) == 1
+    _assert_same_training(got, want=eager_training)
