@@ -59,7 +59,8 @@ def build_draft(target, cfg, tc, mask_token_id: int, device: torch.device) -> DS
 
 
 def sample_anchors(mask: torch.Tensor, n: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to n anchors per row among the answer tokens t whose next token is answer too ([B, n] positions, valid)."""
+    """Up to n anchors per row among the answer tokens t whose next token is answer too ([B, n] positions, valid), on
+    `mask`'s device (the trainer passes the batch's host copy)."""
     cand = (mask[:, :-1] & mask[:, 1:]).cpu()
     b = mask.shape[0]
     anchors = torch.zeros(b, n, dtype=torch.long)
@@ -172,8 +173,9 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
         f"block {draft.block_size}, mask token {mask_id}")
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
-        ids, mask, _, _ = (t.to(device, non_blocking=True) for t in next(data))
-        anchors, valid = sample_anchors(mask, tc.draft_anchors, rng)
+        batch = next(data)
+        anchors, valid = sample_anchors(batch[1], tc.draft_anchors, rng)  # from the host copy: no device sync
+        ids, mask, anchors, valid = (t.to(device, non_blocking=True) for t in (batch[0], batch[1], anchors, valid))
         for grp in opt.param_groups:
             grp["lr"] = sched.lr(step)
         out = draft_step_losses(draft, target, ids, mask, anchors, valid, autocast(device))
