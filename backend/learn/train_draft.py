@@ -162,7 +162,7 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
     mask_id = Tokenizer.from_pretrained(tc.out).token_id(MASK_TOKEN)
     draft = build_draft(target, cfg, tc, mask_id, device)
     params = [p for p in draft.parameters()]
-    opt = torch.optim.AdamW(params, lr=tc.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=tc.draft_lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
     sched = Schedule(tc.draft_lr, 20, tc.draft_max_steps, 0.1, first_plan=20, every=50)
     rng = random.Random(tc.seed + 1)
     train_rows = [r for r in rows if sum(r[1]) >= 2]
