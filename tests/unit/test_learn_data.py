@@ -66,13 +66,9 @@ def test_a_failing_stream_reports_its_error_and_leaves_the_rows(tok_dir):
 def test_a_whole_run_trains_on_rows_rendered_while_it_runs(tmp_path):
     """train-learned end to end on a micro model with the default recipe (the retrieval-first phase included): the
     run's log counts the rows that arrived during training, and the checkpoint and log are written."""
-    from m3serve.config import FULL, SPARSE
     from m3serve.learn.train import TrainConfig, run
 
-    micro = dict(hidden_size=32, head_dim=16, index_head_dim=16, num_attention_heads=2, num_key_value_heads=1,
-                 index_n_heads=1, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
-                 num_hidden_layers=2, layer_types=[FULL, SPARSE], mlp_layer_types=["dense", "sparse"],
-                 num_local_experts=4, index_block_size=8, index_topk_blocks=2)
+    from support.learned import MICRO_2L as micro
     tc = TrainConfig(out=str(tmp_path / "m"), device="cpu", tasks=(*TASKS, "retrieval"), train_examples=8,
                      eval_examples=4, workers=1, tokens_per_batch=4096, max_steps=40, warmup_steps=2, log_every=10,
                      budget_s=600, reserve_s=0, draft_frac=0.0, draft_max_steps=2, draft_tokens_per_batch=1024,

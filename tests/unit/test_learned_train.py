@@ -21,7 +21,6 @@ transformers = require("transformers")
 from transformers import MiniMaxM3VLForCausalLM  # noqa: E402
 
 from m3serve import LLM, SamplingParams  # noqa: E402
-from m3serve.config import FULL, SPARSE  # noqa: E402
 from m3serve.learn.config import learned_config  # noqa: E402
 from m3serve.learn.render import prompt_ids  # noqa: E402
 from m3serve.learn.tasks import TASKS as TASKS_ALL  # noqa: E402
@@ -35,10 +34,8 @@ from m3serve.learn.train import (MlpWarmup, SparseRamp, TrainConfig,  # noqa: E4
 from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
 from m3serve.text.tokenizer import Tokenizer  # noqa: E402
 
-MICRO = dict(hidden_size=32, head_dim=16, index_head_dim=16, num_attention_heads=2, num_key_value_heads=1,
-             index_n_heads=1, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
-             num_hidden_layers=2, layer_types=[FULL, SPARSE], mlp_layer_types=["dense", "sparse"],
-             num_local_experts=4, index_block_size=8, index_topk_blocks=2)
+from support.learned import MICRO_2L as MICRO  # noqa: E402
+
 TASKS = ("arithmetic", "multi_turn")
 
 
