@@ -356,8 +356,9 @@ class LLMEngine:
                 for seq, conf in zip(seqs, sampled.draft_confidence.tolist()):
                     if scheduled[id(seq)]:
                         seq.draft_confidence = conf[:scheduled[id(seq)]]
-            for seq in seqs:  # draft backoff (speculative_config.draft_backoff; off: nothing changes)
-                after_speculative_step(seq, scheduled[id(seq)], emitted[id(seq)], self.draft_backoff)
+            if self.draft_backoff:  # speculative_config.draft_backoff (off: no work on this path)
+                for seq in seqs:
+                    after_speculative_step(seq, scheduled[id(seq)], emitted[id(seq)], self.draft_backoff)
         queued = self._inflight.batch.seqs if self._inflight is not None else ()  # their lookahead pages stay
         self.scheduler.update(batch, rejected, keep_lookahead=queued)
         self.num_steps += 1

@@ -2,10 +2,9 @@
 
 The learned model's step is host-bound (docs/quality.md): a 128K-token step of run 8 (H200) took 217 ms of wall time
 and 158 ms of device time, and run 14's (H100) took 320 ms on average; the rest is the host launching ~10,000 small
-ops. A CUDA graph replays
-a captured step's kernels with one launch, so the host's share goes. A graph replays one shape only, so the batches
-come in a ShapeLadder's few shapes (learn/loop.py), and `GraphedSteps` keeps one graph per (shape, dense or sparse
-mask), all in one memory pool:
+ops. A CUDA graph replays a captured step's kernels with one launch, so the host's share goes. A graph replays one
+shape only, so the batches come in a ShapeLadder's few shapes (learn/loop.py), and `GraphedSteps` keeps one graph
+per (shape, dense or sparse mask), all in one memory pool:
 
 - a shape's first step runs eagerly (it also makes the optimizer's state, outside the pool: a capture that would make
   some is refused; and it compiles the `--compile` pieces for the shape, under the capture's autocast state); its

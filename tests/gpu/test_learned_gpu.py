@@ -46,6 +46,7 @@ def test_graphed_training_steps_match_eager():
     target as eager steps do: two batch shapes, dense and sparse masks, a learning rate that changes every step, the
     indexer distilled on 16 drawn rows, the MLPs released half-way (the graphs dropped and captured again)."""
     import copy
+    import random
 
     import torch
 
@@ -54,7 +55,7 @@ def test_graphed_training_steps_match_eager():
     require("transformers")
     from m3serve.learn.config import learned_config
     from m3serve.learn.graphed_step import GraphedSteps
-    from m3serve.learn.loop import ShapeLadder, collate
+    from m3serve.learn.loop import ShapeLadder, batches
     from m3serve.learn.step import IndexerDistill, RouterBalance, log_record, param_groups, target_step
     from m3serve.learn.train import MlpWarmup, build_target
 
@@ -62,13 +63,10 @@ def test_graphed_training_steps_match_eager():
     base = build_target(learned_config(2048, 0, 1), dev, 0)
     g = torch.Generator().manual_seed(0)
 
-    def batch(length: int):
+    def batch(length: int):  # one ladder batch of equal rows, 3 of its rows padding
         rows = [(torch.randint(2, 1500, (length,), generator=g).tolist(), [i >= length // 2 for i in range(length)],
-                 r % 5) for r in range(tokens // ladder.length(length) - 3)]  # 3 padding rows
-        rung = ladder.length(length)
-        task = torch.zeros(ladder.rows(rung, tokens), dtype=torch.long)
-        task[:len(rows)] = torch.tensor([r[2] for r in rows])
-        return (*collate(rows, 0, rung, len(task)), task)
+                 r % 5) for r in range(ladder.rows(ladder.length(length), tokens) - 3)]
+        return next(batches(rows, tokens, random.Random(0), 0, ladder=ladder))
 
     data = [batch(100), batch(200)]
     plan = [(0, True), (0, True), (1, False), (1, False), (0, True), (1, False),  # the MLPs released after these
