@@ -6,10 +6,12 @@ both (`--compile --cuda-graphs`): the host launches every op, so their count is 
 weights of the learned config, a synthetic batch.
 
     python benchmarks/bench_train_ops.py --rows 8 --len 512 --steps 3 [--backend inductor] [--graphs] [--out ops.json]
+    python benchmarks/bench_train_ops.py --rows 256 --len 512 --modes eager,graphed,graphed+grouped,compiled_graphed+grouped
 
 Prints per mode: aten ops per step (every aten call the profiler saw, nested ones included, and the top-level
 ones), device kernels per step (CUDA), ms per step (wall, this machine) under the profiler and without it, and with
-`--graphs` the graphed steps' speedups over the eager one (unprofiled ms)."""
+`--graphs` the graphed steps' speedups over the eager one (unprofiled ms). `--modes` picks the steps, each with the
+experts path train-learned `--experts` picks ("+grouped": only the picked experts, through the grouped GEMM)."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +73,24 @@ def count(model, batch, steps: int, device, args, graphed: bool = False) -> dict
             **({"graphs": graphs.summary()} if graphs is not None else {})}
 
 
+MODES = ("eager", "graphed", "compiled", "compiled_graphed")
+
+
+def modes_of(text: str) -> list[tuple[str, str, str]]:
+    """`--modes`: "MODE[+EXPERTS],..." -> [(label, mode, experts path)]; MODE one of MODES, EXPERTS a key of
+    learn/fast_paths.EXPERTS (default "all")."""
+    from m3serve.learn.fast_paths import EXPERTS
+
+    out = []
+    for label in text.split(","):
+        mode, _, experts = label.partition("+")
+        if mode not in MODES or (experts or "all") not in EXPERTS:
+            raise argparse.ArgumentTypeError(f"mode {label!r}: MODE[+EXPERTS], MODE one of {list(MODES)}, "
+                                             f"EXPERTS one of {list(EXPERTS)}")
+        out.append((label, mode, experts or "all"))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8)
@@ -82,37 +102,42 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--graphs", action="store_true", help="also the step captured as a CUDA graph (CUDA only)")
     p.add_argument("--no-compiled", dest="compiled", action="store_false", help="skip the compiled step")
+    p.add_argument("--modes", type=modes_of, help="the steps to time, e.g. 'eager,graphed+grouped' (MODE[+EXPERTS]: "
+                   f"{', '.join(MODES)}; +grouped: the experts as train-learned --experts grouped runs them); "
+                   "default: eager, graphed with --graphs on CUDA, compiled unless --no-compiled, and both")
     p.add_argument("--out")
     args = p.parse_args()
     from m3serve.learn.config import learned_config
-    from m3serve.learn.fast_paths import CompiledPieces
+    from m3serve.learn.fast_paths import CompiledPieces, install
     from m3serve.learn.train import build_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    graphs = args.graphs and device.type == "cuda"
+    modes = args.modes or [(m, m, "all") for m in ["eager"] + ["graphed"] * graphs + ["compiled"] * args.compiled
+                           + ["compiled_graphed"] * (graphs and args.compiled)]
+    if device.type != "cuda" and any("graphed" in m for _, m, _ in modes):
+        p.error("graphed modes need CUDA")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, args.vocab, (args.rows, args.len), generator=g)
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:, -args.len // 8:] = True
     batch = (ids, mask, torch.ones_like(mask), torch.arange(args.rows) % 2)
-    eager = build_target(learned_config(args.vocab, 0, 1), device, 0)
-    graphed = copy.deepcopy(eager) if args.graphs and device.type == "cuda" else None
-    compiled = copy.deepcopy(eager) if args.compiled else None
-    both = copy.deepcopy(eager) if args.compiled and graphed is not None else None
+    base = build_target(learned_config(args.vocab, 0, 1), device, 0)
     out = {"device": str(device), "torch": torch.__version__, "rows": args.rows, "len": args.len,
-           "dense": args.dense, "eager": count(eager, batch, args.steps, device, args)}
-    if graphed is not None:
-        out["graphed"] = count(graphed, batch, args.steps, device, args, graphed=True)
-        out["graphed_speedup"] = round(out["eager"]["ms_per_step_unprofiled"]
-                                       / out["graphed"]["ms_per_step_unprofiled"], 2)
-    if compiled is not None:
-        CompiledPieces(compiled, args.backend)
-        out["compiled"] = {"backend": args.backend, **count(compiled, batch, args.steps, device, args)}
-    if both is not None:  # the compiled pieces' kernels inside the captured step: no guards left to run per step
-        CompiledPieces(both, args.backend)
-        out["compiled_graphed"] = {"backend": args.backend,
-                                   **count(both, batch, args.steps, device, args, graphed=True)}
-        out["compiled_graphed_speedup"] = round(out["eager"]["ms_per_step_unprofiled"]
-                                                / out["compiled_graphed"]["ms_per_step_unprofiled"], 2)
+           "dense": args.dense}
+    for label, mode, experts in modes:
+        model = copy.deepcopy(base)
+        install(model, experts)
+        if "compiled" in mode:  # the compiled pieces' kernels; inside graphs, no guards are left to run per step
+            CompiledPieces(model, args.backend)
+        out[label] = {"experts": experts, **({"backend": args.backend} if "compiled" in mode else {}),
+                      **count(model, batch, args.steps, device, args, graphed="graphed" in mode)}
+        del model
+    if "eager" in out:
+        for label, _, _ in modes:
+            if label != "eager":
+                out[label + "_speedup"] = round(out["eager"]["ms_per_step_unprofiled"]
+                                                / out[label]["ms_per_step_unprofiled"], 2)
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

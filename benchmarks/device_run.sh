@@ -28,7 +28,8 @@
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
 # "trainops": benchmarks/bench_train_ops.py $TRAINOPS_ARGS (default: 256 rows of 512 tokens, eager vs captured as
-# a CUDA graph) into $OUT/bench_train_ops.json, with transformers as "train" has it.
+# a CUDA graph; `--modes eager,graphed+grouped,...` picks the steps and experts paths) into
+# $OUT/bench_train_ops.json, with transformers as "train" has it.
 # "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
 # 27), with transformers 5.25 from .carry-reference/ or .whl/ (into /tmp/site); where .ckpt/ holds a packed checkpoint
 # (part-aa ..., an earlier call's $OUT; .ckpt/ is gitignored, so name it in the call's carry), it is unpacked to

@@ -11,9 +11,12 @@ loop synced with the host. `install(model)` swaps three pieces for ones that com
   indexer's block indices (the memory-efficient kernel). The rows are right-padded and causal, so no padding mask
   is needed (the model is called with `input_ids` only). Attention probabilities are not returned; the indexer's
   distillation asks for the teacher's (the module's `teacher_sink`) on the few rows it covers.
-- **MoE experts**: every token through every expert as one batched matmul, weighted by its router weights (zero
-  for experts it did not pick): the top-k sum without the per-expert loop and its host syncs. 8 small experts at
-  top-2 cost 4x the MoE's FLOPs, far below the time the loop lost.
+- **MoE experts** (`EXPERTS`, train-learned `--experts`): "all" runs every token through every expert as one batched
+  matmul, weighted by its router weights (zero for experts it did not pick): the top-k sum without the per-expert
+  loop and its host syncs, at 4x the MoE's FLOPs for 8 experts at top-2. "grouped" runs only the picked experts:
+  rows sorted into aligned per-expert groups, torch's grouped GEMM, fixed shapes and no host sync. Counting a
+  step's aten ops' bytes (CPU, 2026-12-05), the all-experts path's elementwise work on [T, 8, F] tensors was ~40%
+  of a step's device time, and "grouped" cuts the estimate by a third (docs/quality.md).
 - **the indexer's selection** runs without autograd (top-k indices carry no gradient; the indexer learns only from
   the distillation, which recomputes its scores with gradients on the distilled rows).
 
@@ -103,6 +106,9 @@ def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
 
 
+GROUP_ALIGN = 16  # rows: each expert's group in experts_grouped starts at a multiple of this
+
+
 def experts_all(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """MiniMaxM3VLExperts.forward computed for every expert, weighted by the router (0 where not picked)."""
@@ -114,10 +120,45 @@ def experts_all(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     return (out * w[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
 
 
-def _experts_all(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                 ) -> torch.Tensor:
-    return experts_all(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                       self.swiglu_alpha, self.swiglu_limit)
+def experts_grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, alpha: float, limit: float,
+                    align: int = GROUP_ALIGN) -> torch.Tensor:
+    """What `experts_all` computes, from the experts each token picked only: its top-k rows sorted into one group per
+    expert and two `torch._grouped_mm` calls, so the SwiGLU and the weighting run over top_k rows a token instead of
+    num_experts (the all-experts path's elementwise work on [T, E, F] tensors was ~40% of a step's estimated device
+    time, docs/quality.md). Each group is padded with zero rows to a multiple of `align` (every group starts 16-byte
+    aligned, as the grouped GEMM's backward wants; zero rows add nothing to a gradient) and the last group takes the
+    slack up to a fixed row count, so a token count has one shape and nothing waits on the host (capturable).
+    Autocast's dtype is applied by hand: the grouped GEMM is not on autocast's list."""
+    t, k = top_k_index.shape
+    e, d = gate_up_proj.shape[0], hidden_states.shape[-1]
+    dev = hidden_states.device
+    dt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else hidden_states.dtype
+    flat = top_k_index.reshape(-1)
+    n = flat.numel()
+    counts = torch.zeros(e, dtype=flat.dtype, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    cap = -(-(n + e * (align - 1)) // align) * align  # the most rows the padded groups can need
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[expert]  # within its expert's group
+    rows = torch.empty_like(flat).scatter_(0, order, (ends - padded)[expert] + rank)  # slot (token, j) -> its row
+    offs = torch.where(torch.arange(e, device=dev) == e - 1, cap, ends).to(torch.int32)
+    x = hidden_states.new_zeros(cap, d, dtype=dt).index_copy(0, rows, hidden_states.to(dt).repeat_interleave(k, 0))
+    act = swiglu(torch._grouped_mm(x, gate_up_proj.to(dt).transpose(1, 2), offs=offs), alpha, limit)
+    out = torch._grouped_mm(act, down_proj.to(dt).transpose(1, 2), offs=offs).index_select(0, rows).view(t, k, d)
+    return (out * top_k_weights[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
+
+
+# TrainConfig.experts: how the MoE experts run in training ("all": experts_all, "grouped": experts_grouped)
+EXPERTS = {"all": experts_all, "grouped": experts_grouped}
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                     ) -> torch.Tensor:
+    return EXPERTS[self.experts_path](hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                      self.swiglu_alpha, self.swiglu_limit)
 
 
 def _select_without_grad(self, *args, **kwargs):
@@ -126,16 +167,20 @@ def _select_without_grad(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
 
 
-def install(model) -> None:
-    """Put the fast paths into `model` (a MiniMaxM3VLForCausalLM): attention, experts, indexer selection."""
+def install(model, experts: str = "all") -> None:
+    """Put the fast paths into `model` (a MiniMaxM3VLForCausalLM): attention, experts (`experts`: a key of EXPERTS),
+    indexer selection."""
     from transformers import AttentionInterface
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLExperts
 
+    if experts not in EXPERTS:
+        raise ValueError(f"experts must be one of {list(EXPERTS)}, got {experts!r}")
     AttentionInterface.register(ATTENTION, attention)
     model.config._attn_implementation = ATTENTION
     for m in model.modules():
         if isinstance(m, MiniMaxM3VLExperts):
-            m.forward = types.MethodType(_experts_all, m)
+            m.experts_path = experts
+            m.forward = types.MethodType(_experts_forward, m)
     for layer in model.model.layers:
         ix = layer.self_attn.indexer
         if ix is not None:
@@ -156,11 +201,11 @@ def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, alpha:
     return F.linear(swiglu(F.linear(x, gate_up), alpha, limit), down)
 
 
-def moe(hidden_states: torch.Tensor, router: tuple, experts: tuple, shared: tuple, scale: float
+def moe(hidden_states: torch.Tensor, router: tuple, experts: tuple, shared: tuple, scale: float, path: str = "all"
         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MiniMaxM3VLSparseMoeBlock.forward with every expert router-weighted (`experts_all`), from its weights:
-    `router` (weight, e_score_correction_bias, top_k), `experts` and `shared` (gate_up, down, alpha, limit). Returns
-    the output and the router's top-k expert indices [T, top_k] (for RouterBalance)."""
+    """MiniMaxM3VLSparseMoeBlock.forward with the experts as EXPERTS[`path`] runs them, from its weights: `router`
+    (weight, e_score_correction_bias, top_k), `experts` and `shared` (gate_up, down, alpha, limit). Returns the output
+    and the router's top-k expert indices [T, top_k] (for RouterBalance)."""
     b, s, d = hidden_states.shape
     h = hidden_states.view(-1, d)
     weight, bias, top_k = router
@@ -168,7 +213,7 @@ def moe(hidden_states: torch.Tensor, router: tuple, experts: tuple, shared: tupl
     _, index = torch.topk(probs + bias, top_k, dim=-1, sorted=False)
     picked = probs.gather(1, index)
     picked = picked / picked.sum(dim=-1, keepdim=True)
-    out = experts_all(h, index, picked, *experts) * scale + dense_mlp(h, *shared)
+    out = EXPERTS[path](h, index, picked, *experts) * scale + dense_mlp(h, *shared)
     return out.reshape(b, s, d), index
 
 
@@ -238,7 +283,8 @@ def _moe_forward(self, hidden_states):
     out, index = compiled(self.compile_backend)["moe"](
         hidden_states, (g.weight, g.e_score_correction_bias, g.top_k),
         (ex.gate_up_proj, ex.down_proj, ex.swiglu_alpha, ex.swiglu_limit),
-        (sh.gate_up_proj.weight, sh.down_proj.weight, sh.swiglu_alpha, sh.swiglu_limit), self.routed_scaling_factor)
+        (sh.gate_up_proj.weight, sh.down_proj.weight, sh.swiglu_alpha, sh.swiglu_limit), self.routed_scaling_factor,
+        getattr(ex, "experts_path", "all"))
     sink = getattr(g, "load_sink", None)  # the router module is not called: RouterBalance reads its choice here
     if sink is not None:
         sink(index)

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from m3serve.learn.data import RECITALS, FreshRows, make_rows, row_jobs
+from m3serve.learn.fast_paths import EXPERTS
 from m3serve.learn.graphed_step import GraphedSteps
 from m3serve.learn.loop import Schedule, ShapeLadder, autocast, batches, collate, prefetch
 from m3serve.learn.step import (DenseAttention, IndexerDistill, RouterBalance, answer_loss, log_record, param_groups,
@@ -151,15 +152,18 @@ class TrainConfig:
     # GPU, or once a capture fails, steps run eagerly
     cuda_graphs: bool = False
     graph_ladder_ratio: float = 1.25
+    # the MoE experts in training (fast_paths.EXPERTS): "all" runs every expert router-weighted (4x the top-2 work, no
+    # sort); "grouped" only the picked ones, sorted by expert, through torch's grouped GEMM
+    experts: str = "all"
 
 
 # ---------------------------------------------------------------------------------------------- the target
 
-def build_target(cfg, device: torch.device, seed: int, fast: bool = True):
+def build_target(cfg, device: torch.device, seed: int, fast: bool = True, experts: str = "all"):
     """transformers' MiniMaxM3VLForCausalLM from our ModelConfig (`to_hf_dict` is the config.json transformers
-    reads), seeded random init (transformers' own init), fp32 master weights; with `fast` its attention, experts and
-    indexer selection swapped for the same math at a fraction of the time (learn/fast_paths.py), else transformers'
-    eager path as it is."""
+    reads), seeded random init (transformers' own init), fp32 master weights; with `fast` its attention, experts (as
+    fast_paths.EXPERTS[`experts`] runs them) and indexer selection swapped for the same math at a fraction of the time
+    (learn/fast_paths.py), else transformers' eager path as it is."""
     from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
 
     from m3serve.learn.fast_paths import install
@@ -169,7 +173,7 @@ def build_target(cfg, device: torch.device, seed: int, fast: bool = True):
     torch.manual_seed(seed)
     model = MiniMaxM3VLForCausalLM(hf_cfg).to(device)
     if fast:
-        install(model)
+        install(model, experts)
     return model
 
 
@@ -393,7 +397,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     ids, mask, _, _ = next(focus_data or data)
     from m3serve.learn.fast_paths import ATTENTION
 
-    experts = ("every expert, router-weighted (fast_paths)" if model.config._attn_implementation == ATTENTION else
+    experts = (f"fast_paths {tc.experts!r}" if model.config._attn_implementation == ATTENTION else
                pick_experts_implementation(model, ids.to(device), mask.to(device), device, log))
     groups = param_groups(model, tc.weight_decay)
     # captured, the optimizer reads its learning rate from a device tensor (set_lr fills it) and keeps its step count
@@ -633,6 +637,8 @@ def run(tc: TrainConfig) -> dict:
                          f"got {tc.focus_max_pairs}")
     if not 0 <= tc.mlp_warmup_frac < 1:
         raise ValueError(f"mlp_warmup_frac must be in [0, 1), got {tc.mlp_warmup_frac}")
+    if tc.experts not in EXPERTS:
+        raise ValueError(f"experts must be one of {list(EXPERTS)}, got {tc.experts!r}")
     t_start = time.time()
     deadline = t_start + tc.budget_s
 
@@ -687,7 +693,7 @@ def run(tc: TrainConfig) -> dict:
 
         # CUDA is first touched here, after the worker pool was forked
         result["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        model = build_target(cfg, device, tc.seed)
+        model = build_target(cfg, device, tc.seed, experts=tc.experts)
         if tc.init_from:
             load_weights(model, tc.init_from, tc.out)
             log(f"target: weights from {tc.init_from}")

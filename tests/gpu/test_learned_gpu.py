@@ -41,10 +41,47 @@ def test_learned_shape_kernels_shadow(learned_random, kv):
     assert shadow.flips <= shadow.tokens // 100
 
 
-def test_graphed_training_steps_match_eager():
+def test_grouped_experts_match_every_expert_without_a_host_sync():
+    """train-learned `--experts grouped` on CUDA under the training's bf16 autocast: torch's grouped GEMM over the
+    picked experts gives the all-experts path's output and gradients (to bf16 rounding), at a token count whose
+    groups are not multiples of 16, with an idle expert, and never waits on the host (sync debug mode: an op
+    that synchronises raises)."""
+    import torch
+
+    from m3serve.learn.fast_paths import experts_all, experts_grouped
+    from m3serve.learn.loop import autocast
+
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    t, e, k, d, f = 4099, 8, 2, 256, 256
+    h = torch.randn(t, d, device=dev, generator=g)
+    gate_up = torch.randn(e, 2 * f, d, device=dev, generator=g) * d ** -0.5
+    down = torch.randn(e, d, f, device=dev, generator=g) * f ** -0.5
+    logits = torch.randn(t, e, device=dev, generator=g)
+    logits[:, 6] = -1e4  # expert 6 idle
+    weights, index = torch.topk(logits.softmax(-1), k)
+    grad = torch.randn(t, d, device=dev, generator=g)
+    outs = []
+    for fn in (experts_all, experts_grouped):
+        leaves = [x.clone().requires_grad_() for x in (h, gate_up, down, weights)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if fn is experts_grouped else "default")
+        try:
+            with autocast(dev):
+                out = fn(leaves[0], index, leaves[3], leaves[1], leaves[2], 1.702, 7.0)
+            out.backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        outs.append([out.detach().float()] + [x.grad.float() for x in leaves])
+    for name, got, want in zip(("out", "h", "gate_up", "down", "weights"), outs[1], outs[0]):
+        assert want.norm() > 0 and (got - want).norm() <= 2e-2 * want.norm(), name
+
+
+@pytest.mark.parametrize("experts", ["all", "grouped"])
+def test_graphed_training_steps_match_eager(experts):
     """train-learned `--cuda-graphs` (learn/graphed_step.py): the same steps, captured and replayed, move the learned
     target as eager steps do: two batch shapes, dense and sparse masks, a learning rate that changes every step, the
-    indexer distilled on 16 drawn rows, the MLPs released half-way (the graphs dropped and captured again)."""
+    indexer distilled on 16 drawn rows, the MLPs released half-way (the graphs dropped and captured again); with
+    either experts path (`--experts`)."""
     import copy
     import random
 
@@ -60,7 +97,7 @@ def test_graphed_training_steps_match_eager():
     from m3serve.learn.train import MlpWarmup, build_target
 
     dev, tokens, ladder = torch.device("cuda"), 16384, ShapeLadder()
-    base = build_target(learned_config(2048, 0, 1), dev, 0)
+    base = build_target(learned_config(2048, 0, 1), dev, 0, experts=experts)
     g = torch.Generator().manual_seed(0)
 
     def batch(length: int):  # one ladder batch of equal rows, 3 of its rows padding

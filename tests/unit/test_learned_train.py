@@ -243,7 +243,8 @@ def test_cli_parses_train_options():
     tc = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and v is not None})
     assert tc.budget_s == 30.0 and tc.tasks == ["arithmetic"] and tc.model_overrides == {"hidden_size": 64}
     assert tc.lr == TrainConfig.lr  # options not given keep the defaults
-    assert tc.compile is False
+    assert tc.compile is False and tc.experts == "all"
+    assert build_parser().parse_args(["train-learned", "--out", "x", "--experts", "grouped"]).experts == "grouped"
     flags = [build_parser().parse_args(["train-learned", "--out", "x", *f]).compile
              for f in ([], ["--compile"], ["--no-compile"])]
     assert flags == [None, True, False]  # None: TrainConfig's default
@@ -474,7 +475,8 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
                                                  ("focus_frac", 1.0, "focus_frac"),
                                                  ("focus_max_pairs", 1, "focus_max_pairs"),
                                                  ("focus_max_pairs", 500, "focus_max_pairs"),
-                                                 ("focus_recital", "yes", "focus_recital must be one of")])
+                                                 ("focus_recital", "yes", "focus_recital must be one of"),
+                                                 ("experts", "loop", "experts must be one of")])
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value, match):
     from m3serve.learn.train import run
 
