@@ -7,7 +7,8 @@ GPU) and everything else without the interpreter, so tests/gpu runs the compiled
 The two run side by side, each into a log (under $M3SERVE_SUITE_LOG_DIR if set) printed whole when it ends; the
 output ends with each process's pytest summary line; the exit status is the first failing process's.
 `--ignore=tests/kernels` leaves the interpreter process out. $M3SERVE_SUITE_SHARDS=N (many-core GPU hosts) splits
-the interpreter tree over N processes by file and runs each other test folder in a process of its own.
+the interpreter tree over N processes by file, tests/gpu and tests/unit over N // 2 each, and runs each other test
+folder in a process of its own.
 Path arguments pick what runs (a path under tests/kernels goes to the interpreter process); other arguments go
 to every process.
 """
@@ -23,6 +24,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = "tests/kernels"
+# the longest folders on a GPU host (the GPU test files took over 730 s in the device calls that ran them, more than
+# one call's 600 s; docs/performance.md): sharded runs split them by file too
+SPLIT = ("tests/gpu", "tests/unit")
 
 
 def _rel(path: str) -> str:
@@ -39,12 +43,17 @@ def _inside(path: str, tree: str) -> bool:
 
 
 def _shards(kernels: list[str], n: int) -> list[list[str]]:
-    """The interpreter tree in `n` processes (its files by size, each to the lightest share): the interpreter runs
-    one core per process, so a many-core GPU host runs it `n` times faster. Only the whole tree is split."""
+    """The interpreter tree in `n` processes: the interpreter runs one core per process, so a many-core GPU host runs
+    it `n` times faster. Only the whole tree is split."""
     if n <= 1 or kernels != [INTERPRETED]:
         return [kernels] if kernels else []
-    files = sorted(glob.glob(os.path.join(ROOT, INTERPRETED, "test_*.py")), key=os.path.getsize, reverse=True)
-    shares = [[0, []] for _ in range(min(n, len(files)))]
+    return _file_shards(INTERPRETED, n)
+
+
+def _file_shards(tree: str, n: int) -> list[list[str]]:
+    """The test files of `tree` in up to `n` groups (by size, each to the lightest group)."""
+    files = sorted(glob.glob(os.path.join(ROOT, tree, "test_*.py")), key=os.path.getsize, reverse=True)
+    shares = [[0, []] for _ in range(max(1, min(n, len(files))))]
     for f in files:
         share = min(shares, key=lambda s: s[0])
         share[0] += os.path.getsize(f)
@@ -70,9 +79,12 @@ def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
     for i, part in enumerate(shards):
         tag = f" [{i + 1}/{len(shards)}]" if len(shards) > 1 else ""
         runs.append((f"{INTERPRETED}{tag} (TRITON_INTERPRET=1)", opts + part, True))
-    if rest and n > 1 and [_rel(p) for p in rest] == ["tests"]:  # sharded: one process per test folder
-        rest_parts = [[os.path.relpath(d, ROOT)] for d in sorted(glob.glob(os.path.join(ROOT, "tests", "*", "")))
-                      if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED)]
+    if rest and n > 1 and [_rel(p) for p in rest] == ["tests"]:  # sharded: a process per test folder, the
+        rest_parts = []                                            # longest ones (SPLIT) over n // 2 each
+        for d in sorted(glob.glob(os.path.join(ROOT, "tests", "*", ""))):
+            tree = os.path.relpath(d, ROOT)
+            if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED):
+                rest_parts += _file_shards(tree, n // 2) if tree in SPLIT else [[tree]]
     else:
         rest_parts = [rest] if rest else []
     for part in rest_parts:

@@ -34,17 +34,30 @@ def test_gpu_host_splits_the_tree():
     assert not interp and rest == Q + ["--ignore=tests/kernels", "tests", f"--ignore={INTERPRETED}"]
 
 
+def _test_files(tree: str) -> list[str]:
+    return sorted(os.path.join(tree, f) for f in os.listdir(os.path.join(ROOT, tree))
+                  if f.startswith("test_") and f.endswith(".py"))
+
+
 def test_interpreter_tree_in_shards(monkeypatch):
-    monkeypatch.setenv("M3SERVE_SUITE_SHARDS", "3")
+    """M3SERVE_SUITE_SHARDS=4: the interpreter tree in 4 processes, tests/gpu and tests/unit in 2 each, every other
+    folder whole; every test file runs exactly once."""
+    monkeypatch.setenv("M3SERVE_SUITE_SHARDS", "4")
     runs = plan(Q, gpu=True)
     folders = sorted(d for d in os.listdir(os.path.join(ROOT, "tests")) if d not in ("kernels", "support")
                      and os.path.isdir(os.path.join(ROOT, "tests", d)) and d != "__pycache__")
-    assert [r[2] for r in runs] == [True] * 3 + [False] * len(folders)
-    assert [args[len(Q)] for _, args, _ in runs[3:]] == [os.path.join("tests", d) for d in folders]
-    files = sorted(f for _, args, _ in runs[:3] for f in args[len(Q):])
-    want = sorted(os.path.join(INTERPRETED, f) for f in os.listdir(os.path.join(ROOT, INTERPRETED))
-                  if f.startswith("test_") and f.endswith(".py"))
-    assert files == want  # every file once
+    assert [r[2] for r in runs] == [True] * 4 + [False] * (len(folders) + 2)
+    paths = [args[len(Q):-1] for _, args, _ in runs[4:]]  # each ends with --ignore=tests/kernels
+    assert all(args[-1] == f"--ignore={INTERPRETED}" for _, args, _ in runs[4:])
+    for d in folders:
+        tree = os.path.join("tests", d)
+        mine = [p for p in paths if p[0].startswith(tree + os.sep) or p == [tree]]
+        if tree in ("tests/gpu", "tests/unit"):
+            assert len(mine) == 2 and sorted(f for p in mine for f in p) == _test_files(tree)
+        else:
+            assert mine == [[tree]]
+    files = sorted(f for _, args, _ in runs[:4] for f in args[len(Q):])
+    assert files == _test_files(INTERPRETED)  # every file once
     assert plan(Q, gpu=False) == [("tests", Q, True)]  # no GPU: one process whatever the setting
 
 
