@@ -167,20 +167,41 @@ def _select_without_grad(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
 
 
+def _experts_modules(model) -> list:
+    return [m for m in model.modules() if "forward" in vars(m) and vars(m)["forward"].__func__ is _experts_forward]
+
+
+def check_experts(experts: str) -> None:
+    """A ValueError naming the choices unless `experts` is a key of EXPERTS."""
+    if experts not in EXPERTS:
+        raise ValueError(f"experts must be one of {list(EXPERTS)}, got {experts!r}")
+
+
+def set_experts(model, experts: str) -> None:
+    """The fast experts of `model` (installed) run as EXPERTS[`experts`] from now on."""
+    check_experts(experts)
+    for m in _experts_modules(model):
+        m.experts_path = experts
+
+
+def experts_path(model) -> str:
+    """How the fast experts of `model` run (a key of EXPERTS)."""
+    return _experts_modules(model)[0].experts_path
+
+
 def install(model, experts: str = "all") -> None:
     """Put the fast paths into `model` (a MiniMaxM3VLForCausalLM): attention, experts (`experts`: a key of EXPERTS),
     indexer selection."""
     from transformers import AttentionInterface
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLExperts
 
-    if experts not in EXPERTS:
-        raise ValueError(f"experts must be one of {list(EXPERTS)}, got {experts!r}")
+    check_experts(experts)
     AttentionInterface.register(ATTENTION, attention)
     model.config._attn_implementation = ATTENTION
     for m in model.modules():
         if isinstance(m, MiniMaxM3VLExperts):
-            m.experts_path = experts
             m.forward = types.MethodType(_experts_forward, m)
+    set_experts(model, experts)
     for layer in model.model.layers:
         ix = layer.self_attn.indexer
         if ix is not None:

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from m3serve.learn.data import RECITALS, FreshRows, make_rows, row_jobs
-from m3serve.learn.fast_paths import EXPERTS
+from m3serve.learn.fast_paths import check_experts
 from m3serve.learn.graphed_step import GraphedSteps
 from m3serve.learn.loop import Schedule, ShapeLadder, autocast, batches, collate, prefetch
 from m3serve.learn.step import (DenseAttention, IndexerDistill, RouterBalance, answer_loss, log_record, param_groups,
@@ -215,20 +215,33 @@ def load_weights(model, init_from: str, tokenizer_dir: str) -> None:
 
 
 def pick_experts_implementation(model, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, log) -> str:
-    """transformers runs MoE experts as one grouped GEMM ("grouped_mm", its default where torch has it: no host syncs)
-    or as a loop over experts ("eager"). Try a forward and backward of two rows with the default; on any error fall
-    back to the loop, which runs everywhere."""
-    impl = model.config._experts_implementation
-    if impl != "eager":
+    """How the MoE experts train, tried on a forward and backward of two rows (every parameter's gradient asked for,
+    frozen MLPs included: a path must also hold when they are released); on any error the path that runs everywhere.
+    With the fast paths (learn/fast_paths.py): "grouped" (torch's grouped GEMM) falls back to "all"; without them,
+    transformers' "grouped_mm" (its default where torch has it: no host syncs) to its per-expert loop ("eager")."""
+    from m3serve.learn.fast_paths import ATTENTION, experts_path, set_experts
+
+    fast = model.config._attn_implementation == ATTENTION
+    impl, plain = (experts_path(model), "all") if fast else (model.config._experts_implementation, "eager")
+    if impl != plain:
+        frozen = [p for p in model.parameters() if not p.requires_grad]
         try:
+            for p in frozen:
+                p.requires_grad_(True)
             with autocast(device):
                 answer_loss(model, ids[:2], mask[:2])[0].backward()
-        except Exception as e:  # noqa: BLE001 - any failure of the fast path means: use the loop
-            log(f"target: experts implementation {impl!r} failed ({type(e).__name__}: {e}); using 'eager'")
-            model.set_experts_implementation("eager")
-            impl = "eager"
+        except Exception as e:  # noqa: BLE001 - any failure of the fast path means: use the one that runs everywhere
+            log(f"target: experts implementation {impl!r} failed ({type(e).__name__}: {e}); using {plain!r}")
+            if fast:
+                set_experts(model, plain)
+            else:
+                model.set_experts_implementation(plain)
+            impl = plain
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
         model.zero_grad(set_to_none=True)
-    return impl
+    return f"fast_paths {impl!r}" if fast else impl
 
 
 class StepProfile:
@@ -395,10 +408,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     focus_batch = tc.focus_tokens_per_batch
     focus_data = feed(first.rows, focus_batch, tc.seed + 5) if first.on else None
     ids, mask, _, _ = next(focus_data or data)
-    from m3serve.learn.fast_paths import ATTENTION
-
-    experts = (f"fast_paths {tc.experts!r}" if model.config._attn_implementation == ATTENTION else
-               pick_experts_implementation(model, ids.to(device), mask.to(device), device, log))
+    experts = pick_experts_implementation(model, ids.to(device), mask.to(device), device, log)
     groups = param_groups(model, tc.weight_decay)
     # captured, the optimizer reads its learning rate from a device tensor (set_lr fills it) and keeps its step count
     # there (capturable)
@@ -637,8 +647,7 @@ def run(tc: TrainConfig) -> dict:
                          f"got {tc.focus_max_pairs}")
     if not 0 <= tc.mlp_warmup_frac < 1:
         raise ValueError(f"mlp_warmup_frac must be in [0, 1), got {tc.mlp_warmup_frac}")
-    if tc.experts not in EXPERTS:
-        raise ValueError(f"experts must be one of {list(EXPERTS)}, got {tc.experts!r}")
+    check_experts(tc.experts)
     t_start = time.time()
     deadline = t_start + tc.budget_s
 

@@ -250,6 +250,42 @@ def test_cli_parses_train_options():
     assert flags == [None, True, False]  # None: TrainConfig's default
 
 
+def test_grouped_experts_fall_back_to_every_expert(monkeypatch, trained):
+    """`--experts grouped` whose weights' gradient fails (as a device's grouped GEMM might): the probe asks for every
+    gradient, frozen MLPs included (they are released later in the run), so it finds the failure and the run
+    trains with the all-experts path."""
+    from m3serve.learn import fast_paths
+
+    class WeightGradFails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, gate_up):
+            return h.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if ctx.needs_input_grad[1]:
+                raise RuntimeError("no grouped GEMM for this weight's gradient")
+            return g, None
+
+    def grouped(h, index, weights, gate_up, down, alpha, limit):
+        return fast_paths.experts_all(WeightGradFails.apply(h, gate_up), index, weights, gate_up, down, alpha, limit)
+
+    monkeypatch.setitem(fast_paths.EXPERTS, "grouped", grouped)
+    model = build_target(trained["cfg"], torch.device("cpu"), 0, experts="grouped")
+    for p in mlp_parameters(model):
+        p.requires_grad_(False)  # MlpWarmup's frozen MLPs
+    ids, mask, _ = collate(trained["eval_rows"][:2], trained["pad"])
+    said = []
+    assert pick_experts_implementation(model, ids, mask, torch.device("cpu"), said.append) == "fast_paths 'all'"
+    assert "'grouped' failed" in said[0] and fast_paths.experts_path(model) == "all"
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(p.requires_grad for p in mlp_parameters(model))  # still frozen
+    said.clear()
+    fast_paths.set_experts(model, "all")
+    assert pick_experts_implementation(model, ids, mask, torch.device("cpu"), said.append) == "fast_paths 'all'"
+    assert said == []  # the path that runs everywhere is not tried
+
+
 def test_experts_implementation_falls_back_to_the_loop(monkeypatch, trained):
     """A grouped-GEMM experts path that fails (e.g. a dtype a device's kernel lacks) is replaced by the loop."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -257,7 +293,7 @@ def test_experts_implementation_falls_back_to_the_loop(monkeypatch, trained):
     def broken(*args, **kwargs):
         raise RuntimeError("no grouped_mm kernel for this dtype")
 
-    model = copy.deepcopy(trained["model"])
+    model = build_target(trained["cfg"], torch.device("cpu"), 0, fast=False)  # transformers' own experts
     model.set_experts_implementation("grouped_mm")
     monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", broken)
     ids, mask, _ = collate(trained["eval_rows"][:2], trained["pad"])
