@@ -3,7 +3,7 @@
 transformers' `MiniMaxM3VLForCausalLM` trains as it is, but its eager path spends a step on [B, H, S, S] tensors and
 host syncs: on the H200 (2026-12-04, `--profile-steps`) a 64K-token step took 217 ms of wall time, 124 ms of device
 time, mostly elementwise kernels over attention probabilities and masks, and the device idled while the MoE's expert
-loop synced with the host. `install(model)` swaps three pieces for ones that compute the same values:
+loop synced with the host. `install(model)` swaps four pieces for ones that compute the same values:
 
 - **attention** (`ATTENTION`, registered with transformers' AttentionInterface): torch's scaled_dot_product_attention,
   causal, where every key block is visible (the full-attention layers, and MSA layers in the dense warm-up, where
@@ -17,6 +17,7 @@ loop synced with the host. `install(model)` swaps three pieces for ones that com
   rows sorted into aligned per-expert groups, torch's grouped GEMM, fixed shapes and no host sync. Counting a
   step's aten ops' bytes (CPU, 2026-12-05), the all-experts path's elementwise work on [T, 8, F] tensors was ~40%
   of a step's device time, and "grouped" cuts the estimate by a third (docs/quality.md).
+- **RMSNorm** through torch's `rms_norm` (one fused kernel each way on CUDA).
 - **the indexer's selection** runs without autograd (top-k indices carry no gradient; the indexer learns only from
   the distillation, which recomputes its scores with gradients on the distilled rows).
 
@@ -161,6 +162,14 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
                                       self.swiglu_alpha, self.swiglu_limit)
 
 
+def _rms_norm_fused(self, x: torch.Tensor) -> torch.Tensor:
+    """MiniMaxM3VLRMSNorm.forward (normalised in fp32, scaled by `weight + 1`, back in x's dtype) through torch's
+    rms_norm: on CUDA one fused kernel forward and one backward, where transformers' form runs about 6 elementwise
+    ops forward and 10 backward over the whole activation (~15% of a step's estimated device time,
+    docs/quality.md)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
+
+
 def _select_without_grad(self, *args, **kwargs):
     """MiniMaxM3VLIndexer.forward without autograd (bound per module: a deep copy of the model binds its own)."""
     with torch.no_grad():
@@ -191,9 +200,9 @@ def experts_path(model) -> str:
 
 def install(model, experts: str = "all") -> None:
     """Put the fast paths into `model` (a MiniMaxM3VLForCausalLM): attention, experts (`experts`: a key of EXPERTS),
-    indexer selection."""
+    RMSNorm, indexer selection."""
     from transformers import AttentionInterface
-    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLExperts
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLExperts, MiniMaxM3VLRMSNorm
 
     check_experts(experts)
     AttentionInterface.register(ATTENTION, attention)
@@ -201,6 +210,8 @@ def install(model, experts: str = "all") -> None:
     for m in model.modules():
         if isinstance(m, MiniMaxM3VLExperts):
             m.forward = types.MethodType(_experts_forward, m)
+        elif type(m) is MiniMaxM3VLRMSNorm:
+            m.forward = types.MethodType(_rms_norm_fused, m)
     set_experts(model, experts)
     for layer in model.model.layers:
         ix = layer.self_attn.indexer

@@ -76,6 +76,45 @@ def test_grouped_experts_match_every_expert_without_a_host_sync():
         assert want.norm() > 0 and (got - want).norm() <= 2e-2 * want.norm(), name
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_rms_norm_matches_transformers_norm(dtype):
+    """The fast paths' RMSNorm (torch's rms_norm: fused kernels on CUDA) against transformers' own forward, output and
+    gradients, on the residual stream's fp32 and a projection's bf16."""
+    import copy
+
+    import torch
+
+    from support.required import require
+
+    require("transformers")
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
+
+    from m3serve.learn.config import learned_config
+    from m3serve.learn.train import build_target
+
+    model = build_target(learned_config(2048, 0, 1), torch.device("cuda"), 0)
+    fast = model.model.layers[1].input_layernorm
+    assert vars(fast)["forward"].__func__.__name__ == "_rms_norm_fused"
+    with torch.no_grad():
+        fast.weight.normal_(0.0, 0.1)
+    ref = copy.deepcopy(fast)
+    del ref.forward  # transformers' own
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(4096, 256, device="cuda", generator=g) * 3).to(getattr(torch, dtype))
+    grad = torch.randn(4096, 256, device="cuda", generator=g).to(x.dtype)
+    outs = []
+    for norm in (fast, ref):
+        xi = x.clone().requires_grad_()
+        y = norm(xi)
+        assert y.dtype == x.dtype
+        y.backward(grad)
+        outs.append((y.float(), xi.grad.float(), norm.weight.grad.float()))
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for got, want in zip(*outs):
+        assert (got - want).norm() <= tol * want.norm()
+    assert type(ref) is MiniMaxM3VLRMSNorm and "forward" not in vars(ref)
+
+
 @pytest.mark.parametrize("experts", ["all", "grouped"])
 def test_graphed_training_steps_match_eager(experts):
     """train-learned `--cuda-graphs` (learn/graphed_step.py): the same steps, captured and replayed, move the learned
