@@ -154,7 +154,9 @@ class Schedule:
     """Linear warm-up, then cosine decay to `min_ratio` at `total` steps. `tick(step, deadline)` before each step
     re-plans `total` (at most `cap`) at step `first_plan` and every `every` steps while under 60% of the way, from
     the mean step time since step 5 (past the first steps' one-off costs), so that the decay ends when the phase's
-    time is up whatever the device's speed."""
+    time is up whatever the device's speed. `restart_clock(step)` times only the steps from `step` on (the steps
+    before ran at another pace: the retrieval-first phase's smaller batches), with a plan `first_plan - 5` steps
+    later."""
 
     MARK = 5
 
@@ -162,7 +164,8 @@ class Schedule:
         self.base, self.min_ratio, self.cap, self.first_plan, self.every = base, min_ratio, cap, first_plan, every
         self.total = cap
         self.warmup = max(1, min(warmup, cap // 10))
-        self.mark: float | None = None
+        self.mark: tuple[int, float] | None = None  # (step, time) the step time is measured from
+        self.next_plan = first_plan
 
     def lr(self, step: int) -> float:
         if step < self.warmup:
@@ -170,15 +173,19 @@ class Schedule:
         p = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.base * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
+    def restart_clock(self, step: int) -> None:
+        self.mark = (step, time.time())
+        self.next_plan = step + self.first_plan - self.MARK
+
     def tick(self, step: int, deadline: float) -> None:
-        if step == self.MARK:
-            self.mark = time.time()
-        elif (self.mark is not None and step >= self.first_plan and step < 0.6 * self.total
-              and (step == self.first_plan or step % self.every == 0)):
-            rate = (time.time() - self.mark) / (step - self.MARK)
+        if step == self.MARK and self.mark is None:
+            self.mark = (step, time.time())
+        elif self.mark is not None and self.next_plan <= step < 0.6 * self.total:
+            rate = (time.time() - self.mark[1]) / (step - self.mark[0])
             left = deadline - time.time()
             fit = self.cap if math.isinf(left) else step + int(left / rate)
             self.total = max(step + 1, min(self.cap, fit))
+            self.next_plan = (step // self.every + 1) * self.every
 
 
 def autocast(device: torch.device, cache: bool = True):

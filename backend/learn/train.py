@@ -484,6 +484,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
             focus_data = None
             log(f"target: the retrieval-first phase ended at step {step} (by {first.ended['by']}); every task "
                 "from here")
+            sched.restart_clock(step)  # the phase's batches were smaller: plan from the steps that follow
             if probe is not None:  # a forward of its own: the distillation and the balance do not see it
                 distill.enabled = balance.enabled = False
                 first.ended["probe"] = probe()

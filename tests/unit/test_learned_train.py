@@ -566,3 +566,32 @@ def test_frozen_mlps_do_not_move_until_their_share_of_the_steps_is_over(trained)
     assert mlp and all(torch.equal(after[k], before[k]) for k in mlp)
     assert attn and all(not torch.equal(after[k], before[k]) for k in attn)
     assert all(w.requires_grad for w in mlp_parameters(model))
+
+
+def _planned(restart_at: int | None, monkeypatch) -> list[int]:
+    """A Schedule ticked over 300 steps of 0.1 s (a phase of small batches), then steps of 0.4 s, with a 1,000 s
+    deadline: its `total` after each step from 300 on."""
+    from m3serve.learn import loop
+
+    now = [0.0]
+    monkeypatch.setattr(loop.time, "time", lambda: now[0])
+    sched = loop.Schedule(1e-3, 10, 100_000, 0.05)
+    totals = []
+    for step in range(1200):
+        if step == restart_at:
+            sched.restart_clock(step)
+        sched.tick(step, 1000.0)
+        now[0] += 0.1 if step < 300 else 0.4
+        if step >= 300:
+            totals.append(sched.total)
+    return totals
+
+
+def test_the_schedule_plans_from_the_pace_after_a_restart(monkeypatch):
+    """Steps after the retrieval-first phase are slower than the phase's: planned from the mean since step 5, the
+    decay would be planned for far more steps than the deadline allows; from the steps after the restart, the plan
+    is what the deadline holds at the new pace (30 s for the phase, then 0.4 s a step: 300 + 970 / 0.4)."""
+    restarted, kept = _planned(300, monkeypatch), _planned(None, monkeypatch)
+    assert restarted[20] == restarted[-1] == 300 + int(970 / 0.4)  # planned 20 steps after the restart, then kept
+    assert restarted[19] != restarted[20]
+    assert kept[-1] > restarted[-1] + 300  # the old mean still holds the fast steps
