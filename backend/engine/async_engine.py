@@ -30,9 +30,10 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from m3serve.config import EngineConfig
+from m3serve.engine.client import PendingStarts
 from m3serve.engine.faults import FailedOutput, RequestFailed, describe, is_device_fault
 from m3serve.engine.llm_engine import LLMEngine, PreparedRequest
 from m3serve.engine.outputs import RequestOutput
@@ -118,6 +119,7 @@ class AsyncLLMEngine:
         # gathers outputs hands the round's over here at once (engine_process.py: one message per step)
         self.round_listeners: list[Callable[[], None]] = []
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="m3serve-prepare")
+        self._starts = PendingStarts()
         self._thread = threading.Thread(target=self._run, name="m3serve-engine", daemon=True)
         self._thread.start()
 
@@ -159,6 +161,29 @@ class AsyncLLMEngine:
             async for item in outs:
                 yield item
 
+    def start(self, request_id: str, sink: Callable[[object], None], prompt=None, prompt_token_ids=None,
+              sampling_params: SamplingParams | None = None, reasoning_parser: str | None = None,
+              chat_template_kwargs: dict | None = None, text_options: TextOptions | None = None) -> None:
+        """Thread-safe, no event loop, no wait: `prepare` on the worker pool, then `submit` (engine/client.py)."""
+        with self._cv:
+            self._check_alive()
+            if request_id in self._streams:
+                raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+            self._starts.begin(request_id)
+        try:
+            fut = self._prepare_pool.submit(self.engine.prepare_request, prompt, prompt_token_ids, sampling_params,
+                                            reasoning_parser, chat_template_kwargs, text_options)
+        except RuntimeError as e:  # the pool was shut down: the engine is stopping
+            fut = Future()
+            fut.set_exception(EngineDeadError(str(e)))
+        fut.add_done_callback(functools.partial(self._started, request_id, sink))
+
+    def _started(self, request_id: str, sink: Callable[[object], None], fut: Future) -> None:
+        error = EngineDeadError("the engine is shut down") if fut.cancelled() else fut.exception()
+        self._starts.prepared(request_id, None if error is not None else fut.result(), error,
+                              lambda prepared: self.submit(request_id, prepared, sink), sink,
+                              lambda: self.abort_sync(request_id))
+
     def submit(self, request_id: str, prepared: PreparedRequest, sink: Callable[[object], None]) -> None:
         """Thread-safe, no event loop: start a request `prepare` returned. Its `RequestOutput` deltas (the last with
         finished=True), or the exception that ends it (`RequestFailed`, `EngineDeadError`), go to `sink` on the
@@ -180,6 +205,7 @@ class AsyncLLMEngine:
 
     def abort_sync(self, request_id: str) -> None:
         """Thread-safe: abort the request (its stream gets a final output with finish_reason "abort")."""
+        self._starts.abort(request_id)
         self._send(("abort", request_id, None))
 
     def _send(self, cmd) -> None:

@@ -2,7 +2,8 @@
 engine/process_client.py).
 
 The wire: one socket pair, `multiprocessing.connection` framing, pickles. To the engine: ("prepare", token, kwargs),
-("submit", request id, prepared), ("abort", request id), ("shutdown",). From it: batches of events, one message per
+("submit", request id, prepared), ("start", request id, kwargs: prepare and submit), ("abort", request id),
+("shutdown",). From it: batches of events, one message per
 batch (a step's outputs travel together): ("out", request id, output as a tuple of its fields, or exception),
 ("prepared", token, prepared or exception), ("stats", stats, healthy, dead reason). The engine process runs `AsyncLLMEngine` (or what the
 $M3SERVE_TEST_ENGINE_FACTORY builds) unchanged: its own main thread reads commands, one thread writes events.
@@ -29,6 +30,7 @@ from multiprocessing.connection import Connection
 
 from m3serve.config import EngineConfig
 from m3serve.engine.async_engine import EngineDeadError
+from m3serve.engine.client import PendingStarts
 from m3serve.engine.faults import RequestFailed, describe
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest
@@ -170,6 +172,7 @@ class _Serve:
             listeners.append(self.outbox.flush)
         else:  # an engine without rounds (a test double): each output goes on its own
             self.outbox.eager = True
+        self.starts = PendingStarts()
         self.loop = asyncio.new_event_loop()  # runs `prepare` (a coroutine on every engine)
         threading.Thread(target=self.loop.run_forever, name="m3serve-engine-prepare", daemon=True).start()
 
@@ -205,7 +208,24 @@ class _Serve:
         except Exception as e:  # noqa: BLE001 - its own failure (an id already running, a dead engine)
             put(("out", rid, pack_output(e)), now=True)
 
+    def _fail(self, rid: str, e: BaseException) -> None:
+        self.outbox.put(("out", rid, pack_output(e)), now=True)
+
+    def _start(self, rid: str, kwargs: dict) -> None:
+        """`prepare`, then `_submit`, for any engine (the test doubles have no `start`); a failure to prepare is the
+        request's one event."""
+        self.starts.begin(rid)
+        fut = asyncio.run_coroutine_threadsafe(self.engine.prepare(**kwargs), self.loop)
+
+        def done(f):
+            e = f.exception()
+            self.starts.prepared(rid, None if e is not None else f.result(), e,
+                                 lambda prepared: self._submit(rid, prepared), lambda err: self._fail(rid, err),
+                                 lambda: self.engine.abort_sync(rid))
+        fut.add_done_callback(done)
+
     def _abort(self, rid: str) -> None:
+        self.starts.abort(rid)
         self.engine.abort_sync(rid)
 
 

@@ -12,6 +12,7 @@ server process keeps the requests and the responses. The process is started from
     engine = EngineProcess(config)                 # spawns the process; returns once the engine is ready
     prepared = await engine.prepare(prompt_token_ids=[...], sampling_params=sp)
     engine.submit("r1", prepared, sink)            # sink(RequestOutput | exception), on the receiver thread
+    engine.start("r2", sink, prompt_token_ids=[...], sampling_params=sp)   # both in one message, no round trip
     engine.abort_sync("r1"); engine.stats(); engine.is_healthy(); engine.shutdown()
 
 `generate` (async) is there too, as on `AsyncLLMEngine`.
@@ -142,13 +143,24 @@ class EngineProcess:
     def submit(self, request_id: str, prepared, sink: Callable[[object], None]) -> None:
         """As `AsyncLLMEngine.submit`: `sink` gets the request's outputs (or the exception that ends it) in order,
         on this object's receiver thread; it must be quick and must not block."""
+        self._run(request_id, sink, ("submit", request_id, prepared))
+
+    def start(self, request_id: str, sink: Callable[[object], None], prompt=None, prompt_token_ids=None,
+              sampling_params=None, reasoning_parser=None, chat_template_kwargs=None, text_options=None) -> None:
+        """`prepare` and `submit` in one message, prepared in the engine process (engine/client.py); `sink` as
+        `submit`'s, an invalid request's InvalidRequest its one event."""
+        self._run(request_id, sink, ("start", request_id, dict(
+            prompt=prompt, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
+            reasoning_parser=reasoning_parser, chat_template_kwargs=chat_template_kwargs, text_options=text_options)))
+
+    def _run(self, request_id: str, sink: Callable[[object], None], msg: tuple) -> None:
         with self._lock:
             self._check_alive()
             if request_id in self._sinks:
                 raise InvalidRequest("request_id", f"request {request_id!r} is already running")
             self._sinks[request_id] = sink
         try:
-            self._send(("submit", request_id, prepared))
+            self._send(msg)
         except EngineDeadError:
             with self._lock:
                 self._sinks.pop(request_id, None)

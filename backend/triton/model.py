@@ -12,8 +12,10 @@ One file, four roles (config parameter `m3serve_role`, else guessed from the dec
   postprocessing  token ids -> text
 
 Threads of an LLM instance (text / ids):
-  stub main thread   initialize / execute / finalize: parse, validate, queue; never blocks on the engine
-  engine loop        asyncio loop starting each Triton request's engine requests (`engine.prepare`, `submit`)
+  stub main thread   initialize / execute / finalize: parse, validate, start a request of one engine request
+                     (`engine.start`: one message, no wait); never blocks on the engine
+  engine loop        asyncio loop starting the engine requests of a batch or n > 1 (`engine.prepare` of every
+                     item first, then `submit`)
   engine receiver    `EngineProcess`'s: reads the engine process's events, hands each output straight to the
                      responder's queue (the step loop, the request preparation and the detokenizers run in the
                      engine process, the only one that loads the tokenizer; with engine_process "false" they are
@@ -303,7 +305,10 @@ class TritonPythonModel:
             with self._lock:
                 self._by_client_id[client_id] = group
         self.responder.register(group)
-        self.loop.submit(self._drive_group(items))
+        if len(items) == 1:
+            self._start(*items[0])
+        else:
+            self.loop.submit(self._drive_group(items))
 
     def _on_close(self, group: Group) -> None:
         with self._lock:
@@ -318,27 +323,32 @@ class TritonPythonModel:
                 self.engine.abort_sync(item.rid)  # each item then ends with finish_reason "abort"
         self.responder.empty_final(sender)
 
-    async def _drive_group(self, items: list[tuple[Item, GenRequest]]) -> None:
-        """Run the engine requests of one Triton request. A batch is validated as a whole first (the engine's
-        `prepare`), so an invalid item fails the request before any item streams."""
-        prepared = [None] * len(items)
-        if len(items) > 1:
-            results = await asyncio.gather(*(self.engine.prepare(**r.engine_args()) for _, r in items),
-                                           return_exceptions=True)
-            for (item, r), res in zip(items, results):
-                if isinstance(res, BaseException):
-                    self.responder.end(item, *self._error_reply(r, res))
-                    return
-            prepared = results
-        await asyncio.gather(*(self._drive(item, r, p) for (item, r), p in zip(items, prepared)))
-
-    async def _drive(self, item: Item, r: GenRequest, prepared=None) -> None:
-        """Start one engine request. Its outputs go from the engine thread straight to the response thread's queue
-        (`submit`): no per-token hop through this event loop, whose coroutines would compete with the engine thread
-        for the GIL at every step."""
+    def _start(self, item: Item, r: GenRequest) -> None:
+        """A Triton request of one engine request, started from this thread in one message (`start`: validated and
+        tokenized where the engine runs): no hop through the engine loop's thread and no round trip before the
+        engine sees it, so no wait for the interpreter lock while the response thread is busy. Its outputs, or the
+        error that ends it, go from the engine's side straight to the response thread's queue."""
         try:
-            if prepared is None:
-                prepared = await self.engine.prepare(**r.engine_args())
+            self.engine.start(item.rid, functools.partial(self._on_output, item, r), **r.engine_args())
+        except Exception as e:
+            self.responder.end(item, *self._error_reply(r, e))
+
+    async def _drive_group(self, items: list[tuple[Item, GenRequest]]) -> None:
+        """Run the engine requests of one Triton request of several (a batch, n > 1). The batch is validated as a
+        whole first (the engine's `prepare`), so an invalid item fails the request before any item streams."""
+        results = await asyncio.gather(*(self.engine.prepare(**r.engine_args()) for _, r in items),
+                                       return_exceptions=True)
+        for (item, r), res in zip(items, results):
+            if isinstance(res, BaseException):
+                self.responder.end(item, *self._error_reply(r, res))
+                return
+        await asyncio.gather(*(self._drive(item, r, p) for (item, r), p in zip(items, results)))
+
+    async def _drive(self, item: Item, r: GenRequest, prepared) -> None:
+        """Start one prepared engine request. Its outputs go from the engine thread straight to the response thread's
+        queue (`submit`): no per-token hop through this event loop, whose coroutines would compete with the engine
+        thread for the GIL at every step."""
+        try:
             self.engine.submit(item.rid, prepared, functools.partial(self._on_output, item, r))
             if item.done:  # cancelled (or the model closing) while it was being prepared: its abort came too early
                 self.engine.abort_sync(item.rid)

@@ -7,6 +7,7 @@ import pytest
 from m3serve.engine.async_engine import AsyncLLMEngine
 from m3serve.engine.client import EngineClient
 from m3serve.engine.process_client import EngineProcess
+from m3serve.engine.sampling_params import InvalidRequest
 
 
 def _members() -> list[str]:
@@ -36,8 +37,8 @@ def mismatches(cls) -> list[str]:
 
 
 def test_the_protocol_names_the_interface():
-    assert set(_members()) == {"max_model_len", "prepare", "submit", "generate", "abort", "abort_sync", "stats",
-                               "is_healthy", "dead_reason", "shutdown"}
+    assert set(_members()) == {"max_model_len", "prepare", "submit", "start", "generate", "abort", "abort_sync",
+                               "stats", "is_healthy", "dead_reason", "shutdown"}
 
 
 @pytest.mark.parametrize("cls", [AsyncLLMEngine, EngineProcess])
@@ -57,3 +58,35 @@ def test_a_missing_or_different_member_is_reported():
 
     found = mismatches(Partial)
     assert [m.split(":")[0] for m in found] == ["abort_sync", "is_healthy", "stats"]
+
+
+def test_an_abort_while_a_start_is_prepared_is_applied_once_submitted():
+    """PendingStarts (both engines' `start`): an abort that comes before the request is submitted is applied right
+    after; a failure to prepare or to submit is the request's one event; a request never started is left alone."""
+    from m3serve.engine.client import PendingStarts
+
+    starts, calls = PendingStarts(), []
+
+    def run(rid, prepared=None, error=None, submit_error=None):
+        def submit(p):
+            if submit_error is not None:
+                raise submit_error
+            calls.append(("submit", rid, p))
+        starts.prepared(rid, prepared, error, submit, lambda e: calls.append(("fail", rid, str(e))),
+                        lambda: calls.append(("abort", rid)))
+
+    for rid in "abcd":
+        starts.begin(rid)
+    with pytest.raises(InvalidRequest, match="already running"):
+        starts.begin("a")
+    starts.abort("a")
+    starts.abort("never started")  # nothing kept for it
+    run("a", "A")
+    run("b", "B")
+    run("c", error=ValueError("bad option"))
+    starts.abort("d")
+    run("d", "D", submit_error=RuntimeError("already running"))
+    assert calls == [("submit", "a", "A"), ("abort", "a"), ("submit", "b", "B"), ("fail", "c", "bad option"),
+                     ("fail", "d", "already running")]
+    starts.abort("a")  # after its start: the engine's own abort does the work
+    assert starts._aborted == {}

@@ -133,6 +133,56 @@ def test_bad_requests_name_the_option(proc_engine):
     assert (err.field, err.message, str(err)) == ("top_k", "must be >= -1", "top_k: must be >= -1")
 
 
+def _started(engine, rid, **request):
+    """`start` a request; its events (outputs, or the exception that ends it) once the last has come."""
+    got, done = [], threading.Event()
+
+    def sink(item):
+        got.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            done.set()
+    engine.start(rid, sink, **request)
+    assert done.wait(30)
+    return got
+
+
+def start_checks(engine, tiny_model_dir):
+    """`start` (prepare and submit in one call, the Triton model's path) on `engine`: the stream `generate` gives;
+    an invalid request's InvalidRequest naming the option as its one event; an abort as soon as it is started ends
+    it with "abort" before its tokens are made; an id already running is refused at the call."""
+    want = asyncio.run(collect(engine, "g", prompt_token_ids=[5, 7, 9, 11], sampling_params=greedy(10)))
+    got = _started(engine, "s", prompt_token_ids=[5, 7, 9, 11], sampling_params=greedy(10))
+    assert [t for o in got for t in o.new_token_ids] == [t for o in want for t in o.new_token_ids]
+    assert got[-1].finish_reason == "length" and not any(o.finished for o in got[:-1])
+    bad = _started(engine, "bad", prompt_token_ids=[10**9], sampling_params=greedy(4))
+    assert len(bad) == 1 and isinstance(bad[0], InvalidRequest) and bad[0].field == "prompt_token_ids"
+    got, done = [], threading.Event()
+    engine.start("gone", lambda item: (got.append(item), done.set() if item.finished else None),
+                 prompt_token_ids=list(range(3, 60)), sampling_params=greedy(150))
+    engine.abort_sync("gone")  # before the engine has it (prepared on another thread)
+    assert done.wait(30) and got[-1].finish_reason == "abort"
+    assert sum(len(o.new_token_ids) for o in got) < 150
+    hold = threading.Event()
+    engine.start("twice", lambda item: hold.set(), prompt_token_ids=[5, 6], sampling_params=greedy(200))
+    assert hold.wait(30)
+    with pytest.raises(InvalidRequest, match="already running"):
+        engine.start("twice", hold.set, prompt_token_ids=[5, 6], sampling_params=greedy(2))
+    engine.abort_sync("twice")
+    assert wait_until(lambda: pages_back(engine), 10)
+
+
+def test_start_prepares_and_submits_in_one_message(proc_engine, tiny_model_dir):
+    start_checks(proc_engine, tiny_model_dir)
+
+
+def test_start_on_the_in_process_engine(tiny_model_dir):
+    eng = AsyncLLMEngine(config(tiny_model_dir))
+    try:
+        start_checks(eng, tiny_model_dir)
+    finally:
+        eng.shutdown()
+
+
 def test_a_receiver_that_raises_loses_only_its_request(proc_engine):
     async def main():
         a = await proc_engine.prepare(prompt_token_ids=[5, 6, 7], sampling_params=greedy(50))
