@@ -6,7 +6,7 @@ both (`--compile --cuda-graphs`): the host launches every op, so their count is 
 weights of the learned config, a synthetic batch.
 
     python benchmarks/bench_train_ops.py --rows 8 --len 512 --steps 3 [--backend inductor] [--graphs] [--out ops.json]
-    python benchmarks/bench_train_ops.py --rows 256 --len 512 --modes eager,graphed,graphed+grouped,compiled_graphed+grouped
+    python benchmarks/bench_train_ops.py --rows 256 --len 512 --modes eager,graphed+grouped,compiled_graphed+grouped
 
 Prints per mode: aten ops per step (every aten call the profiler saw, nested ones included, and the top-level
 ones), device kernels per step (CUDA), ms per step (wall, this machine) under the profiler and without it, and with

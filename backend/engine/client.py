@@ -5,9 +5,10 @@ implement every member with the same parameters (tests/unit/test_engine_client.p
 
 A request is validated and tokenized once, by `prepare`, in the process that runs the engine; `submit` (outputs to a
 callable) or `generate` (an async iterator) then run what `prepare` returned. `start` does both where the engine
-runs, from one call that does not wait (`PendingStarts` keeps an abort that comes while the request is prepared). The tokenizer is the engine's alone: a
-caller never holds it. Text a caller needs besides the streamed deltas (the prompt decoded, the logprobs' tokens,
-stop words given as token ids) it asks for with `TextOptions` (engine/sampling_params.py) and reads in the outputs.
+runs, from one call that does not wait (`PendingStarts` keeps an abort that comes while the request is prepared).
+The tokenizer is the engine's alone: a caller never holds it. Text a caller needs besides the streamed deltas (the
+prompt decoded, the logprobs' tokens, stop words given as token ids) it asks for with `TextOptions`
+(engine/sampling_params.py) and reads in the outputs.
 """
 from __future__ import annotations
 

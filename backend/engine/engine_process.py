@@ -3,10 +3,10 @@ engine/process_client.py).
 
 The wire: one socket pair, `multiprocessing.connection` framing, pickles. To the engine: ("prepare", token, kwargs),
 ("submit", request id, prepared), ("start", request id, kwargs: prepare and submit), ("abort", request id),
-("shutdown",). From it: batches of events, one message per
-batch (a step's outputs travel together): ("out", request id, output as a tuple of its fields, or exception),
-("prepared", token, prepared or exception), ("stats", stats, healthy, dead reason). The engine process runs `AsyncLLMEngine` (or what the
-$M3SERVE_TEST_ENGINE_FACTORY builds) unchanged: its own main thread reads commands, one thread writes events.
+("shutdown",). From it: batches of events, one message per batch (a step's outputs travel together): ("out",
+request id, output as a tuple of its fields, or exception), ("prepared", token, prepared or exception), ("stats",
+stats, healthy, dead reason). The engine process runs `AsyncLLMEngine` (or what the $M3SERVE_TEST_ENGINE_FACTORY
+builds) unchanged: its own main thread reads commands, one thread writes events.
 
 Faults: an engine that dies (a device fault) says so in its next stats and its streams end with `EngineDeadError`
 as in process; a process that exits or is killed ends the connection: every open request gets `EngineDeadError`,
@@ -214,7 +214,11 @@ class _Serve:
     def _start(self, rid: str, kwargs: dict) -> None:
         """`prepare`, then `_submit`, for any engine (the test doubles have no `start`); a failure to prepare is the
         request's one event."""
-        self.starts.begin(rid)
+        try:
+            self.starts.begin(rid)
+        except InvalidRequest as e:  # starting already (the client refuses that before it sends)
+            self._fail(rid, e)
+            return
         fut = asyncio.run_coroutine_threadsafe(self.engine.prepare(**kwargs), self.loop)
 
         def done(f):

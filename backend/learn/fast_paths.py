@@ -164,8 +164,8 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
 def _rms_norm_fused(self, x: torch.Tensor) -> torch.Tensor:
     """MiniMaxM3VLRMSNorm.forward (normalised in fp32, scaled by `weight + 1`, back in x's dtype) through torch's
-    rms_norm: on CUDA one fused kernel forward and one backward, where transformers' form runs about 6 elementwise
-    ops forward and 10 backward over the whole activation (~15% of a step's estimated device time,
+    rms_norm: on CUDA one fused kernel forward and one backward, where transformers' form runs 4 ops forward and 11
+    backward over the whole activation (a one-pass stand-in cut a step's estimated device time by 15%,
     docs/quality.md)."""
     return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
 
