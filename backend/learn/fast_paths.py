@@ -146,7 +146,8 @@ def experts_grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_
     rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[expert]  # within its expert's group
     rows = torch.empty_like(flat).scatter_(0, order, (ends - padded)[expert] + rank)  # slot (token, j) -> its row
     offs = torch.where(torch.arange(e, device=dev) == e - 1, cap, ends).to(torch.int32)
-    x = hidden_states.new_zeros(cap, d, dtype=dt).index_copy(0, rows, hidden_states.to(dt).repeat_interleave(k, 0))
+    x = hidden_states.new_zeros(cap, d, dtype=dt).index_copy(
+        0, rows, hidden_states.to(dt)[:, None, :].expand(t, k, d).reshape(n, d))
     act = swiglu(torch._grouped_mm(x, gate_up_proj.to(dt).transpose(1, 2), offs=offs), alpha, limit)
     out = torch._grouped_mm(act, down_proj.to(dt).transpose(1, 2), offs=offs).index_select(0, rows).view(t, k, d)
     return (out * top_k_weights[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
