@@ -25,17 +25,39 @@ import torch
 os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 
+def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0) -> tuple:
+    """A training batch (ids, loss mask, real-token mask, task) of random ids: the loss on each row's last eighth,
+    every token real, tasks 0 and 1 in turn."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (rows, length), generator=g)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, -length // 8:] = True
+    return ids, mask, torch.ones_like(mask), torch.arange(rows) % 2
+
+
+def step_parts(model, device, distill_rows: int, graphed: bool = False, seed: int = 0,
+               foreach: bool | None = None) -> tuple:
+    """What train-learned's target step takes besides the batch: parameter groups, AdamW (fused on CUDA, else
+    `foreach` as torch takes it; capturable, its lr a device tensor, when `graphed`), the indexer's distillation on
+    `distill_rows` rows and the routers' balance, both on."""
+    from m3serve.learn.step import IndexerDistill, RouterBalance, param_groups
+
+    groups = param_groups(model, 0.1)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(groups, lr=torch.tensor(1e-3, device=device) if graphed else 1e-3, fused=fused,
+                            foreach=None if fused else foreach, capturable=graphed)
+    distill, balance = IndexerDistill(model, distill_rows, seed), RouterBalance(model, 1e-2)
+    distill.enabled = balance.enabled = True
+    return groups, opt, distill, balance
+
+
 def count(model, batch, steps: int, device, args, graphed: bool = False) -> dict:
     """Ops and time per step; `graphed`: the step captured as a CUDA graph (learn/graphed_step.py; its first step runs
     eagerly, the second captures, the timed ones replay)."""
     from m3serve.learn.graphed_step import GraphedSteps
-    from m3serve.learn.step import IndexerDistill, RouterBalance, param_groups, target_step
+    from m3serve.learn.step import target_step
 
-    groups = param_groups(model, 0.1)
-    opt = torch.optim.AdamW(groups, lr=torch.tensor(1e-3, device=device) if graphed else 1e-3,
-                            fused=device.type == "cuda", capturable=graphed)
-    distill, balance = IndexerDistill(model, args.distill_rows, 0), RouterBalance(model, 1e-2)
-    distill.enabled = balance.enabled = True
+    groups, opt, distill, balance = step_parts(model, device, args.distill_rows, graphed)
     graphs = GraphedSteps(model, opt, groups, distill, balance, device, 0.25, print) if graphed else None
 
     def step():
@@ -117,11 +139,7 @@ def main() -> None:
                            + ["compiled_graphed"] * (graphs and args.compiled)]
     if device.type != "cuda" and any("graphed" in m for _, m, _ in modes):
         p.error("graphed modes need CUDA")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, args.vocab, (args.rows, args.len), generator=g)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[:, -args.len // 8:] = True
-    batch = (ids, mask, torch.ones_like(mask), torch.arange(args.rows) % 2)
+    batch = synthetic_batch(args.rows, args.len, args.vocab)
     base = build_target(learned_config(args.vocab, 0, 1), device, 0)
     out = {"device": str(device), "torch": torch.__version__, "rows": args.rows, "len": args.len,
            "dense": args.dense}

@@ -58,22 +58,18 @@ class OpBytes(TorchDispatchMode):
 
 def estimate(rows: int, length: int, experts: str, bandwidth: float, matmul_rate: float, dense: bool = False,
              seed: int = 0) -> dict:
+    from bench_train_ops import step_parts, synthetic_batch
+
     from m3serve.learn.config import learned_config
-    from m3serve.learn.step import IndexerDistill, RouterBalance, param_groups, target_step
+    from m3serve.learn.step import target_step
     from m3serve.learn.train import build_target
 
     dev = torch.device("cpu")
     cfg = learned_config(2048, 0, 1)
     model = build_target(cfg, dev, seed, experts=experts)
-    groups = param_groups(model, 0.1)
-    opt = torch.optim.AdamW(groups, lr=1e-3, foreach=True)
-    distill, balance = IndexerDistill(model, 16, seed), RouterBalance(model, 1e-2)
-    distill.enabled = balance.enabled = True
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 2000, (rows, length), generator=g)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[:, -length // 8:] = True
-    batch = (ids, mask, torch.ones_like(mask), torch.arange(rows) % 5)
+    # foreach: the optimizer's ops over whole lists of tensors, as the GPU's fused AdamW reads them (not one by one)
+    groups, opt, distill, balance = step_parts(model, dev, 16, seed=seed, foreach=True)
+    batch = synthetic_batch(rows, length, 2000, seed)
     target_step(model, opt, groups, distill, balance, batch, 1e-3, dense, dev, 0.25)  # the optimizer's state
     mode = OpBytes(rows * length, cfg.num_local_experts)
     with mode:

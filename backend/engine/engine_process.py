@@ -206,7 +206,7 @@ class _Serve:
         try:
             self.engine.submit(rid, prepared, lambda item: put(("out", rid, pack_output(item))))
         except Exception as e:  # noqa: BLE001 - its own failure (an id already running, a dead engine)
-            put(("out", rid, pack_output(e)), now=True)
+            self._fail(rid, e)
 
     def _fail(self, rid: str, e: BaseException) -> None:
         self.outbox.put(("out", rid, pack_output(e)), now=True)

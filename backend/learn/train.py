@@ -649,6 +649,8 @@ def run(tc: TrainConfig) -> dict:
     if not 0 <= tc.mlp_warmup_frac < 1:
         raise ValueError(f"mlp_warmup_frac must be in [0, 1), got {tc.mlp_warmup_frac}")
     check_experts(tc.experts)
+    if not 1.0 <= tc.graph_ladder_ratio < float("inf"):  # NaN too
+        raise ValueError(f"graph_ladder_ratio must be a finite number >= 1, got {tc.graph_ladder_ratio}")
     t_start = time.time()
     deadline = t_start + tc.budget_s
 

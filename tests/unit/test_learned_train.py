@@ -512,7 +512,10 @@ def test_the_prompt_loss_adds_its_share_of_the_other_real_tokens(trained):
                                                  ("focus_max_pairs", 1, "focus_max_pairs"),
                                                  ("focus_max_pairs", 500, "focus_max_pairs"),
                                                  ("focus_recital", "yes", "focus_recital must be one of"),
-                                                 ("experts", "loop", "experts must be one of")])
+                                                 ("experts", "loop", "experts must be one of"),
+                                                 ("graph_ladder_ratio", float("nan"), "graph_ladder_ratio"),
+                                                 ("graph_ladder_ratio", float("inf"), "graph_ladder_ratio"),
+                                                 ("graph_ladder_ratio", 0.5, "graph_ladder_ratio")])
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, field, value, match):
     from m3serve.learn.train import run
 
