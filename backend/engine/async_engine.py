@@ -119,7 +119,7 @@ class AsyncLLMEngine:
         # gathers outputs hands the round's over here at once (engine_process.py: one message per step)
         self.round_listeners: list[Callable[[], None]] = []
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="m3serve-prepare")
-        self._starts = PendingStarts()
+        self._starts = PendingStarts(lambda: EngineDeadError("the engine is shut down"))
         self._thread = threading.Thread(target=self._run, name="m3serve-engine", daemon=True)
         self._thread.start()
 
@@ -129,6 +129,12 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine is dead: {self._error!r}")
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
+
+    def _check_new(self, request_id: str) -> None:
+        """With `_cv` held: the engine is alive and `request_id` is not running."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise InvalidRequest.already_running(request_id)
 
     async def prepare(self, prompt=None, prompt_token_ids=None, sampling_params: SamplingParams | None = None,
                       reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None,
@@ -166,9 +172,7 @@ class AsyncLLMEngine:
               chat_template_kwargs: dict | None = None, text_options: TextOptions | None = None) -> None:
         """Thread-safe, no event loop, no wait: `prepare` on the worker pool, then `submit` (engine/client.py)."""
         with self._cv:
-            self._check_alive()
-            if request_id in self._streams:
-                raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+            self._check_new(request_id)
             self._starts.begin(request_id)
         try:
             fut = self._prepare_pool.submit(self.engine.prepare_request, prompt, prompt_token_ids, sampling_params,
@@ -176,13 +180,9 @@ class AsyncLLMEngine:
         except RuntimeError as e:  # the pool was shut down: the engine is stopping
             fut = Future()
             fut.set_exception(EngineDeadError(str(e)))
-        fut.add_done_callback(functools.partial(self._started, request_id, sink))
-
-    def _started(self, request_id: str, sink: Callable[[object], None], fut: Future) -> None:
-        error = EngineDeadError("the engine is shut down") if fut.cancelled() else fut.exception()
-        self._starts.prepared(request_id, None if error is not None else fut.result(), error,
-                              lambda prepared: self.submit(request_id, prepared, sink), sink,
-                              lambda: self.abort_sync(request_id))
+        fut.add_done_callback(lambda f: self._starts.prepared(
+            request_id, f, lambda prepared: self.submit(request_id, prepared, sink), sink,
+            lambda: self.abort_sync(request_id)))
 
     def submit(self, request_id: str, prepared: PreparedRequest, sink: Callable[[object], None]) -> None:
         """Thread-safe, no event loop: start a request `prepare` returned. Its `RequestOutput` deltas (the last with
@@ -193,9 +193,7 @@ class AsyncLLMEngine:
 
     def _add(self, request_id: str, stream: "_Stream | _Sink", req: PreparedRequest) -> None:
         with self._cv:
-            self._check_alive()
-            if request_id in self._streams:
-                raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+            self._check_new(request_id)
             self._streams[request_id] = stream
             self._commands.append(("add", request_id, req))
             self._cv.notify()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 from m3serve.engine.sampling_params import InvalidRequest
@@ -65,17 +66,19 @@ class EngineClient(Protocol):
 
 class PendingStarts:
     """Requests `start`ed whose preparation has not ended. An abort meanwhile would find no request in the engine: it
-    is kept here and applied right after the request is submitted (so no tokens are made for a caller gone)."""
+    is kept here and applied right after the request is submitted (so no tokens are made for a caller gone).
+    `cancelled` makes the error of a preparation cancelled (the engine shutting down)."""
 
-    def __init__(self):
+    def __init__(self, cancelled: Callable[[], BaseException]):
         self._lock = threading.Lock()
         self._aborted: dict[str, bool] = {}
+        self._cancelled = cancelled
 
     def begin(self, request_id: str) -> None:
         """InvalidRequest if `request_id` is starting already."""
         with self._lock:
             if request_id in self._aborted:
-                raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+                raise InvalidRequest.already_running(request_id)
             self._aborted[request_id] = False
 
     def abort(self, request_id: str) -> None:
@@ -83,15 +86,16 @@ class PendingStarts:
             if request_id in self._aborted:
                 self._aborted[request_id] = True
 
-    def prepared(self, request_id: str, prepared, error: BaseException | None, submit: Callable[[Any], None],
+    def prepared(self, request_id: str, fut: Future, submit: Callable[[Any], None],
                  fail: Callable[[BaseException], None], abort: Callable[[], None]) -> None:
-        """The preparation ended (`prepared`, or `error`): `submit(prepared)`, then `abort()` if one came; a failure
-        to prepare or to submit goes to `fail`."""
+        """The preparation `fut` ended: `submit` its result, then `abort()` if one came; a failure to prepare (or a
+        cancelled preparation) or to submit goes to `fail`."""
         with self._lock:
             aborted = self._aborted.pop(request_id, False)
+        error = self._cancelled() if fut.cancelled() else fut.exception()
         if error is None:
             try:
-                submit(prepared)
+                submit(fut.result())
             except Exception as e:  # noqa: BLE001 - an id already running, a dead engine: the request's one event
                 error = e
         if error is not None:

@@ -172,7 +172,7 @@ class _Serve:
             listeners.append(self.outbox.flush)
         else:  # an engine without rounds (a test double): each output goes on its own
             self.outbox.eager = True
-        self.starts = PendingStarts()
+        self.starts = PendingStarts(lambda: EngineDeadError("the engine is shut down"))
         self.loop = asyncio.new_event_loop()  # runs `prepare` (a coroutine on every engine)
         threading.Thread(target=self.loop.run_forever, name="m3serve-engine-prepare", daemon=True).start()
 
@@ -220,13 +220,9 @@ class _Serve:
             self._fail(rid, e)
             return
         fut = asyncio.run_coroutine_threadsafe(self.engine.prepare(**kwargs), self.loop)
-
-        def done(f):
-            e = f.exception()
-            self.starts.prepared(rid, None if e is not None else f.result(), e,
-                                 lambda prepared: self._submit(rid, prepared), lambda err: self._fail(rid, err),
-                                 lambda: self.engine.abort_sync(rid))
-        fut.add_done_callback(done)
+        fut.add_done_callback(lambda f: self.starts.prepared(
+            rid, f, lambda prepared: self._submit(rid, prepared), lambda err: self._fail(rid, err),
+            lambda: self.engine.abort_sync(rid)))
 
     def _abort(self, rid: str) -> None:
         self.starts.abort(rid)

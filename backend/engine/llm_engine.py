@@ -198,7 +198,7 @@ class LLMEngine:
 
     def add_prepared(self, request_id: str, req: PreparedRequest) -> Sequence:
         if request_id in self.scheduler.requests:
-            raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+            raise InvalidRequest.already_running(request_id)
         sp = req.sampling_params
         seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_rng))
         text = None

@@ -157,7 +157,7 @@ class EngineProcess:
         with self._lock:
             self._check_alive()
             if request_id in self._sinks:
-                raise InvalidRequest("request_id", f"request {request_id!r} is already running")
+                raise InvalidRequest.already_running(request_id)
             self._sinks[request_id] = sink
         try:
             self._send(msg)

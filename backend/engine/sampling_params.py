@@ -31,6 +31,11 @@ class InvalidRequest(ValueError):
     def __reduce__(self):  # pickles (the engine process sends it back) with both arguments
         return (type(self), (self.field, self.message))
 
+    @classmethod
+    def already_running(cls, request_id: str) -> "InvalidRequest":
+        """A request id that is running (or starting) already."""
+        return cls("request_id", f"request {request_id!r} is already running")
+
 
 @dataclass
 class SamplingParams:

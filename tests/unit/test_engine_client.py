@@ -62,20 +62,30 @@ def test_a_missing_or_different_member_is_reported():
 
 def test_an_abort_while_a_start_is_prepared_is_applied_once_submitted():
     """PendingStarts (both engines' `start`): an abort that comes before the request is submitted is applied right
-    after; a failure to prepare or to submit is the request's one event; a request never started is left alone."""
+    after; a failure to prepare (a cancelled preparation included) or to submit is the request's one event; a
+    request never started is left alone."""
+    from concurrent.futures import Future
+
     from m3serve.engine.client import PendingStarts
 
-    starts, calls = PendingStarts(), []
+    starts, calls = PendingStarts(lambda: RuntimeError("shut down")), []
 
-    def run(rid, prepared=None, error=None, submit_error=None):
+    def run(rid, prepared=None, error=None, submit_error=None, cancel=False):
         def submit(p):
             if submit_error is not None:
                 raise submit_error
             calls.append(("submit", rid, p))
-        starts.prepared(rid, prepared, error, submit, lambda e: calls.append(("fail", rid, str(e))),
+        fut = Future()
+        if cancel:
+            fut.cancel()
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(prepared)
+        starts.prepared(rid, fut, submit, lambda e: calls.append(("fail", rid, str(e))),
                         lambda: calls.append(("abort", rid)))
 
-    for rid in "abcd":
+    for rid in "abcde":
         starts.begin(rid)
     with pytest.raises(InvalidRequest, match="already running"):
         starts.begin("a")
@@ -86,7 +96,8 @@ def test_an_abort_while_a_start_is_prepared_is_applied_once_submitted():
     run("c", error=ValueError("bad option"))
     starts.abort("d")
     run("d", "D", submit_error=RuntimeError("already running"))
+    run("e", cancel=True)  # the engine shutting down
     assert calls == [("submit", "a", "A"), ("abort", "a"), ("submit", "b", "B"), ("fail", "c", "bad option"),
-                     ("fail", "d", "already running")]
+                     ("fail", "d", "already running"), ("fail", "e", "shut down")]
     starts.abort("a")  # after its start: the engine's own abort does the work
     assert starts._aborted == {}
