@@ -18,7 +18,7 @@ per (shape, dense or sparse mask), all in one memory pool:
 - the indexer distillation's random rows are a device index tensor the capture read from: each replay copies a new
   draw into it first;
 - when the trainable parameters change (the MLPs released after their warm-up) or batches shrink after running out
-  of memory, the graphs are dropped and the shapes start again from an eager step;
+  of memory, the graphs are dropped and the shapes start again from an eager step, capturing into a new pool;
 - a capture that fails (an op that syncs with the host, say) turns graphs off for the run: every later step is eager,
   and the reason is in the run's log and `train_log.json`.
 """
@@ -65,6 +65,11 @@ class GraphedSteps:
         self.graphs.clear()
         self.seen.clear()
         self.opt.zero_grad(set_to_none=True)
+        # a new pool: the dropped graphs' pool lives on with no graph using it until the allocator frees it, and a
+        # capture into it fails (torch 2.11, run 15 on the H100 when the MLPs were released: "it->second->use_count
+        # > 0 INTERNAL ASSERT FAILED" in CUDACachingAllocator), which turned graphs off for the rest of the run
+        self.pool = torch.cuda.graph_pool_handle()
+        torch.cuda.empty_cache()  # the dead pool's cached blocks go back
 
     def summary(self) -> dict:
         return {**self.counts, "graphs": len(self.graphs), "off": self.off}
@@ -83,7 +88,7 @@ class GraphedSteps:
         for dst, src in zip(cap.inputs, batch):
             dst.copy_(src, non_blocking=True)
         if cap.rows is not None:
-            cap.rows.copy_(self.distill.draw(batch[0].shape[0]))
+            cap.rows.copy_(self.distill.draw(batch[2]))
         cap.graph.replay()
         self.counts["replays"] += 1
         return step_record(cap.out, batch, lr, dense)

@@ -43,8 +43,11 @@ class IndexerDistill:
     selection it returned; the attention hands over the teacher, the main attention's probabilities on the same rows
     (`fast_paths.attention` calls `teacher_sink`; under transformers' eager attention the hook takes the probabilities
     it returns). `take(real)` returns the mean KL over index heads and real query positions of every MSA layer of the
-    last forward. With `rows` > 0 the KL covers that many rows of each batch, drawn at random per forward (the same
-    rows in every layer): its [B, H, S, S] tensors would be a large share of a step, and the indexer is small."""
+    last forward. With `rows` > 0 the KL covers that many rows of each batch (the same rows in every layer), drawn
+    at random per batch by `select` among the rows that hold a real token: its [B, H, S, S] tensors would be a large
+    share of a step, and the indexer is small. A ShapeLadder's batch (`--cuda-graphs`) is filled with padding rows;
+    drawn from every row, a part-filled batch's sample was all padding often enough (no real position: 0 / 0) that
+    run 15's indexer KL went NaN at step ~260 and the NaN gradients emptied the indexer for the rest of the run."""
 
     def __init__(self, model, rows: int = 0, seed: int = 0):
         if rows < 0:
@@ -75,18 +78,24 @@ class IndexerDistill:
         self.pending.clear()
         self.teachers.clear()
 
-    def draw(self, b: int) -> torch.Tensor:
-        """The rows (sorted, on the host) the KL covers in a forward of `b` > `rows` rows. A captured step
-        (graphed_step.py) copies a new draw into the index tensor it was captured with before each replay."""
-        return torch.randperm(b, generator=self.gen)[:self.rows].sort().values
+    def draw(self, real: torch.Tensor) -> torch.Tensor:
+        """The `rows` rows (sorted, on the host) the KL covers in a batch of more rows, from its host real-token mask
+        [B, S]: the rows with a real token first, in random order, then padding rows where there are fewer (they
+        weigh nothing in `take`; a captured step's index has a fixed length). A captured step (graphed_step.py)
+        copies a new draw into the index tensor it was captured with before each replay."""
+        order = torch.randperm(real.shape[0], generator=self.gen)
+        has = real.any(1)[order]
+        return torch.cat([order[has], order[~has]])[:self.rows].sort().values
+
+    def select(self, real: torch.Tensor, device: torch.device) -> None:
+        """Before an eager forward: draw its rows (none where `rows` is 0 or the batch has no more: every row)."""
+        self.sel = self.draw(real).to(device) if self.rows and real.shape[0] > self.rows else None
 
     def _on_indexer(self, indexer, args, block_indices):
         if not self.enabled:
             return
         hidden, (cos, sin), _cache, position_ids = args
         b = hidden.shape[0]
-        if self.rows and self.sel is None and b > self.rows:
-            self.sel = self.draw(b).to(hidden.device)
         if self.sel is not None:
             hidden, block_indices = hidden[self.sel], block_indices[self.sel]
             cos, sin = (t[self.sel] if t.shape[0] == b else t for t in (cos, sin))
@@ -125,7 +134,8 @@ class IndexerDistill:
         if not kls:
             return torch.zeros((), device=real.device)
         w = (real if self.last_rows is None else real[self.last_rows])[:, None, :].float()
-        return sum((kl * w).sum() / (w.sum() * kl.shape[1]) for kl in kls) / len(kls)
+        n = w.sum().clamp_min(1.0) * kls[0].shape[1]  # no real position (a batch of padding): 0, not 0 / 0
+        return sum((kl * w).sum() / n for kl in kls) / len(kls)
 
 
 class RouterBalance:
@@ -259,6 +269,7 @@ def target_step(model, opt, groups, distill, balance, batch, lr: float, dense: b
                 prompt_weight: float = 0.0, cache: bool = True) -> dict:
     """One eager optimizer step on `batch`; returns its log record. `cache`: autocast's weight-cast cache (off
     beside captured steps, so that compiled pieces see the autocast state the capture has)."""
+    distill.select(batch[2], device)
     ids, mask, real, task = (t.to(device, non_blocking=True) for t in batch)
     set_lr(opt, lr)
     opt.zero_grad(set_to_none=True)  # a captured step (graphed_step.py) leaves its gradients in its graph's memory

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import random
 import tarfile
@@ -533,6 +534,11 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
                    "planned_steps": sched.total, **({"retrieval_first": True} if focus else {})}
             curve.append(rec)
             log("target " + json.dumps(rec))
+            bad = [k for k in ("loss", "indexer_kl", "grad_norm") if not math.isfinite(rec[k])]
+            if bad:  # a NaN gradient empties what it reaches (the indexer of run 15): stop, saying so
+                error = f"non-finite {', '.join(bad)} at step {step}"
+                log(f"target: {error}; stopping here")
+                break
             if focus:
                 first.observe(step, rec["answer_token_acc"])
     if mlps.frozen:  # stopped before the MLPs' turn: the model leaves trainable as it came

@@ -119,8 +119,8 @@ def test_fast_rms_norm_matches_transformers_norm(dtype):
 def test_graphed_training_steps_match_eager(experts):
     """train-learned `--cuda-graphs` (learn/graphed_step.py): the same steps, captured and replayed, move the learned
     target as eager steps do: two batch shapes, dense and sparse masks, a learning rate that changes every step, the
-    indexer distilled on 16 drawn rows, the MLPs released half-way (the graphs dropped and captured again); with
-    either experts path (`--experts`)."""
+    indexer distilled on 16 drawn rows (of a batch that is mostly padding too), the MLPs released half-way (the
+    graphs dropped and captured again, into a new pool); with either experts path (`--experts`)."""
     import copy
     import random
 
@@ -139,14 +139,16 @@ def test_graphed_training_steps_match_eager(experts):
     base = build_target(learned_config(2048, 0, 1), dev, 0, experts=experts)
     g = torch.Generator().manual_seed(0)
 
-    def batch(length: int):  # one ladder batch of equal rows, 3 of its rows padding
+    def batch(length: int, real: int = 0):  # one ladder batch of equal rows: 3 of its rows padding, or `real` real
+        n = real or ladder.rows(ladder.length(length), tokens) - 3
         rows = [(torch.randint(2, 1500, (length,), generator=g).tolist(), [i >= length // 2 for i in range(length)],
-                 r % 5) for r in range(ladder.rows(ladder.length(length), tokens) - 3)]
+                 r % 5) for r in range(n)]
         return next(batches(rows, tokens, random.Random(0), 0, ladder=ladder))
 
-    data = [batch(100), batch(200)]
+    # the third: a group's last batch, 4 real rows of 34 (the KL's 16 rows are drawn among the real ones first)
+    data = [batch(100), batch(200), batch(400, real=4)]
     plan = [(0, True), (0, True), (1, False), (1, False), (0, True), (1, False),  # the MLPs released after these
-            (0, False), (0, False), (1, False), (1, False), (0, False), (1, True)]
+            (0, False), (0, False), (1, False), (1, False), (0, False), (1, True), (2, False), (2, False)]
 
     def train(graphed: bool):
         model = copy.deepcopy(base)
@@ -171,7 +173,8 @@ def test_graphed_training_steps_match_eager(experts):
 
     eager, eager_log, _ = train(False)
     graphed, graphed_log, graphs = train(True)
-    assert graphs.summary() == {"eager": 5, "captures": 4, "replays": 7, "resets": 1, "graphs": 2, "off": None}
+    assert graphs.summary() == {"eager": 6, "captures": 5, "replays": 8, "resets": 1, "graphs": 3, "off": None}
+    assert all(0 < r["indexer_kl"] < float("inf") for r in eager_log + graphed_log)
     for e, c in zip(eager_log, graphed_log):
         for k in ("loss", "indexer_kl", "grad_norm"):
             assert abs(c[k] - e[k]) <= 2e-2 * max(abs(e[k]), 1e-2), (k, e, c)

@@ -97,6 +97,7 @@ def test_the_indexer_kl_equals_the_eager_models(pair, dense):
     for m in (eager, fast):
         distill = IndexerDistill(m, rows=2, seed=4)
         distill.enabled = True
+        distill.select(real, ids.device)
         with torch.no_grad(), DenseAttention(m, dense):
             m.model(input_ids=ids)
         kls.append((float(distill.take(real)), distill.last_rows))
@@ -187,6 +188,7 @@ def _step_outputs(model, ids, mask, dense: bool) -> dict:
     with DenseAttention(model, dense):
         logits = model(input_ids=ids).logits
         distill.reset()  # the KL of the loss's forward only
+        distill.select(ids != 1, ids.device)
         loss = answer_loss(model, ids, mask)[0]
     kl = distill.take(ids != 1)
     (loss + kl).backward()

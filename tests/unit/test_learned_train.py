@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import random
 import tarfile
@@ -86,6 +87,7 @@ def test_training_lowers_the_losses(trained):
 def _dense_indexer_kl(model, ids, real, rows: int = 0, seed: int = 0) -> tuple[float, torch.Tensor | None]:
     distill = IndexerDistill(model, rows, seed)
     distill.enabled = True
+    distill.select(real, ids.device)
     with torch.no_grad(), DenseAttention(model):
         model.model(input_ids=ids)
     distill.remove()
@@ -106,6 +108,28 @@ def test_the_indexer_kl_on_a_sample_of_rows_is_the_kl_of_those_rows(trained):
     assert abs(whole - kl) > 1e-6  # the sample is not the whole batch
     with pytest.raises(ValueError, match="distill_rows"):
         IndexerDistill(model, rows=-1)
+
+
+def test_the_indexer_kl_sample_is_drawn_from_the_rows_with_a_real_token(trained):
+    """A ShapeLadder's batch (--cuda-graphs) is filled with padding rows where a group's rows ran out. The KL's
+    sample is drawn among the rows that hold a real token (all of them, then padding, where there are fewer), and a
+    sample without a real position gives 0, not 0 / 0: drawn from every row, run 15's samples were all padding often
+    enough that the KL went NaN at step ~260 and its NaN gradients emptied the indexer for the rest of the run."""
+    model = trained["model"]
+    ids, _, real = collate(trained["eval_rows"][-2:], trained["pad"], n_rows=10)  # 2 real rows, 8 of padding
+    alone, _ = _dense_indexer_kl(model, ids[:2], real[:2])
+    for seed in range(20):  # drawn from all 10 rows, 56 in 120 samples of 3 would hold neither real row
+        kl, rows = _dense_indexer_kl(model, ids, real, rows=3, seed=seed)
+        assert len(rows) == 3 and {0, 1} <= set(rows.tolist()), rows
+        assert math.isfinite(kl) and abs(kl - alone) < 1e-4 * max(1.0, alone), (kl, alone)  # padding weighs nothing
+    ids, _, real = collate(trained["eval_rows"][-6:], trained["pad"], n_rows=12)
+    picked = [_dense_indexer_kl(model, ids, real, rows=3, seed=seed)[1] for seed in range(20)]
+    assert all(set(r.tolist()) <= set(range(6)) for r in picked)  # real rows only where there are enough
+    assert len({tuple(r.tolist()) for r in picked}) > 1
+    distill = IndexerDistill(model, rows=3)
+    distill.kls, distill.sel = [torch.rand(3, 2, ids.shape[1])], torch.tensor([7, 8, 10])  # padding rows only
+    assert float(distill.take(real)) == 0.0
+    distill.remove()
 
 
 def test_indexer_learns_the_attention(trained):
@@ -323,6 +347,28 @@ def test_a_failing_step_stops_training_and_keeps_the_last_good_weights(monkeypat
     assert out["steps"] == 2 and out["stopped_by"].startswith("RuntimeError")
     assert any("step 2 failed" in m for m in said)
     assert all(p.grad is None for p in model.parameters())  # no half-accumulated gradients left behind
+
+
+def test_a_non_finite_loss_stops_the_run_at_its_logged_step(monkeypatch, trained):
+    """A NaN that reaches the gradients empties what it reaches (run 15's indexer KL: 2,250 steps went on with an
+    indexer that selected nothing useful, and only the final eval showed it): the first logged step whose loss,
+    indexer KL or gradient norm is not finite stops the run, and the reason is its `stopped_by`."""
+    import m3serve.learn.step as step
+
+    model = build_target(trained["cfg"], torch.device("cpu"), 1)
+    real_take, calls = step.IndexerDistill.take, []
+
+    def nan_from_step_5(self, real):
+        calls.append(1)
+        kl = real_take(self, real)
+        return kl * float("nan") if len(calls) >= 5 else kl
+
+    monkeypatch.setattr(step.IndexerDistill, "take", nan_from_step_5)
+    tc = dataclasses.replace(trained["tc"], max_steps=20, log_every=3)
+    said = []
+    out = train_target(model, trained["rows"], tc, torch.device("cpu"), float("inf"), trained["pad"], said.append)
+    assert out["steps"] == 6 and out["stopped_by"] == "non-finite indexer_kl at step 6", out["stopped_by"]
+    assert any("non-finite indexer_kl at step 6; stopping here" in m for m in said)
 
 
 def test_out_of_memory_halves_the_batches_and_runs_the_step_again(monkeypatch, trained):
