@@ -14,7 +14,7 @@ One process does it all, within a wall-clock budget (`--budget-s`), so that it f
    auxiliary-loss-free balancing; M3 checkpoints carry that bias). The experts run through transformers'
    grouped-GEMM path where the device has it (no host syncs), else its per-expert loop (tried on the first batch).
    One step (learn/step.py) runs eagerly, or captured once per batch shape as a CUDA graph and replayed
-   (`--cuda-graphs`, learn/graphed_step.py: the step is host-bound).
+   (`--cuda-graphs`, learn/graphed_step.py: the step is host-bound; the draft's steps too, learn/train_draft.py).
 3. the lightning indexer (MSA layers): top-k block selection is not differentiable, so the indexer learns by
    distillation, with its input detached (the language-model loss never reaches it, and the KL never reaches the
    backbone). The recipe is the one MiniMax published with MSA (github.com/MiniMax-AI/MSA, training/msa_v1/kl):
@@ -148,9 +148,9 @@ class TrainConfig:
     # torch.compile the target step's small-op pieces (fast_paths.CompiledPieces); any compiler error: eager again
     compile: bool = False
     compile_backend: str = "inductor"
-    # each batch shape's target step captured once as a CUDA graph and replayed (learn/graphed_step.py): the step is
-    # host-bound; batches come in the shapes of a ShapeLadder (32-token rungs about graph_ladder_ratio apart). Off the
-    # GPU, or once a capture fails, steps run eagerly
+    # each batch shape's target step, and then draft step, captured once as a CUDA graph and replayed
+    # (learn/graphed_step.py): both are host-bound; batches come in the shapes of a ShapeLadder (32-token rungs about
+    # graph_ladder_ratio apart). Off the GPU, or once a capture fails, steps run eagerly
     cuda_graphs: bool = False
     graph_ladder_ratio: float = 1.25
     # the MoE experts in training (fast_paths.EXPERTS): "all" runs every expert router-weighted (4x the top-2 work, no

@@ -24,7 +24,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from m3serve.learn.loop import Schedule, autocast, batches, collate, prefetch
+from m3serve.learn.graphed_step import CapturedSteps
+from m3serve.learn.loop import Schedule, ShapeLadder, autocast, batches, collate, prefetch
+from m3serve.learn.step import set_lr
 from m3serve.learn.tasks import TASKS
 from m3serve.model.dspark import DSparkDraft, SharedTargetParts
 from m3serve.model.dspark_taps import TapRecorder
@@ -132,6 +134,53 @@ def draft_step_losses(draft: DSparkDraft, target, ids: torch.Tensor, mask: torch
     return out
 
 
+def with_anchors(it, n: int, rng: random.Random):
+    """`batches`' (ids, mask, real, task) as (ids, mask, anchors, valid): the anchors drawn on the host, in the
+    batch-prefetch thread."""
+    for ids, mask, _real, _task in it:
+        yield (ids, mask, *sample_anchors(mask, n, rng))
+
+
+def draft_step_body(draft, target, params, opt, batch, autocast) -> dict:
+    """One draft update on a batch already on the device (ids, mask, anchors, valid): the losses, backward,
+    clipping, the optimizer; no host sync, so `DraftSteps` can capture it. Returns the losses' tensors."""
+    out = draft_step_losses(draft, target, *batch, autocast)
+    out["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return {k: v.detach() for k, v in out.items()}
+
+
+class DraftSteps(CapturedSteps):
+    """The draft's update from one CUDA graph per batch shape (train-learned `--cuda-graphs`; graphed_step.py): the
+    frozen target's forward, the draft's forward and backward, clipping and the fused AdamW in one replay."""
+
+    what = "draft"
+
+    def __init__(self, draft, target, params, opt, device: torch.device, log):
+        super().__init__(opt, device, log)
+        self.draft, self.target, self.params = draft, target, params
+
+    def step(self, batch, lr: float) -> dict:
+        return self.run(tuple(batch[0].shape), batch, lr)
+
+    def eager(self, batch, lr: float, key: tuple) -> dict:
+        return draft_step(self.draft, self.target, self.params, self.opt, batch, lr, self.device, cache=False)
+
+    def body(self, inputs, key: tuple) -> dict:
+        return draft_step_body(self.draft, self.target, self.params, self.opt, inputs, autocast(self.device, False))
+
+
+def draft_step(draft, target, params, opt, batch, lr: float, device: torch.device, cache: bool = True) -> dict:
+    """One eager draft update on a host batch; `cache`: autocast's weight-cast cache (off beside captured steps)."""
+    batch = tuple(t.to(device, non_blocking=True) for t in batch)
+    set_lr(opt, lr)
+    opt.zero_grad(set_to_none=True)  # a captured step leaves its gradients in its graph's memory
+    out = draft_step_body(draft, target, params, opt, batch, autocast(device, cache))
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
 class Acceptance:
     """Per-position conditional acceptance of greedy drafts: alpha_k = P(draft k accepted | drafts < k accepted),
     over blocks whose position k is still answer; E[accepted] = sum_k prod_{i<=k} alpha_i."""
@@ -162,11 +211,16 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
     mask_id = Tokenizer.from_pretrained(tc.out).token_id(MASK_TOKEN)
     draft = build_draft(target, cfg, tc, mask_id, device)
     params = [p for p in draft.parameters()]
-    opt = torch.optim.AdamW(params, lr=tc.draft_lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
+    graphed = tc.cuda_graphs and device.type == "cuda"
+    # captured, the optimizer reads its learning rate from a device tensor (set_lr fills it), as the target's does
+    opt = torch.optim.AdamW(params, lr=torch.tensor(tc.draft_lr, device=device) if graphed else tc.draft_lr,
+                            betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda", capturable=graphed)
+    graphs = DraftSteps(draft, target, params, opt, device, log) if graphed else None
     sched = Schedule(tc.draft_lr, 20, tc.draft_max_steps, 0.1, first_plan=20, every=50)
-    rng = random.Random(tc.seed + 1)
     train_rows = [r for r in rows if sum(r[1]) >= 2]
-    data = prefetch(batches(train_rows, tc.draft_tokens_per_batch, random.Random(tc.seed + 2), pad_id),
+    ladder = ShapeLadder(ratio=tc.graph_ladder_ratio) if graphed else None
+    data = prefetch(with_anchors(batches(train_rows, tc.draft_tokens_per_batch, random.Random(tc.seed + 2), pad_id,
+                                         ladder=ladder), tc.draft_anchors, random.Random(tc.seed + 1)),
                     pin=device.type == "cuda")
     curve, step = [], 0
     log(f"draft: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, taps {draft.tap_layers}, "
@@ -174,27 +228,22 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
         batch = next(data)
-        anchors, valid = sample_anchors(batch[1], tc.draft_anchors, rng)  # from the host copy: no device sync
-        ids, mask, anchors, valid = (t.to(device, non_blocking=True) for t in (batch[0], batch[1], anchors, valid))
-        for grp in opt.param_groups:
-            grp["lr"] = sched.lr(step)
-        out = draft_step_losses(draft, target, ids, mask, anchors, valid, autocast(device))
-        out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        out = (graphs.step(batch, sched.lr(step)) if graphs is not None else
+               draft_step(draft, target, params, opt, batch, sched.lr(step), device))
         step += 1
         if step % tc.log_every == 0 or step == 1:
             acc = Acceptance(draft.block_size)
             acc.add(out["match"], out["ok"])
-            rec = {"step": step, **{k: round(float(out[k].detach()), 4) for k in ("loss", "ce", "tv", "bce")},
+            rec = {"step": step, **{k: round(float(out[k]), 4) for k in ("loss", "ce", "tv", "bce")},
                    "alpha_1": acc.report()["alpha"][0], "elapsed_s": round(time.time() - t0, 1),
                    "planned_steps": sched.total}
             curve.append(rec)
             log("draft " + json.dumps(rec))
+    data.close()
     draft.eval()
     result = {"steps": step, "planned_steps": sched.total, "wall_s": round(time.time() - t0, 1), "curve": curve,
-              "config": draft.config.to_dict()}
+              "config": draft.config.to_dict(), "cuda_graphs": graphs.summary() if graphs is not None else None}
+    del graphs
     save_draft(draft, target, out_dir)
     result["eval"] = evaluate_draft(draft, target, eval_rows, device, pad_id, tc, collate, autocast)
     log("eval draft (greedy acceptance, teacher-forced) " + json.dumps(result["eval"]["all"]))

@@ -188,3 +188,65 @@ def test_graphed_training_steps_match_eager(experts):
         if name.endswith("e_score_correction_bias"):
             # the routers' balancing ran in every replay (steps of 0.01; a near-tie may flip one or two)
             assert bc.abs().sum() > 0 and (bc - be).abs().max() <= 0.041, name
+
+
+def test_graphed_draft_steps_match_eager():
+    """train-learned `--cuda-graphs` trains the DSpark draft from CUDA graphs too (train_draft.DraftSteps): the same
+    updates, captured and replayed (the frozen target's forward, the draft's forward and backward, clipping, the fused
+    AdamW with a learning rate that changes every step), move the draft as eager ones do; two ladder shapes, one of
+    them mostly padding rows."""
+    import copy
+    import random
+
+    import torch
+
+    from support.required import require
+
+    require("transformers")
+    from m3serve.learn.config import learned_config
+    from m3serve.learn.loop import ShapeLadder, batches
+    from m3serve.learn.train import TrainConfig, build_target
+    from m3serve.learn.train_draft import DraftSteps, build_draft, draft_step, with_anchors
+
+    dev, tokens, ladder = torch.device("cuda"), 16384, ShapeLadder()
+    cfg = learned_config(2048, 0, 1)
+    target = build_target(cfg, dev, 0, experts="grouped").requires_grad_(False).eval()
+    tc = TrainConfig(out="unused", device="cuda")
+    base = build_draft(target, cfg, tc, 2000, dev)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(length: int, real: int = 0):  # a ladder batch of equal rows, the second half of each the answer
+        n = real or ladder.rows(ladder.length(length), tokens) - 3
+        rows = [(torch.randint(2, 1500, (length,), generator=g).tolist(), [i >= length // 2 for i in range(length)],
+                 r % 5) for r in range(n)]
+        return next(with_anchors(batches(rows, tokens, random.Random(0), 0, ladder=ladder), tc.draft_anchors,
+                                 random.Random(length)))
+
+    data = [batch(100), batch(300, real=5)]
+    plan = [0, 0, 1, 1, 0, 1, 0, 1]
+
+    def train(graphed: bool):
+        draft = copy.deepcopy(base)
+        params = list(draft.parameters())
+        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-3, device=dev) if graphed else 1e-3, betas=(0.9, 0.95),
+                                weight_decay=0.0, fused=True, capturable=graphed)
+        graphs = DraftSteps(draft, target, params, opt, dev, print) if graphed else None
+        losses = []
+        for i, b in enumerate(plan):
+            lr = 1e-3 * (1 - i / 16)
+            out = (graphs.step(data[b], lr) if graphs is not None else
+                   draft_step(draft, target, params, opt, data[b], lr, dev))
+            losses.append({k: float(out[k]) for k in ("loss", "ce", "tv", "bce")})
+        return draft, losses, graphs
+
+    eager, eager_log, _ = train(False)
+    graphed, graphed_log, graphs = train(True)
+    assert graphs.summary() == {"eager": 2, "captures": 2, "replays": 6, "resets": 0, "graphs": 2, "off": None}
+    for e, c in zip(eager_log, graphed_log):
+        for k in e:
+            assert abs(c[k] - e[k]) <= 2e-2 * max(abs(e[k]), 1e-2), (k, e, c)
+    moved = diff = 0.0
+    for pb, pe, pc in zip(base.parameters(), eager.parameters(), graphed.parameters()):
+        moved += float((pe - pb).float().norm() ** 2)
+        diff += float((pc - pe).float().norm() ** 2)
+    assert moved > 0 and diff ** 0.5 <= 0.05 * moved ** 0.5, (diff ** 0.5, moved ** 0.5)

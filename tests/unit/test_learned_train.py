@@ -32,7 +32,8 @@ from m3serve.learn.train import (MlpWarmup, SparseRamp, TrainConfig,  # noqa: E4
                                  batches, build_target, collate, exact_match, fresh_init, keep_better,
                                  load_weights, make_rows, mlp_parameters, pack,
                                  pick_experts_implementation, save_target, train_target)
-from m3serve.learn.train_draft import tap_layers, train_and_save_draft  # noqa: E402
+from m3serve.learn.train_draft import (MASK_TOKEN, build_draft, draft_step, tap_layers,  # noqa: E402
+                                       train_and_save_draft, with_anchors)
 from m3serve.text.tokenizer import Tokenizer  # noqa: E402
 
 from support.learned import MICRO_2L as MICRO  # noqa: E402
@@ -130,6 +131,38 @@ def test_the_indexer_kl_sample_is_drawn_from_the_rows_with_a_real_token(trained)
     distill.kls, distill.sel = [torch.rand(3, 2, ids.shape[1])], torch.tensor([7, 8, 10])  # padding rows only
     assert float(distill.take(real)) == 0.0
     distill.remove()
+
+
+def test_the_draft_step_ignores_a_ladder_batchs_padding(trained):
+    """--cuda-graphs: the draft's batches come in a ShapeLadder's shapes too (train_draft.DraftSteps), right-padded
+    and filled with padding rows. A padding row gets no anchor, and the padding changes neither the draft's losses nor
+    its update: one draft step on the batch as it is and on its ladder copy move the draft alike."""
+    from m3serve.learn.loop import ShapeLadder
+
+    rows = [r for r in trained["rows"] if sum(r[1]) >= 2][:5]
+    pad, tc, model = trained["pad"], trained["tc"], trained["model"]
+    length = ShapeLadder().length(max(len(r[0]) for r in rows)) + 32
+    plain, padded = (collate(rows, pad), collate(rows, pad, length, 8))
+    outs, drafts = [], []
+    for ids, mask, real in (plain, padded):
+        batch = next(with_anchors(iter([(ids, mask, real, None)]), tc.draft_anchors, random.Random(3)))
+        if ids.shape[0] == 8:
+            assert not batch[3][5:].any() and batch[3][:5].any()  # padding rows: no anchor
+        draft = build_draft(model, trained["cfg"], tc, Tokenizer.from_pretrained(trained["out"]).token_id(MASK_TOKEN),
+                            torch.device("cpu"))
+        params = list(draft.parameters())
+        opt = torch.optim.SGD(params, lr=1.0)  # the update is the gradient (Adam's would blow up rounding)
+        outs.append(draft_step(draft, model, params, opt, batch, 1.0, torch.device("cpu")))
+        drafts.append(draft)
+    for k in ("loss", "ce", "tv", "bce"):
+        torch.testing.assert_close(outs[1][k], outs[0][k], rtol=1e-4, atol=1e-6, msg=k)
+    assert int(outs[0]["ok"].sum()) == int(outs[1]["ok"].sum()) > 0
+    moved = 0.0
+    for (name, p0), p1, p in zip(drafts[0].named_parameters(), drafts[1].parameters(),
+                                 build_draft(model, trained["cfg"], tc, 0, torch.device("cpu")).parameters()):
+        torch.testing.assert_close(p1 - p, p0 - p, rtol=1e-3, atol=1e-6, msg=name)
+        moved += float((p0 - p).detach().norm())
+    assert moved > 0
 
 
 def test_indexer_learns_the_attention(trained):
