@@ -30,6 +30,10 @@ Keys:
                            16 N), then drafts again (engine/speculative_scheduling.py). Exact: greedy tokens do not
                            depend on the drafts. For replies whose drafts rarely hold (a few tokens of random digits),
                            where a step that accepts nothing costs more than a plain one (docs/performance.md).
+  prefill_apart            false (default) | true: a step whose decodes draft takes no prefill chunk; the prefill
+                           work runs in the next step, alone (engine/scheduler.py). Speculating decodes alone
+                           replay the speculative CUDA graphs, where a mixed step runs every phase eagerly. Exact:
+                           the same tokens, in other steps.
 """
 from __future__ import annotations
 
@@ -82,6 +86,7 @@ class SpeculativeConfig:
     confidence_cost_table: list | None = None
     draft_vocab_size: int | None = None
     draft_backoff: int = 0
+    prefill_apart: bool = False
 
     @classmethod
     def problems(cls, raw: Any) -> list[str]:
@@ -118,8 +123,9 @@ class SpeculativeConfig:
         thr = g("confidence_threshold", 0.0)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr < 1.0:
             bad("confidence_threshold", f"must be a number in [0, 1), got {thr!r}")
-        if not isinstance(g("confidence_scheduling", False), bool):
-            bad("confidence_scheduling", f"must be true or false, got {g('confidence_scheduling')!r}")
+        for key in ("confidence_scheduling", "prefill_apart"):
+            if not isinstance(g(key, False), bool):
+                bad(key, f"must be true or false, got {g(key)!r}")
         table = g("confidence_cost_table")
         if g("confidence_scheduling") is True and table is None:
             bad("confidence_cost_table", "confidence_scheduling needs the step-cost table measured on this machine "

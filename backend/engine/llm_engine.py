@@ -99,7 +99,8 @@ class LLMEngine:
         self.draft_backoff = speculative.draft_backoff if speculative is not None else 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
-                                   num_lookahead=(lambda seq: num_draft_tokens(seq, self.verify_width)) if k else None)
+                                   num_lookahead=(lambda seq: num_draft_tokens(seq, self.verify_width)) if k else None,
+                                   prefill_apart=bool(k) and speculative.prefill_apart)
         self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids, self.executor.pin_memory, k)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)

@@ -16,6 +16,12 @@ as computed and returns the lookahead pages left empty (`BlockManager.trim`; not
 result, async scheduling, may still write there). A preempted sequence is recomputed
 up to its last token only, which the next step feeds as a decode again (`resume_as_decode`): it speculates from
 the same anchor as it would have without the preemption, so it draws the same tokens.
+
+`prefill_apart` (speculative_config.prefill_apart, off by default): a step whose decodes draft takes no prefill
+work; the prefill chunks and admissions it left go in the next step, without the decodes (which then take the step
+after). A step that holds only speculating decodes replays the speculative CUDA graphs, where a mixed step runs
+every phase eagerly (executor/speculative/decoder.py). The tokens are the same either way; only which step runs
+what changes.
 """
 from __future__ import annotations
 
@@ -44,12 +50,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, num_lookahead: Callable[[Sequence], int] | None = None):
+                 enable_chunked_prefill: bool = True, num_lookahead: Callable[[Sequence], int] | None = None,
+                 prefill_apart: bool = False):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead = num_lookahead  # decoding sequence -> drafts it verifies next (speculative decoding)
         self.resume_as_decode = num_lookahead is not None
+        self.prefill_apart = prefill_apart  # speculating decodes and prefill work in separate steps (docstring)
+        self._prefill_turn = False  # the last step left prefill work for this one (prefill_apart)
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.requests: dict[str, Sequence] = {}
@@ -106,10 +115,15 @@ class Scheduler:
             return 0
         return n
 
+    def _has_prefill_work(self) -> bool:
+        return (any(s.num_uncomputed_tokens > 1 for s in self.running)
+                or bool(self.waiting) and len(self.running) < self.max_num_seqs)
+
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
+        num_decodes = 0
 
         def take(seq: Sequence, n: int, drafts: int = 0) -> None:
             nonlocal budget
@@ -117,47 +131,59 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
 
-        # 1. decodes (speculative ones with their drafts)
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
-            if budget == 0:
-                break
-            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            k = self.num_lookahead(seq) if self.num_lookahead is not None else 0
-            if 1 + k > budget:
-                continue  # its drafts never shrink to fit (see the module docstring): a later step runs it
-            while not self.bm.can_append_slot(seq, k):
-                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+        def decodes() -> None:  # 1. decodes (speculative ones with their drafts)
+            nonlocal num_decodes
+            for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+                if budget == 0:
                     break
-            if seq.status == SequenceStatus.RUNNING:
-                self.bm.append_slot(seq, k)
-                take(seq, 1 + k, k)
-        num_decodes = len(out.seqs)
-        # 2. prefills in progress
-        for seq in self.running:
-            if budget == 0:
-                break
-            if id(seq) not in scheduled and seq.num_uncomputed_tokens > 1:
+                if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                    continue
+                k = self.num_lookahead(seq) if self.num_lookahead is not None else 0
+                if 1 + k > budget:
+                    continue  # its drafts never shrink to fit (see the module docstring): a later step runs it
+                while not self.bm.can_append_slot(seq, k):
+                    victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status == SequenceStatus.RUNNING:
+                    self.bm.append_slot(seq, k)
+                    take(seq, 1 + k, k)
+                    num_decodes += 1
+
+        def prefills() -> None:
+            for seq in self.running:  # 2. prefills in progress
+                if budget == 0:
+                    break
+                if id(seq) not in scheduled and seq.num_uncomputed_tokens > 1:
+                    n = self._chunk(seq, budget)
+                    if n:
+                        take(seq, n)
+            # 3. admissions, FCFS
+            while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
+                    break
+                if not self.enable_chunked_prefill and seq.num_tokens > budget:
+                    break  # the whole prefill must fit one step
+                self.bm.allocate(seq)
                 n = self._chunk(seq, budget)
-                if n:
+                self.waiting.pop(0)
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, seq, key=self._arrival)
+                if n:  # 0: a resumed sequence whose cached prefix left only its last token (next step's decode)
                     take(seq, n)
-        # 3. admissions, FCFS
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
-                break
-            if not self.enable_chunked_prefill and seq.num_tokens > budget:
-                break  # the whole prefill must fit one step
-            self.bm.allocate(seq)
-            n = self._chunk(seq, budget)
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=self._arrival)
-            if n:  # 0: a resumed sequence whose cached prefix left only its last token (next step's decode)
-                take(seq, n)
+
+        prefill_turn, self._prefill_turn = self._prefill_turn, False
+        if not prefill_turn:
+            decodes()
+        if self.prefill_apart and any(out.num_draft_tokens):
+            self._prefill_turn = self._has_prefill_work()  # the next step runs it, without these decodes
+        else:
+            prefills()
+            if prefill_turn and not out.seqs:  # nothing to prefill after all (no pages): the decodes
+                decodes()
         self.num_chunked_prefills += sum(1 for s, n, k in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens)
                                          if not k and n < self._prefill_todo(s))
         if num_decodes and len(out.seqs) > num_decodes:

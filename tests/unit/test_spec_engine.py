@@ -222,6 +222,43 @@ def test_draft_backoff_drafts_less_where_drafts_fail_and_changes_no_token(make_e
     assert st["num_free_pages"] == st["num_total_pages"]
 
 
+def test_prefill_apart_keeps_speculating_decodes_out_of_prefill_steps(make_engine, reference_greedy, eu):
+    """speculative_config.prefill_apart: with staggered arrivals and small chunks, no step holds both a decode that
+    drafts and a prefill chunk (without the option many do); a prefill left by a speculating step runs in the next
+    one; the tokens are the reference's, as without the option."""
+    prompts = eu.random_prompts([30, 45, 12, 60], seed=21)
+    gens = [16, 12, 20, 10]
+    outs, batches = [], []
+    for apart in (True, False):
+        eng = make_engine(max_num_batched_tokens=24, speculative_config=dspark(prefill_apart=apart))
+        control(eng, continuations(prompts, gens, reference_greedy), 0.6)
+        log = []
+        schedule = eng.scheduler.schedule
+
+        def logged(schedule=schedule, log=log):
+            b = schedule()
+            log.append([(k, n) for n, k in zip(b.num_new_tokens, b.num_draft_tokens)])
+            return b
+
+        eng.scheduler.schedule = logged
+        outs.append(run(eng, [(f"r{i}", p, greedy(n, 1000 + i)) for i, (p, n) in enumerate(zip(prompts, gens))],
+                        every=3))
+        batches.append(log)
+        st = eng.stats()
+        assert st["num_free_pages"] == st["num_total_pages"]
+        assert 0 < st["spec_decode_num_accepted_tokens"]
+    for i, (p, n) in enumerate(zip(prompts, gens)):
+        assert outs[0][f"r{i}"][0] == outs[1][f"r{i}"][0] == reference_greedy(p, n), f"r{i}"
+
+    def mixed(b):  # a drafting decode and a prefill chunk (more than one new token without drafts) in one step
+        return any(k for k, _ in b) and any(not k and n > 1 for k, n in b)
+
+    apart, together = batches
+    assert not any(mixed(b) for b in apart) and sum(mixed(b) for b in together) >= 2
+    # a prefill-only step right after a step of drafting decodes: the prefill work that step left
+    assert any(any(k for k, _ in a) and b and all(not k and n > 1 for k, n in b) for a, b in zip(apart, apart[1:]))
+
+
 def test_draft_backoff_policy():
     """A step that accepted no draft doubles the plain stretch (N, 2N, 4N, ... at most 16N output tokens); one that
     accepted a draft ends it; sampled requests, steps without drafts and backoff 0 change nothing."""
@@ -486,7 +523,7 @@ def test_speculative_config_validation():
                                                                               "kv_cache_dtype"),
            (dspark(confidence_threshold=1.5), "confidence_threshold"), (dspark(num_draft=3), "unknown key"),
            (dspark(draft_backoff=-1), "draft_backoff"), (dspark(draft_backoff=True), "draft_backoff"),
-           ("dspark", "JSON object")]
+           (dspark(prefill_apart=1), "prefill_apart"), ("dspark", "JSON object")]
     for raw, match in bad:
         with pytest.raises(ConfigError, match=match):
             EngineConfig(model="x", speculative_config=raw).validate()
