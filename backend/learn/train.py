@@ -144,7 +144,8 @@ class TrainConfig:
     draft_anchors: int = 32  # anchors per sequence
     draft_tokens_per_batch: int = 16384
     log_every: int = 25
-    profile_steps: int = 0  # profile this many target steps (after 10 warm ones): top ops in the log
+    profile_steps: int = 0  # profile this many target steps from step `profile_from`: top ops in the log
+    profile_from: int = 10  # (under --cuda-graphs pick a step after the MLPs' release: replays of the full step)
     # torch.compile the target step's small-op pieces (fast_paths.CompiledPieces); any compiler error: eager again
     compile: bool = False
     compile_backend: str = "inductor"
@@ -464,7 +465,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     model.train()
     step, tokens, real_tokens = 0, 0, 0
     error = None
-    profile = StepProfile(tc.profile_steps, device, first=10)
+    profile = StepProfile(tc.profile_steps, device, first=tc.profile_from)
     while step < sched.total and time.time() < deadline:
         sched.tick(step, deadline)
         profile.tick(step)

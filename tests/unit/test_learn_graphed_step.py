@@ -119,5 +119,7 @@ def test_graphed_steps_refuse_the_cpu():
 def test_cuda_graphs_flag_reaches_the_trainer():
     from m3serve.cli import build_parser
 
-    a = build_parser().parse_args(["train-learned", "--out", "x", "--cuda-graphs", "--graph-ladder-ratio", "1.5"])
+    a = build_parser().parse_args(["train-learned", "--out", "x", "--cuda-graphs", "--graph-ladder-ratio", "1.5",
+                                   "--profile-steps", "3", "--profile-from", "1500"])
     assert a.cuda_graphs is True and a.graph_ladder_ratio == 1.5
+    assert (a.profile_steps, a.profile_from) == (3, 1500)  # a profile of replays of the whole step
