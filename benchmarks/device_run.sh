@@ -18,7 +18,8 @@
 # $OUT (or ./device_out).
 # "server" needs tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
-# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
+# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels
+# by benchmarks/make_carry_server.sh (cut down so that they fit one call's 64 MiB beside the tree).
 # "suite" also takes .carry-reference/reference312.tar.xz (transformers 5.25 for Python 3.12, onto PYTHONPATH; made by
 # benchmarks/make_carry_reference.sh), as "train", "evaltasks" and "learnedspec" do (or the wheels in .whl/).
 # tritonserver vs engine-direct), "soak": benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS (streams
@@ -26,8 +27,9 @@
 # $SERVER_LAYERS $GATEWAY_ARGS (the OpenAI gateway vs gRPC direct). Logs and JSON go to $OUT (or ./device_out).
 # "server" and "soak" need tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
 # site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
-# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels.
-# "trainops": benchmarks/bench_train_ops.py $TRAINOPS_ARGS (default: 256 rows of 512 tokens, eager vs captured as
+# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages):
+# benchmarks/make_carry_server.sh makes both.
+# "trainops": benchmarks/bench_train_ops.py $TRAINOPS_ARGS (default: 8 rows of 512 tokens, eager vs captured as
 # a CUDA graph; `--modes eager,graphed+grouped,...` picks the steps and experts paths) into
 # $OUT/bench_train_ops.json, with transformers as "train" has it.
 # "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
