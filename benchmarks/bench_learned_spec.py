@@ -22,7 +22,8 @@ tokens (eos included) / the wall time from the first request added to the last o
 Per task and B: plain and speculative tok/s, the speedup, the mean accepted length (tokens a speculative step
 emits, the bonus token included) and acceptance rate from the engine's spec_decode counters over that task's pass
 (as eval-tasks reads them), the steps each engine ran and its mixed steps (a prefill beside decodes: run eagerly),
-the most requests its scheduler ran at once (max_running: B when the task has B prompts or more), the exact-match
+the steps and their wall time per kind (decode, speculative, prefill, and the mixed kinds: the engine's
+`steps_by_kind` / `step_seconds_by_kind`, printed as a second table for the "all" rows), the most requests its scheduler ran at once (max_running: B when the task has B prompts or more), the exact-match
 accuracy of the plain replies, and whether the greedy replies are identical (they must be: `mismatches` shows the
 first ones that differ). The row "all" sums the tasks.
 
@@ -102,8 +103,20 @@ def measure(llm: LLM, prompts: dict[str, list[list[int]]], budgets: dict[str, in
         res[task] = {"texts": [reply_text(tok, r) for r in ids], "tokens": sum(map(len, ids)), "seconds": seconds,
                      "steps": after["num_steps"] - st["num_steps"],
                      "mixed_steps": after["num_mixed_steps"] - st["num_mixed_steps"], "max_running": most,
-                     **spec_acceptance(before, spec_counters(llm))}
+                     "step_kinds": step_kinds(st, after), **spec_acceptance(before, spec_counters(llm))}
     return res
+
+
+def step_kinds(before: dict, after: dict) -> dict[str, dict]:
+    """Steps and their wall seconds per kind (ScheduledBatch.kind) between two engine stats readings."""
+    return {k: {"steps": after["steps_by_kind"][k] - before["steps_by_kind"].get(k, 0),
+                "seconds": after["step_seconds_by_kind"][k] - before["step_seconds_by_kind"].get(k, 0.0)}
+            for k in after["steps_by_kind"]}
+
+
+def add_kinds(parts: list[dict]) -> dict[str, dict]:
+    """`step_kinds` of several passes, summed."""
+    return {k: {f: sum(p[k][f] for p in parts) for f in ("steps", "seconds")} for k in parts[0]}
 
 
 def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, mismatches: dict,
@@ -117,6 +130,7 @@ def row(task: str, batch: int, plain: dict, spec: dict, accuracy: float | None, 
             "plain_seconds": plain["seconds"], "spec_seconds": spec["seconds"], "plain_steps": plain["steps"],
             "spec_steps": spec["steps"], "plain_mixed_steps": plain["mixed_steps"],
             "spec_mixed_steps": spec["mixed_steps"], "max_running": max(plain["max_running"], spec["max_running"]),
+            "plain_step_kinds": plain["step_kinds"], "spec_step_kinds": spec["step_kinds"],
             "plain_accuracy": accuracy,
             "identical": mismatches["n"] == 0, "mismatches": mismatches}
 
@@ -129,9 +143,11 @@ def total(task_rows: list[dict]) -> dict:
     drafts = max(s["num_drafts"], 1)
     most = max(r["max_running"] for r in task_rows)
     plain = {"tokens": s["plain_tokens"], "seconds": s["plain_seconds"], "steps": s["plain_steps"],
-             "mixed_steps": s["plain_mixed_steps"], "max_running": most}
+             "mixed_steps": s["plain_mixed_steps"], "max_running": most,
+             "step_kinds": add_kinds([r["plain_step_kinds"] for r in task_rows])}
     spec = {"tokens": s["spec_tokens"], "seconds": s["spec_seconds"], "steps": s["spec_steps"],
             "mixed_steps": s["spec_mixed_steps"], "max_running": most,
+            "step_kinds": add_kinds([r["spec_step_kinds"] for r in task_rows]),
             "num_drafts": s["num_drafts"],
             "verified_per_draft": sum(r["verified_per_draft"] * r["num_drafts"] for r in task_rows) / drafts,
             "mean_accepted_length": sum(r["mean_accepted_length"] * r["num_drafts"] for r in task_rows) / drafts,
@@ -153,6 +169,21 @@ def table(rows: list[dict]) -> str:
                      f"| {r['spec_tok_s']:.1f} "
                      f"| {r['speedup']:.2f} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.3f} "
                      f"| {r['plain_steps']} | {r['spec_steps']} | {100 * r['plain_accuracy']:.1f}% | {same} |")
+    return "\n".join([head] + lines)
+
+
+def kinds_table(rows: list[dict]) -> str:
+    """The "all" rows' steps by kind: count, mean ms and share of the engine's busy time, plain and speculative."""
+    head = ("| speculative_config over the default | batch | engine | step kind | steps | ms per step | share of step "
+            "time |\n|---|---|---|---|---|---|---|")
+    lines = []
+    for r in (r for r in rows if r["task"] == "all"):
+        for engine in ("plain", "spec"):
+            kinds = r[f"{engine}_step_kinds"]
+            busy = sum(v["seconds"] for v in kinds.values()) or 1.0
+            lines += [f"| `{r['variant']}` | {r['batch']} | {engine} | {k} | {v['steps']} "
+                      f"| {1e3 * v['seconds'] / v['steps']:.2f} | {100 * v['seconds'] / busy:.0f}% |"
+                      for k, v in kinds.items() if v["steps"]]
     return "\n".join([head] + lines)
 
 
@@ -224,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
            "identical": all(r["identical"] for r in rows)}
     print(f"\n{res['device_name']}, {a.dtype}, {a.model}, K={a.k}, {a.n} prompts per task, commit {res['commit']}\n")
     print(table(rows))
+    print("\nSteps by kind (ScheduledBatch.kind; a step's time from its scheduling, or the step before it done, to its "
+          "outputs):\n")
+    print(kinds_table(rows))
     if not res["identical"]:
         print("\ngreedy replies differ between plain and speculative decoding (see 'mismatches' in the JSON)")
     if a.out:

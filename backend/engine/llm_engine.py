@@ -28,7 +28,7 @@ from m3serve.engine.block_manager import BlockManager
 from m3serve.engine.faults import FailedOutput, contained, describe
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest, SamplingParams, TextOptions
-from m3serve.engine.scheduler import ScheduledBatch, Scheduler
+from m3serve.engine.scheduler import STEP_KINDS, ScheduledBatch, Scheduler
 from m3serve.engine.sequence import Sequence, SequenceText
 from m3serve.engine.speculative_metrics import SpeculativeStats
 from m3serve.engine.speculative_scheduling import after_speculative_step, num_draft_tokens
@@ -64,6 +64,7 @@ class _InFlight:
     seqs: list[Sequence]  # the sequences it samples, one per sampling row
     out: PendingOutput | None
     error: Exception | None = None  # launching it failed (a step queued ahead: its requests fail when it is due)
+    launched: float = dataclasses.field(default_factory=time.perf_counter)  # host clock when it was scheduled
 
 
 class LLMEngine:
@@ -108,6 +109,12 @@ class LLMEngine:
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens (the rest is host work)
         self.num_steps_ahead = 0  # steps queued before the previous step's tokens were back (`_launch_ahead`)
         self._inflight: _InFlight | None = None  # the step queued on the device, its tokens not yet processed
+        # steps done and their wall time by ScheduledBatch.kind: a step's time runs from when it was scheduled, or
+        # when the step before it was done if later (a step queued ahead overlaps the one before), to when its outputs
+        # are made; so the kinds' times add up to the engine's busy time (docs/performance.md reads them per kind)
+        self.steps_by_kind = dict.fromkeys(STEP_KINDS, 0)
+        self.step_seconds_by_kind = dict.fromkeys(STEP_KINDS, 0.0)
+        self._last_step_done = 0.0
         warmup = getattr(getattr(self.executor, "worker", None), "warmup", None)  # rank 0's (executor/warmup.py)
         self.warmup_seconds = warmup.seconds if warmup is not None else 0.0
         self.load_seconds = time.perf_counter() - t_load  # model, page pool, graphs and warm-up: ready after this
@@ -237,6 +244,7 @@ class LLMEngine:
         the device when this returns (`_launch_ahead`): the host's work between two steps (outputs, detokenizing,
         scheduling, the next step's input) overlaps the device's."""
         if self._inflight is None:
+            t0 = time.perf_counter()
             if self.verify_scheduler is not None:
                 self._plan_verify_width()
             batch = self.scheduler.schedule()
@@ -247,7 +255,7 @@ class LLMEngine:
                 out = self.executor.launch(step)
             except Exception as e:
                 return self._failed_step(batch.seqs, e)
-            self._inflight = _InFlight(batch, step, seqs, out)
+            self._inflight = _InFlight(batch, step, seqs, out, launched=t0)
         current, self._inflight = self._inflight, None
         self._inflight = self._launch_ahead(current)
         return self._complete(current)
@@ -312,7 +320,7 @@ class LLMEngine:
             return None
         for s, m, k in zip(seqs, most, drafts):
             bm.append_slot(s, m + k)  # its next step's last position, after the longest run `cur` may accept
-        batch = ScheduledBatch(seqs, [1 + k for k in drafts], drafts)
+        batch = ScheduledBatch(seqs, [1 + k for k in drafts], drafts, num_decodes=len(seqs))
         step, _ = self.step_builder.build(batch, prev_rows=rows)
         self.num_steps_ahead += 1
         try:
@@ -372,6 +380,10 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq, new_ids, text, reasoning, tops))
+        done = time.perf_counter()
+        self.steps_by_kind[batch.kind] += 1
+        self.step_seconds_by_kind[batch.kind] += done - max(cur.launched, self._last_step_done)
+        self._last_step_done = done
         return outputs
 
     def executor_alive(self) -> bool:
@@ -474,6 +486,7 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps, "num_steps_ahead": self.num_steps_ahead,
+            "steps_by_kind": dict(self.steps_by_kind), "step_seconds_by_kind": dict(self.step_seconds_by_kind),
             "device_wait_seconds": self.device_wait_s,
             "num_chunked_prefills": sch.num_chunked_prefills,
             "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,

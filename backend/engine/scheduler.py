@@ -33,16 +33,29 @@ from m3serve.engine.block_manager import BlockManager
 from m3serve.engine.sequence import Sequence, SequenceStatus
 
 
+STEP_KINDS = ("decode", "speculative", "prefill", "decode+prefill", "speculative+prefill")
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
     num_draft_tokens: list[int] = field(default_factory=list)  # per sequence: drafts it verifies (0: none)
     preempted: list[Sequence] = field(default_factory=list)
+    num_decodes: int = 0  # the first this many of `seqs` are decodes; the rest prefill chunks
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def kind(self) -> str:
+        """What the step runs (STEP_KINDS): "decode", "speculative" (decodes, some with drafts), "prefill" (prefill
+        chunks alone), or either kind of decodes beside prefill chunks (a mixed step: "decode+prefill",
+        "speculative+prefill")."""
+        decodes = "speculative" if any(self.num_draft_tokens) else "decode" if self.num_decodes else ""
+        prefill = "prefill" if len(self.seqs) > self.num_decodes else ""
+        return "+".join(k for k in (decodes, prefill) if k)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -186,6 +199,7 @@ class Scheduler:
                 decodes()
         self.num_chunked_prefills += sum(1 for s, n, k in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens)
                                          if not k and n < self._prefill_todo(s))
+        out.num_decodes = num_decodes
         if num_decodes and len(out.seqs) > num_decodes:
             self.num_mixed_steps += 1
         self.max_running = max(self.max_running, len(self.running))

@@ -52,6 +52,13 @@ def test_bench_learned_spec_runs(tmp_path, capsys):
         assert r["max_running"] == r["batch"]  # 2 prompts per task: batch 2 runs both at once, batch 1 one by one
         if r["batch"] == 1:  # one request at a time: no prefill beside a decode
             assert r["plain_mixed_steps"] == r["spec_mixed_steps"] == 0
+        for engine in ("plain", "spec"):  # steps by kind: every step counted once, the mixed ones as such
+            kinds = r[f"{engine}_step_kinds"]
+            assert sum(v["steps"] for v in kinds.values()) == r[f"{engine}_steps"]
+            mixed = kinds["decode+prefill"]["steps"] + kinds["speculative+prefill"]["steps"]
+            assert mixed == r[f"{engine}_mixed_steps"] and kinds["prefill"]["steps"] >= 1
+            assert 0 < sum(v["seconds"] for v in kinds.values()) <= r[f"{engine}_seconds"]
+        assert r["plain_step_kinds"]["speculative"]["steps"] == 0 < r["spec_step_kinds"]["speculative"]["steps"]
     for b in (1, 2):
         by = {r["task"]: r for r in rows if r["batch"] == b}
         assert by["all"]["plain_tokens"] == sum(by[t]["plain_tokens"] for t in TASKS)
@@ -61,6 +68,7 @@ def test_bench_learned_spec_runs(tmp_path, capsys):
     assert res["identical"] is True
     table = capsys.readouterr().out
     assert "| arithmetic | 1 |" in table and "| all | 2 |" in table and "NO (" not in table
+    assert "| `{}` | 2 | spec | speculative |" in table and "| `{}` | 1 | plain | prefill |" in table
 
 
 def test_differing_replies_are_reported():
@@ -68,7 +76,8 @@ def test_differing_replies_are_reported():
     from m3serve.learn.evaluate import unlike
 
     bench = _bench()
-    plain = {"tokens": 10, "seconds": 1.0, "steps": 10, "mixed_steps": 0, "max_running": 1}
+    kinds = {"decode": {"steps": 8, "seconds": 0.5}, "prefill": {"steps": 2, "seconds": 0.5}}
+    plain = {"tokens": 10, "seconds": 1.0, "steps": 10, "mixed_steps": 0, "max_running": 1, "step_kinds": kinds}
     spec = dict(plain, seconds=0.5, steps=4, num_drafts=4, mean_accepted_length=2.5, acceptance_rate=0.25,
                 verified_per_draft=7.0)
     diff = unlike({"a": ["x", "y"], "b": ["z"]}, {"a": ["x", "w"], "b": ["z"]})
@@ -78,4 +87,5 @@ def test_differing_replies_are_reported():
     every = bench.total(rows)
     assert not every["identical"] and every["mismatches"]["n"] == 1 and every["mismatches"]["of"] == 3
     assert every["mean_accepted_length"] == 2.5 and every["plain_accuracy"] == 0.75 and every["verified_per_draft"] == 7.0
+    assert every["spec_step_kinds"] == {"decode": {"steps": 16, "seconds": 1.0}, "prefill": {"steps": 4, "seconds": 1.0}}
     assert "NO (1 of 2)" in bench.table(rows) and "NO (1 of 3)" in bench.table([every])

@@ -12,6 +12,7 @@ import torch
 
 from m3serve.config import ConfigError, EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
+from m3serve.engine.scheduler import STEP_KINDS
 from m3serve.executor.speculative import verify as verify_mod
 from m3serve.executor.speculative.controlled import ControlledProposals
 from m3serve.executor.speculative.probs import draw, sampling_probs
@@ -237,7 +238,8 @@ def test_prefill_apart_keeps_speculating_decodes_out_of_prefill_steps(make_engin
 
         def logged(schedule=schedule, log=log):
             b = schedule()
-            log.append([(k, n) for n, k in zip(b.num_new_tokens, b.num_draft_tokens)])
+            if b:
+                log.append(([(k, n) for n, k in zip(b.num_new_tokens, b.num_draft_tokens)], b.kind))
             return b
 
         eng.scheduler.schedule = logged
@@ -247,13 +249,21 @@ def test_prefill_apart_keeps_speculating_decodes_out_of_prefill_steps(make_engin
         st = eng.stats()
         assert st["num_free_pages"] == st["num_total_pages"]
         assert 0 < st["spec_decode_num_accepted_tokens"]
+        # the engine's steps by kind: the scheduled batches' kinds, and the steps queued ahead (speculative decodes)
+        scheduled = {k: sum(kind == k for _, kind in log) for k in STEP_KINDS}
+        assert st["steps_by_kind"] == {**scheduled, "speculative": scheduled["speculative"] + st["num_steps_ahead"]}
+        assert sum(st["steps_by_kind"].values()) == st["num_steps"]
+        assert all(t >= 0 for t in st["step_seconds_by_kind"].values())
+        assert 0 < sum(st["step_seconds_by_kind"].values())
     for i, (p, n) in enumerate(zip(prompts, gens)):
         assert outs[0][f"r{i}"][0] == outs[1][f"r{i}"][0] == reference_greedy(p, n), f"r{i}"
 
     def mixed(b):  # a drafting decode and a prefill chunk (more than one new token without drafts) in one step
         return any(k for k, _ in b) and any(not k and n > 1 for k, n in b)
 
-    apart, together = batches
+    for b, kind in batches[0] + batches[1]:  # the kind names what the batch holds
+        assert ("speculative" in kind) == any(k for k, _ in b) and (kind == "speculative+prefill" or not mixed(b))
+    apart, together = [[b for b, _ in log] for log in batches]
     assert not any(mixed(b) for b in apart) and sum(mixed(b) for b in together) >= 2
     # a prefill-only step right after a step of drafting decodes: the prefill work that step left
     assert any(any(k for k, _ in a) and b and all(not k and n > 1 for k, n in b) for a, b in zip(apart, apart[1:]))
