@@ -123,11 +123,16 @@ class SamplingParams:
 class TextOptions:
     """What a request asks of the engine's tokenizer beyond `SamplingParams` (vLLM has no names for these; the Triton
     contracts need them). The engine, the one process that loads the tokenizer, does the decoding; its caller gets
-    text only through the outputs."""
+    text only through the outputs.
+
+    `default_max_tokens`: the request's max_tokens is the model's default, not a value the client sent. Where the
+    prompt leaves less room under max_model_len, the engine cuts it to that room (as vLLM's OpenAI server cuts its
+    default), where a max_tokens the client sent over the room is an error."""
 
     stop_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose text (decoded at `prepare`) is a stop string
     prompt_text: bool = False  # the first output carries the prompt decoded (`RequestOutput.prompt_text`)
     logprob_tokens: bool = False  # each logprobs entry's tokens decoded (`RequestOutput.logprob_tokens`)
+    default_max_tokens: bool = False  # max_tokens is the model's default: cut to the prompt's room (docstring)
 
     def validate(self) -> None:
         """Raise InvalidRequest naming a stop word that is not a sequence of token ids in [0, 2^31)."""

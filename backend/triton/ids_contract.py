@@ -74,8 +74,11 @@ class IdsContract(Contract):
             if value is not None:
                 d[key] = value
                 sources[key] = src
-        put("max_tokens", rp.get("max_tokens", self.defaults.max_tokens), "parameters")
+        put("max_tokens", rp.get("max_tokens"), "parameters")
         put("max_tokens", get("request_output_len"), "request_output_len")
+        default = "max_tokens" not in d  # the model's default: the engine cuts it to the prompt's room
+        if default:
+            d["max_tokens"] = self.defaults.max_tokens
         temperature = get("temperature")
         put("temperature", 0.0 if temperature is None else temperature, "temperature")
         put("top_k", get("runtime_top_k"), "runtime_top_k")
@@ -110,7 +113,8 @@ class IdsContract(Contract):
         return GenRequest(sampling=sampling_params(d, sources), prompt_token_ids=[int(t) for t in row.tolist()],
                           stream=stream, prepend_input=not stream and not exclude,
                           returns=frozenset({"log_probs"} if log_probs else ()), batch_index=b, sources=sources,
-                          text_options=TextOptions(stop_words=tuple(stop_words)) if stop_words else None)
+                          text_options=TextOptions(stop_words=tuple(stop_words), default_max_tokens=default)
+                          if stop_words or default else None)
 
     def stream(self, req: GenRequest) -> "IdsStream":
         return IdsStream(req, self.defaults.utf8_stream_boundaries)

@@ -47,7 +47,9 @@ class TextContract(Contract):
         merged, sources = self._sampling_options(tensors, params)
         # the engine decodes what the response echoes: a chat prompt as it rendered it, the logprobs' tokens
         echo, logprob_tokens = prepend and messages is not None, "logprobs" in returns
-        options = TextOptions(prompt_text=echo, logprob_tokens=logprob_tokens) if echo or logprob_tokens else None
+        default = "max_tokens" not in sources  # the model's default: the engine cuts it to the prompt's room
+        options = (TextOptions(prompt_text=echo, logprob_tokens=logprob_tokens, default_max_tokens=default)
+                   if echo or logprob_tokens or default else None)
         return [GenRequest(sampling=sampling_params(merged, sources), prompt=prompt, messages=messages,
                            chat_template_kwargs=ctk, stream=stream, prepend_input=prepend,
                            returns=frozenset(returns), reasoning_parser=parser, sources=sources,

@@ -116,6 +116,28 @@ def test_engine_errors_come_back_under_the_clients_names():
     assert ic.client_error(end, InvalidRequest("stop_token_ids", "token id 70000 ...")).field == "end_id"
 
 
+def test_a_max_tokens_the_client_did_not_send_is_marked_the_models_default():
+    """The engine cuts the model's default max_tokens to the prompt's room (TextOptions.default_max_tokens), never
+    one the client sent: by tensor, JSON, request parameter or request_output_len."""
+    d = Defaults(max_tokens=64)
+
+    def marked(req):
+        return req.text_options is not None and req.text_options.default_max_tokens
+
+    one = {"input_ids": np.array([[1]], np.int32)}
+    for req in (text({"text_input": s("hi")}, "", d), ids(one, "", d)[0]):
+        assert req.sampling.max_tokens == 64 and marked(req)
+    for req in (text({"text_input": s("hi"), "max_tokens": np.array([64], np.int32)}, "", d),
+                text({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": 64}')}, "", d),
+                text({"text_input": s("hi")}, json.dumps({"max_tokens": 64}), d),
+                ids({**one, "request_output_len": np.array([[64]], np.int32)}, "", d)[0],
+                ids(one, json.dumps({"max_tokens": 64}), d)[0]):
+        assert req.sampling.max_tokens == 64 and not marked(req)
+    word = ids({**one, "stop_words_list": np.array([[[5, 6], [2, -1]]], np.int32),
+                "request_output_len": np.array([[8]], np.int32)}, "", d)[0]
+    assert word.text_options.stop_words == ((5, 6),) and not marked(word)
+
+
 def test_request_chat_templates_need_the_models_trust():
     ins = {"messages": s('[{"role": "user", "content": "x"}]'),
            "chat_template_kwargs": s(json.dumps({"chat_template": "{{ 'pwned' }}"}))}
@@ -165,7 +187,7 @@ def test_logprob_entries_put_the_sampled_token_first():
     engine's (the request asks for it: TextOptions.logprob_tokens)."""
     req = text({"text_input": s("hi"), "stream": b(True), "return_logprobs": b(True),
                 "sampling_parameters": s('{"logprobs": 2}')})
-    assert req.engine_args()["text_options"] == TextOptions(logprob_tokens=True)
+    assert req.engine_args()["text_options"] == TextOptions(logprob_tokens=True, default_max_tokens=True)
     ts = TextStream(req)
     o = out([9, 4], "xy")
     o.logprobs = [{9: -3.0, 1: -0.5, 2: -1.0}, {4: -0.2, 3: -0.9}]
@@ -184,15 +206,15 @@ def test_non_stream_prepends_prompt():
     assert ts.take(False) is None
     ts.add(out([2], "b", finished=True, reason="stop"))
     assert ts.take(True)["text_output"].tolist() == [b"hi ab"]
-    assert req.text_options is None  # the prompt is the client's text: nothing to decode
+    assert not req.text_options.prompt_text  # the prompt is the client's text: nothing to decode
     # a chat prompt is rendered by the engine: the echo is its prompt ids, decoded by the engine on request
     req = text({"messages": s('[{"role": "user", "content": "x"}]'), "exclude_input_in_output": b(False)})
-    assert req.engine_args()["text_options"] == TextOptions(prompt_text=True)
+    assert req.engine_args()["text_options"] == TextOptions(prompt_text=True, default_max_tokens=True)
     ts = TextStream(req)
     ts.add(out([1], "a", prompt_ids=[4, 5], prompt_text="<4><5>"))
     ts.add(out([2], "b", finished=True, reason="stop"))
     assert ts.take(True)["text_output"].tolist() == [b"<4><5>ab"]
-    assert text({"messages": s('[{"role": "user", "content": "x"}]')}).text_options is None  # no echo asked
+    assert not text({"messages": s('[{"role": "user", "content": "x"}]')}).text_options.prompt_text  # no echo asked
 
 
 def test_ids_stream_holds_split_utf8_and_tags_batch_index():
@@ -219,11 +241,11 @@ def test_ids_stop_words_of_several_tokens_go_to_the_engine():
     words = to_word_list([[[7], [5, 6], [8, 9, 10]]])
     r = ids({"input_ids": np.array([[1, 2]], np.int32), "stop_words_list": words})[0]
     assert r.sampling.stop_token_ids == [7] and r.sampling.stop == []
-    assert r.engine_args()["text_options"] == TextOptions(stop_words=((5, 6), (8, 9, 10)))
+    assert r.engine_args()["text_options"] == TextOptions(stop_words=((5, 6), (8, 9, 10)), default_max_tokens=True)
     ic = IdsContract(Defaults())
     for field in ("stop_words", "stop"):
         assert ic.client_error(r, InvalidRequest(field, "x")).field == "stop_words_list"
-    assert ids({"input_ids": np.array([[1, 2]], np.int32)})[0].text_options is None
+    assert ids({"input_ids": np.array([[1, 2]], np.int32)})[0].text_options.stop_words == ()
 
 
 def test_word_lists_round_trip():

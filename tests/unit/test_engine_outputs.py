@@ -235,6 +235,28 @@ def test_invalid_requests_disturb_nothing(make_engine, eu):
     assert list(res) == ["ok"] and len(res["ok"][0]) == 5
 
 
+def test_the_models_default_max_tokens_is_cut_to_the_prompts_room(make_engine, eu):
+    """TextOptions.default_max_tokens (the Triton contracts set it where the client sent no max_tokens): a prompt that
+    leaves less room than the default gets that room and ends by length, where the same max_tokens sent by the client
+    is an error; a min_tokens over the room is the error then."""
+    eng = make_engine(max_model_len=128)
+    default = TextOptions(default_max_tokens=True)
+    toks, reason, _ = run_one(eng, eu, greedy(16, ignore_eos=True), None, prompt_token_ids=[1] * 120,
+                               text_options=default)
+    assert reason == "length" and len(toks) == 8
+    toks, reason, _ = run_one(eng, eu, greedy(5, ignore_eos=True), None, prompt_token_ids=[1] * 120,
+                               text_options=default)
+    assert reason == "length" and len(toks) == 5  # room enough: the default as it is
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request("sent", prompt_token_ids=[1] * 120, sampling_params=greedy(16, ignore_eos=True))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request("min", prompt_token_ids=[1] * 120, sampling_params=greedy(16, min_tokens=9),
+                        text_options=default)
+    assert e.value.field == "min_tokens" and "room for 8 tokens" in e.value.message
+    assert not eng.has_unfinished_requests()
+
+
 def test_abort_waiting_mid_prefill_mid_decode(make_engine, reference_greedy, eu):
     p_long, p_dec, p_wait, p_keep = eu.random_prompts([130, 20, 50, 70], seed=21)
     eng = make_engine(max_num_batched_tokens=16, max_num_seqs=3)
