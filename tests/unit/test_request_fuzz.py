@@ -107,6 +107,13 @@ def _run(engine, request_id: str, req) -> tuple[list[int], str | None, list]:
     return toks, reason, outs
 
 
+def _ended(reason: str | None, toks: list[int], sp: SamplingParams) -> None:
+    """A request ran to its end, unless it may run longer than MAX_STEPS (no max_tokens: max_model_len bounds it),
+    when it was aborted; either way within max_tokens."""
+    assert reason in ("stop", "length") or reason == "abort" and (sp.max_tokens or 512) > MAX_STEPS, (reason, sp)
+    assert len(toks) <= (sp.max_tokens or 512), (len(toks), sp)
+
+
 def _check(engine, options: dict, params: dict, tensors: dict, counter=iter(range(10 ** 9))) -> str:
     """One generated request: "refused" (the contract's error), "invalid" (the engine's) or "ran"."""
     contract = TextContract(Defaults())
@@ -127,9 +134,7 @@ def _check(engine, options: dict, params: dict, tensors: dict, counter=iter(rang
         assert not engine.has_unfinished_requests()
         return "invalid"
     sp = req.sampling
-    # a request runs to its end, unless it has no max_tokens (then max_model_len bounds it): aborted after MAX_STEPS
-    assert reason in ("stop", "length") or reason == "abort" and sp.max_tokens is None, (reason, sp)
-    assert len(toks) <= (sp.max_tokens or 512), (len(toks), sp)
+    _ended(reason, toks, sp)
     if sp.logprobs is not None:
         assert sum(len(o.logprobs or []) for o in outs) == len(toks), sp
     bm = engine.block_manager
@@ -206,3 +211,67 @@ def test_generated_chats_get_a_named_error_or_run_to_their_end(engine):
            "prefix": st.one_of(st.none(), TEXT),
            "options": st.fixed_dictionaries({}, optional={"max_tokens": st.integers(1, 12),
                                                           "temperature": st.just(0)})}, request)
+
+
+INT32 = st.one_of(st.integers(-3, 600), st.sampled_from([v for v in EDGE_INTS if -2 ** 31 <= v < 2 ** 31]))
+IDS_OPTIONAL = {  # the m3_ids inputs a client may add, each [batch, 1] in its declared dtype
+    "input_lengths": INT32, "request_output_len": st.one_of(st.integers(-1, 24), INT32), "streaming": st.booleans(),
+    "end_id": st.one_of(st.integers(-1, 520), INT32), "beam_width": st.sampled_from([1, 1, 2, 0]),
+    "temperature": st.floats(width=32, allow_nan=True), "runtime_top_k": INT32,
+    "runtime_top_p": st.floats(width=32, allow_nan=True), "repetition_penalty": st.floats(width=32),
+    "min_length": st.integers(-1, 30), "random_seed": st.integers(0, 2 ** 64 - 1),
+    "exclude_input_in_output": st.booleans(), "return_log_probs": st.booleans(),
+}
+IDS_DTYPES = {"streaming": np.bool_, "exclude_input_in_output": np.bool_, "return_log_probs": np.bool_,
+              "temperature": np.float32, "runtime_top_p": np.float32, "repetition_penalty": np.float32,
+              "random_seed": np.uint64}
+
+
+def _word_list(words: list[list[int]]) -> np.ndarray:
+    """TensorRT-LLM's word list of one item: [2, n] (the ids, then each word's end offset, -1 padded)."""
+    flat, ends = [t for w in words for t in w], list(np.cumsum([len(w) for w in words]))
+    n = max(len(flat), len(ends), 1)
+    return np.array([flat + [0] * (n - len(flat)), ends + [-1] * (n - len(ends))], dtype=np.int32)
+
+
+def test_generated_token_id_batches_get_a_named_error_or_run_to_their_end(engine):
+    """`m3_ids` (the TensorRT-LLM contract): generated batches of 1-3 rows of ids (some outside the vocabulary), each
+    optional input per row, stop words as word lists; each item runs (or fails) on its own, an error naming tensors
+    the client sent."""
+    from m3serve.triton.ids_contract import IdsContract
+
+    def request(rows, length, options, stop_words):
+        contract = IdsContract(Defaults())
+        tensors = {"input_ids": np.array([r[:length] + [7] * (length - len(r[:length])) for r in rows], np.int32)}
+        for name, values in options.items():
+            tensors[name] = np.stack([_tensor(v, IDS_DTYPES.get(name, np.int32)) for v in values[:len(rows)]
+                                      + values[:1] * (len(rows) - len(values))])
+        if stop_words is not None:
+            tensors["stop_words_list"] = np.stack([_word_list(stop_words)] * len(rows))
+        try:
+            reqs = contract.parse(tensors, None)
+        except RequestError as e:
+            assert e.field in tensors, f"error names {e.field!r}, not a tensor the client sent ({sorted(tensors)}): {e}"
+            return "refused"
+        outcome = "ran"
+        for req in reqs:
+            try:
+                toks, reason, _ = _run(engine, f"ids-{id(req)}", req)
+            except InvalidRequest as e:
+                named = contract.client_field(req, e.field)  # "end_id, stop_words_list": both made stop_token_ids
+                assert set(named.split(", ")) <= set(tensors), f"error names {named!r}, not what the client sent: {e}"
+                assert not engine.has_unfinished_requests()
+                outcome = "invalid"
+                continue
+            _ended(reason, toks, req.sampling)
+            assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+        return outcome
+
+    row = st.lists(st.sampled_from(range(8)).flatmap(lambda i: st.integers(-2, 1000) if i == 0 else
+                                                     st.integers(0, 499)), min_size=1, max_size=12)
+    _fuzz({"rows": st.lists(row, min_size=1, max_size=3), "length": st.integers(1, 12),
+           "options": st.lists(st.sampled_from(sorted(IDS_OPTIONAL)), unique=True, max_size=4).flatmap(
+               lambda names: st.fixed_dictionaries({n: st.lists(IDS_OPTIONAL[n], min_size=1, max_size=3)
+                                                    for n in names})),
+           "stop_words": st.one_of(st.none(), st.lists(st.lists(st.integers(-1, 520), min_size=1, max_size=3),
+                                                       max_size=3))}, request)
