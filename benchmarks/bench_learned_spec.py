@@ -23,8 +23,9 @@ Per task and B: plain and speculative tok/s, the speedup, the mean accepted leng
 emits, the bonus token included) and acceptance rate from the engine's spec_decode counters over that task's pass
 (as eval-tasks reads them), the steps each engine ran and its mixed steps (a prefill beside decodes: run eagerly),
 the steps and their wall time per kind (decode, speculative, prefill, and the mixed kinds: the engine's
-`steps_by_kind` / `step_seconds_by_kind`, printed as a second table for the "all" rows), the most requests its scheduler ran at once (max_running: B when the task has B prompts or more), the exact-match
-accuracy of the plain replies, and whether the greedy replies are identical (they must be: `mismatches` shows the
+`steps_by_kind` / `step_seconds_by_kind`, printed as a second table for the "all" rows), the most requests its
+scheduler ran at once (max_running: B when the task has B prompts or more), the exact-match accuracy of the plain
+replies, and whether the greedy replies are identical (they must be: `mismatches` shows the
 first ones that differ). The row "all" sums the tasks.
 
 `--variants` measures several speculative settings against the one plain engine in one run: each a JSON object of

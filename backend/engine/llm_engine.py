@@ -111,7 +111,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # the step queued on the device, its tokens not yet processed
         # steps done and their wall time by ScheduledBatch.kind: a step's time runs from when it was scheduled, or
         # when the step before it was done if later (a step queued ahead overlaps the one before), to when its outputs
-        # are made; so the kinds' times add up to the engine's busy time (docs/performance.md reads them per kind)
+        # are made; so the kinds' times add up to the engine's busy time (benchmarks/bench_learned_spec.py prints them)
         self.steps_by_kind = dict.fromkeys(STEP_KINDS, 0)
         self.step_seconds_by_kind = dict.fromkeys(STEP_KINDS, 0.0)
         self._last_step_done = 0.0
