@@ -87,5 +87,6 @@ def test_differing_replies_are_reported():
     every = bench.total(rows)
     assert not every["identical"] and every["mismatches"]["n"] == 1 and every["mismatches"]["of"] == 3
     assert every["mean_accepted_length"] == 2.5 and every["plain_accuracy"] == 0.75 and every["verified_per_draft"] == 7.0
-    assert every["spec_step_kinds"] == {"decode": {"steps": 16, "seconds": 1.0}, "prefill": {"steps": 4, "seconds": 1.0}}
+    assert every["spec_step_kinds"] == {"decode": {"steps": 16, "seconds": 1.0},
+                                        "prefill": {"steps": 4, "seconds": 1.0}}
     assert "NO (1 of 2)" in bench.table(rows) and "NO (1 of 3)" in bench.table([every])
