@@ -188,14 +188,14 @@ class LLMEngine:
             raise InvalidRequest("prompt", f"{len(ids)} prompt tokens leave no room under max_model_len="
                                  f"{self.max_model_len}")
         max_tokens = room if sp.max_tokens is None else sp.max_tokens
-        if max_tokens > room and options.default_max_tokens:  # the model's default, not the client's: cut to fit
-            if sp.min_tokens > room:
+        if max_tokens > room:
+            if not options.default_max_tokens:
+                raise InvalidRequest("max_tokens", f"{len(ids)} prompt tokens + max_tokens={max_tokens} exceed "
+                                     f"max_model_len={self.max_model_len}")
+            if sp.min_tokens > room:  # the model's default, not the client's, is cut to fit; min_tokens cannot be
                 raise InvalidRequest("min_tokens", f"{len(ids)} prompt tokens leave room for {room} tokens under "
                                      f"max_model_len={self.max_model_len}, fewer than min_tokens={sp.min_tokens}")
             sp, max_tokens = dataclasses.replace(sp, max_tokens=room), room
-        elif max_tokens > room:
-            raise InvalidRequest("max_tokens", f"{len(ids)} prompt tokens + max_tokens={max_tokens} exceed "
-                                 f"max_model_len={self.max_model_len}")
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidRequest("stop_token_ids", f"token id {bad[0]} is not in [0, {vocab})")

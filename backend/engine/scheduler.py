@@ -200,7 +200,7 @@ class Scheduler:
         self.num_chunked_prefills += sum(1 for s, n, k in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens)
                                          if not k and n < self._prefill_todo(s))
         out.num_decodes = num_decodes
-        if num_decodes and len(out.seqs) > num_decodes:
+        if out.kind.endswith("+prefill"):  # decodes beside prefill chunks
             self.num_mixed_steps += 1
         self.max_running = max(self.max_running, len(self.running))
         return out

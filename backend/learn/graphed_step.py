@@ -45,6 +45,13 @@ class _Captured:
     out: dict  # the body's tensors, rewritten by every replay
 
 
+def adamw(params, lr: float, device: torch.device, graphed: bool, **kw) -> torch.optim.AdamW:
+    """The trainers' AdamW (fused on CUDA). `graphed`: the one `CapturedSteps` needs, capturable, its learning rate a
+    device tensor (`step.set_lr` fills it) and its step count kept there."""
+    return torch.optim.AdamW(params, lr=torch.tensor(lr, device=device) if graphed else lr, betas=(0.9, 0.95),
+                             fused=device.type == "cuda", capturable=graphed, **kw)
+
+
 class CapturedSteps:
     """One CUDA graph per key (a batch shape, and what else changes the step's work), all in one memory pool: a key's
     first step runs `eager`, its second captures `body` on device copies of the batch, every later one copies the

@@ -59,7 +59,7 @@ import torch
 
 from m3serve.learn.data import RECITALS, FreshRows, make_rows, row_jobs
 from m3serve.learn.fast_paths import check_experts
-from m3serve.learn.graphed_step import GraphedSteps
+from m3serve.learn.graphed_step import GraphedSteps, adamw
 from m3serve.learn.loop import Schedule, ShapeLadder, autocast, batches, collate, prefetch
 from m3serve.learn.step import (DenseAttention, IndexerDistill, RouterBalance, answer_loss, log_record, param_groups,
                                 target_step)
@@ -412,10 +412,7 @@ def train_target(model, rows, tc: TrainConfig, device: torch.device, deadline: f
     ids, mask, _, _ = next(focus_data or data)
     experts = pick_experts_implementation(model, ids.to(device), mask.to(device), device, log)
     groups = param_groups(model, tc.weight_decay)
-    # captured, the optimizer reads its learning rate from a device tensor (set_lr fills it) and keeps its step count
-    # there (capturable)
-    opt = torch.optim.AdamW(groups, lr=torch.tensor(tc.lr, device=device) if graphed else tc.lr, betas=(0.9, 0.95),
-                            eps=1e-8, fused=device.type == "cuda", capturable=graphed)
+    opt = adamw(groups, tc.lr, device, graphed, eps=1e-8)
     sched = Schedule(tc.lr, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     distill, balance = IndexerDistill(model, tc.distill_rows, tc.seed + 11), RouterBalance(model, tc.bias_rate)
     distill.enabled = balance.enabled = True

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from m3serve.learn.graphed_step import CapturedSteps
+from m3serve.learn.graphed_step import CapturedSteps, adamw
 from m3serve.learn.loop import Schedule, ShapeLadder, autocast, batches, collate, prefetch
 from m3serve.learn.step import set_lr
 from m3serve.learn.tasks import TASKS
@@ -212,9 +212,7 @@ def train_and_save_draft(target, cfg, rows, eval_rows, tc, device: torch.device,
     draft = build_draft(target, cfg, tc, mask_id, device)
     params = [p for p in draft.parameters()]
     graphed = tc.cuda_graphs and device.type == "cuda"
-    # captured, the optimizer reads its learning rate from a device tensor (set_lr fills it), as the target's does
-    opt = torch.optim.AdamW(params, lr=torch.tensor(tc.draft_lr, device=device) if graphed else tc.draft_lr,
-                            betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda", capturable=graphed)
+    opt = adamw(params, tc.draft_lr, device, graphed, weight_decay=0.0)
     graphs = DraftSteps(draft, target, params, opt, device, log) if graphed else None
     sched = Schedule(tc.draft_lr, 20, tc.draft_max_steps, 0.1, first_plan=20, every=50)
     train_rows = [r for r in rows if sum(r[1]) >= 2]
