@@ -364,8 +364,12 @@ class LLMEngine:
             emitted = {id(seq): len(row) for seq, row in zip(seqs, rows)}
             scheduled = {id(seq): k for seq, k in zip(batch.seqs, batch.num_draft_tokens)}
             rejected = [k and k + 1 - emitted[id(seq)] for seq, k in zip(batch.seqs, batch.num_draft_tokens)]
-            self.speculative_stats.observe([scheduled[id(seq)] > 0 for seq in seqs], sampled.num_draft_tokens.tolist(),
-                                    [len(row) for row in rows])
+            # counted as vLLM counts them: sequences that ended before this step (it was launched ahead of their
+            # last tokens) verified nothing, and a run cut at a stop accepted the drafts up to the stop, not past it
+            kept = {id(seq): len(appended[id(seq)][0]) if id(seq) in appended else len(row) for seq, row in live}
+            self.speculative_stats.observe([scheduled[id(seq)] > 0 and id(seq) in kept for seq in seqs],
+                                           sampled.num_draft_tokens.tolist(),
+                                           [min(len(row), kept.get(id(seq), 0) + 1) for seq, row in zip(seqs, rows)])
             if self.verify_scheduler is not None and sampled.draft_confidence is not None:
                 for seq, conf in zip(seqs, sampled.draft_confidence.tolist()):
                     if scheduled[id(seq)]:

@@ -1,9 +1,12 @@
 """Speculative decoding counters, under vLLM's names (`vllm:spec_decode_*`), exposed in `LLMEngine.stats()`.
 
-  spec_decode_num_drafts                   speculative steps of sequences (one per sequence and step)
+  spec_decode_num_drafts                   speculative steps of sequences (one per sequence and step); not the
+                                           step launched ahead for a sequence that its previous step ended (async
+                                           scheduling: it verified nothing the request kept)
   spec_decode_num_draft_tokens             drafted tokens verified (the confidence threshold may verify fewer than
                                            were drafted, down to none; confidence scheduling drafts fewer)
-  spec_decode_num_accepted_tokens          drafted tokens accepted
+  spec_decode_num_accepted_tokens          drafted tokens accepted, up to a stop inside the accepted run (drafts
+                                           past a stop token, stop string or max_tokens are not counted)
   spec_decode_num_accepted_tokens_per_pos  [K]: accepted at draft position i (0-based)
 derived:
   spec_decode_acceptance_rate              accepted / draft tokens

@@ -484,6 +484,8 @@ def test_stop_token_and_eos_inside_an_accepted_run(make_engine, reference_greedy
     assert [t for o in outs for t in o.new_token_ids] == ref[:j + 1] and outs[-1].finish_reason == "stop"
     st = eng.stats()
     assert st["num_free_pages"] == st["num_total_pages"]
+    # two speculative steps (not a third launched ahead of the stop), the drafts up to the stop and none past it
+    assert (st["spec_decode_num_drafts"], st["spec_decode_num_accepted_tokens"]) == (2, K + j % (K + 1))
 
 
 def test_max_tokens_inside_a_run_limits_the_drafts(make_engine, reference_greedy, eu):
