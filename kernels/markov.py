@@ -88,7 +88,9 @@ def _drafts(part_ptr, part_i_ptr, ids_ptr, seq, sm, T, M: tl.constexpr, CT: tl.c
     return tok
 
 
-@triton.jit
+# the row count and the drafts' row strides change from step to step (speculating sequences, drafts near the end):
+# left unspecialized so that each is one compile, not one per class of 1 / multiple of 16 / other
+@triton.jit(do_not_specialize=["prev_stride", "tok_stride", "S"])
 def _markov_tile_kernel(prev_ptr, prev_stride, prev_part_ptr, prev_part_i_ptr, ids_ptr, tok_ptr, tok_stride,
                         w1_ptr, w1_stride, w2_ptr, w2_stride, u_ptr, u_stride, part_ptr, part_i_ptr, S, N, T, CHUNK,
                         R: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, CT: tl.constexpr,
@@ -129,7 +131,7 @@ def _markov_tile_kernel(prev_ptr, prev_stride, prev_part_ptr, prev_part_i_ptr, i
     tl.store(part_i_ptr + seq * T + split, best_i, mask=sm)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["tok_stride", "T"])
 def _markov_pick_kernel(part_ptr, part_i_ptr, ids_ptr, tok_ptr, tok_stride, T, CT: tl.constexpr,
                         HAS_IDS: tl.constexpr):
     """Stage 2, program (sequence): the position's draft from its partials -> tok[s] (a vocabulary id)."""

@@ -262,7 +262,8 @@ def _store_slots(orow, acc, scale, NS: tl.constexpr, D: tl.constexpr, gm, RAW: t
         _store_slot(orow, acc[k] * scale, k, NS, D, gm, RAW, PERM)
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "nsplit"])
+# sbt_s: the block table's width, which eager steps (mixed, the draft's context) size to their longest sequence
+@triton.jit(do_not_specialize=["tiles_per_split", "nsplit", "sbt_s"])
 def _msa_decode_kernel(
     q_ptr, sq_s, sq_h,
     k_ptr, v_ptr, sd_p, sd_h, sd_t,

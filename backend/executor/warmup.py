@@ -10,7 +10,7 @@ the end of contexts of every power of two of pages, and, when no decode graphs w
 the decode steps of every bucket), eager decodes at every batch size and block-table width (`table_widths`); then
 the sampling kernel for every row count. With speculative decoding these steps go through the speculative runner
 (target forward, draft features), and speculative decode steps follow (drafts, verification) at every batch size
-and table width.
+and table width, then speculative steps beside a prefill chunk (every phase eager there).
 Tensor-parallel ranks run the same forwards in lockstep (rank 0
 alone samples).
 
@@ -60,10 +60,11 @@ def _sampling(n: int, kind: str, device) -> SamplingInput:
 
 
 def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, device, sampling: str | None,
-               k: int = 0) -> StepInput:
+               k: int = 0, prefills: int = 0) -> StepInput:
     """A step over sequences given as (new tokens, tokens already cached): pages taken in turn from page 0 (modulo
-    the pool), token ids 0, the last token of each sequence sampled. With `k` (drafts per sequence: speculative
-    decoding) every sequence speculates: its first new token is the anchor, the others its drafts' placeholders."""
+    the pool), token ids 0, the last token of each sequence sampled. With `k` (the step's drafts per sequence:
+    speculative decoding) every sequence after the first `prefills` (prefill chunks, their last token sampled)
+    speculates: its first new token is the anchor, the others (q - 1 <= k) its drafts' placeholders."""
     qsl, positions, lens, slots, tables = [0], [], [], [], []
     page = 0
     for q, cached in seqs:
@@ -83,14 +84,16 @@ def dummy_step(seqs: list[tuple[int, int]], block_size: int, num_pages: int, dev
     n = len(seqs)
     speculative = None
     if k:
-        speculative = SpeculativeInput.from_rows([(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)], n, k)
+        speculative = SpeculativeInput.from_rows([(s, s, qsl[s], q - 1) for s, (q, _) in enumerate(seqs)
+                                                  if s >= prefills], n, k)
     return StepInput(
         input_ids=torch.zeros(qsl[-1], dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc_cpu=qsl, seq_lens_cpu=lens, is_decode=all(q == 1 for q, _ in seqs),
         max_query_len=max(q for q, _ in seqs), max_seq_len=max(lens), block_tables=block_tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        logits_indices=torch.tensor(qsl[:-1] if k else qsl[1:], dtype=torch.int64) - (0 if k else 1),
+        logits_indices=torch.tensor([qsl[s] if k and s >= prefills else qsl[s + 1] - 1 for s in range(n)],
+                                    dtype=torch.int64),
         sampling=_sampling(n, sampling, "cpu") if sampling else None, speculative=speculative).to(device)
 
 
@@ -155,6 +158,24 @@ def speculative_plan(max_num_seqs: int, max_model_len: int, k: int, block_size: 
     return steps + [[(1 + j, 1)] for j in range(1, k)]
 
 
+def mixed_speculative_plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, k: int,
+                           block_size: int) -> list[list[tuple[int, int]]]:
+    """Speculative steps with a prefill chunk first (a request admitted beside speculating decodes: every phase
+    eager): 1, 2, 17 and 33 speculating sequences (the Markov kernel's row tiles of 16, 32 and 64), each with 1, 2
+    and K drafts, at a short and a longer context. On the H100 (2026-12-06) such steps were missing here, and the
+    learned model's first tool-call prompts at batch 8 compiled the Markov kernel in the middle of serving."""
+    room = max(k + 3, max_model_len - 1)
+    steps = []
+    for b in sorted({1, 2, 17, 33, max_num_seqs - 1}):
+        for j in sorted({1, min(2, k), k}):
+            chunk = min(16, max_num_batched_tokens - b * (1 + j), room)
+            if not 1 <= b < max_num_seqs or chunk < 1:
+                continue
+            for cached in sorted({1, max(1, min(room, 17 * block_size) - 1 - j)}):
+                steps.append([(chunk, 0)] + [(1 + j, cached)] * b)
+    return steps
+
+
 def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport | None:
     """Run the warm-up steps on `runner` (a `ModelRunner`); None off CUDA."""
     if runner.device.type != "cuda":
@@ -172,9 +193,12 @@ def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport |
             plans = [(k, seqs) for seqs in speculative_plan(config.max_num_seqs, max_model_len, k, bs)]
             if runner.drafter.config.confidence_scheduling:  # steps whose K is a smaller verify width: their own shapes
                 plans += [(w, [(1 + w, 1)] * b) for w in verify_widths(k)[:-1] for b in (1, config.max_num_seqs)]
-            for width, seqs in plans:
+            plans = [(w, seqs, 0) for w, seqs in plans] + [
+                (k, seqs, 1) for seqs in mixed_speculative_plan(config.max_num_seqs, config.max_num_batched_tokens,
+                                                                max_model_len, k, bs)]
+            for width, seqs, prefills in plans:
                 for kind in ("greedy", "sampled"):
-                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, k=width))
+                    runner.execute(dummy_step(seqs, bs, pool, dev, kind, k=width, prefills=prefills))
                     steps.append(seqs)
         if rank == 0:  # the sampling kernel's vocabulary split depends on the rows: every row count a step can have
             vocab = runner.model.config.vocab_size

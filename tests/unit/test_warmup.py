@@ -29,11 +29,16 @@ def _run_steps_between_two_generations(model: str, opts: dict, steps_of, specula
     with LLM(model=model, **opts) as llm:
         runner = llm.engine.executor.worker.runner
         k = runner.drafter.config.num_speculative_tokens if speculative else 0
-        for seqs in steps_of(runner):
+        for item in steps_of(runner):  # a step's sequences, or (its sequences, how many are prefill chunks first)
+            seqs, prefills = item if isinstance(item, tuple) else (item, 0)
             for kind in ("greedy", "sampled"):
                 out = runner.execute(W.dummy_step(seqs, runner.cache.block_size, runner.cache.num_pages, "cpu", kind,
-                                                  k=k))
+                                                  k=k, prefills=prefills))
                 assert out.token_ids.shape[0] == len(seqs)
+                if k:  # a prefill chunk emits one token, a sequence with j drafts up to j + 1
+                    emitted = [1] * len(seqs) if out.num_tokens is None else out.num_tokens.tolist()
+                    assert all(1 <= n <= (1 if i < prefills else q) for i, (n, (q, _)) in
+                               enumerate(zip(emitted, seqs)))
         assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh
     return llm
 
@@ -69,7 +74,10 @@ def test_speculative_warmup_steps_run_and_leave_no_trace(tiny_model_dir):
         assert {len(s) for s in steps} == {1, 2, 3} and {q for s in steps for q, _ in s} == {2, 3, 4}
         widths = {(len(s), -(-(s[0][0] + s[0][1]) // bs)) for s in steps if s[0][0] == 4}
         assert widths == {(b, w) for b in range(1, 4) for w in range(1, -(-127 // bs) + 1)}
-        return steps
+        mixed = W.mixed_speculative_plan(3, 512, 128, 3, bs)  # a prefill chunk beside 1 or 2 speculating sequences
+        assert {(len(s) - 1, s[1][0] - 1) for s in mixed} == {(b, j) for b in (1, 2) for j in (1, 2, 3)}
+        assert all(s[0][1] == 0 and s[0][0] > 1 and len({x for x in s[1:]}) == 1 for s in mixed)
+        return steps + [(s, 1) for s in mixed]
     _run_steps_between_two_generations(tiny_model_dir, opts, steps_of, speculative=True)
 
 
