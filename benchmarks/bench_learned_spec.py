@@ -113,6 +113,23 @@ def measure(llm: LLM, prompts: dict[str, list[list[int]]], budgets: dict[str, in
     return res
 
 
+def profile_pass(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int, device: str) -> str:
+    """One more pass over `prompts` (after the timed ones, so the profiler's cost is in no figure) under
+    torch.profiler: the ops by their own device time (CUDA) or host time, and the kernels launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        run_pass(llm, prompts, max_tokens, batch)
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    head = (f"{len(prompts)} prompts, batch {batch}, engine steps {llm.engine.stats()['num_steps']} (cumulative), "
+            f"kernel launches {launches}")
+    return head + "\n" + events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                      row_limit=30)
+
+
 PLAIN_AGAIN = "plain, again"  # the plain engine's second measurement, after the speculative ones
 
 
@@ -227,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="speculative settings to measure, each a JSON object of speculative_config keys over the "
                     "default (K = --k, greedy drafts); default: the default alone")
     ap.add_argument("--out", default=None, help="JSON results (a markdown table is printed)")
+    ap.add_argument("--profile", default=None, choices=TASKS,
+                    help="after the timed passes, one more pass over this task's warm-up prompts per engine and batch "
+                    "size under torch.profiler; the tables go to OUT's name with .profile.txt (with --out)")
     a = ap.parse_args(argv)
+    if a.profile and (not a.out or a.profile not in a.tasks):
+        ap.error("--profile needs --out and one of --tasks")
     variants = {v: json.loads(v) for v in a.variants}
     if not all(isinstance(o, dict) for o in variants.values()):
         ap.error(f"--variants: each must be a JSON object, got {a.variants}")
@@ -240,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup_n = min(a.warmup_n, a.n)
 
     results: dict[str, dict[int, dict]] = {}
+    profiles: list[str] = []
     for mode in ["plain", *variants, PLAIN_AGAIN]:
         plain_mode = mode in ("plain", PLAIN_AGAIN)
         opts = engine_options(a.device, a.dtype, speculative=not plain_mode)
@@ -251,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             results[mode] = {}
             for b in batches:
                 results[mode][b] = measure(llm, prompts, budgets, b, warmup_n, tok)
+                if a.profile:
+                    profiles.append(f"## {mode}, {a.profile}, batch {b}\n" + profile_pass(
+                        llm, prompts[a.profile][:warmup_n], budgets[a.profile], b, a.device))
                 print(f"{mode}: batch {b} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         del llm  # its weights and KV pool go before the next engine sizes its pool from the free memory
         gc.collect()
@@ -285,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+        if profiles:
+            with open(os.path.splitext(a.out)[0] + ".profile.txt", "w") as f:
+                f.write("\n\n".join(profiles) + "\n")
     return 0
 
 

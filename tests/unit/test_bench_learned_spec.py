@@ -4,6 +4,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASKS = ["arithmetic", "multi_turn"]
 
@@ -94,3 +96,23 @@ def test_differing_replies_are_reported():
     assert every["spec_step_kinds"] == {"decode": {"steps": 16, "seconds": 1.0},
                                         "prefill": {"steps": 4, "seconds": 1.0}}
     assert "NO (1 of 2)" in bench.table(rows) and "NO (1 of 3)" in bench.table([every])
+
+
+def test_profile_writes_one_table_per_engine_and_batch(tmp_path):
+    """--profile: one more pass of the task per engine (the plain one twice) and batch size, under torch.profiler,
+    its tables beside the JSON."""
+    from m3serve.learn.config import make_learned
+
+    model = str(tmp_path / "m")
+    make_learned(model, dtype="float32", random_dspark=True)
+    out = tmp_path / "p.json"
+    bench = _bench()
+    assert bench.main(["--model", model, "--device", "cpu", "--dtype", "float32", "--n", "1", "--warmup-n", "1",
+                       "--batches", "1", "--tasks", "multi_turn", "--profile", "multi_turn", "--out", str(out)]) == 0
+    prof = (tmp_path / "p.profile.txt").read_text()
+    heads = [line for line in prof.splitlines() if line.startswith("## ")]
+    assert heads == [f"## {m}, multi_turn, batch 1" for m in ("plain", "{}", "plain, again")]
+    assert prof.count("Self CPU time total") == 3 and "aten::" in prof
+    with pytest.raises(SystemExit):  # the profiled task must be one of the measured ones
+        bench.main(["--model", model, "--device", "cpu", "--tasks", "arithmetic", "--profile", "multi_turn",
+                    "--out", str(out)])
