@@ -98,21 +98,21 @@ def test_differing_replies_are_reported():
     assert "NO (1 of 2)" in bench.table(rows) and "NO (1 of 3)" in bench.table([every])
 
 
-def test_profile_writes_one_table_per_engine_and_batch(tmp_path):
-    """--profile: one more pass of the task per engine (the plain one twice) and batch size, under torch.profiler,
-    its tables beside the JSON."""
+def test_profile_pass_and_its_option(tmp_path):
+    """--profile's pass: one more pass of the task's prompts under torch.profiler, its table of ops; the option needs
+    --out and a measured task (refused before any engine is built)."""
+    from m3serve import LLM
     from m3serve.learn.config import make_learned
 
     model = str(tmp_path / "m")
     make_learned(model, dtype="float32", random_dspark=True)
-    out = tmp_path / "p.json"
     bench = _bench()
-    assert bench.main(["--model", model, "--device", "cpu", "--dtype", "float32", "--n", "1", "--warmup-n", "1",
-                       "--batches", "1", "--tasks", "multi_turn", "--profile", "multi_turn", "--out", str(out)]) == 0
-    prof = (tmp_path / "p.profile.txt").read_text()
-    heads = [line for line in prof.splitlines() if line.startswith("## ")]
-    assert heads == [f"## {m}, multi_turn, batch 1" for m in ("plain", "{}", "plain, again")]
-    assert prof.count("Self CPU time total") == 3 and "aten::" in prof
-    with pytest.raises(SystemExit):  # the profiled task must be one of the measured ones
-        bench.main(["--model", model, "--device", "cpu", "--tasks", "arithmetic", "--profile", "multi_turn",
-                    "--out", str(out)])
+    with LLM(model=model, device="cpu", dtype="float32", max_model_len=256) as llm:
+        steps = llm.engine.stats()["num_steps"]
+        table = bench.profile_pass(llm, [[5, 7, 9], [11, 13]], 4, 2, "cpu")
+        assert llm.engine.stats()["num_steps"] > steps  # the pass ran on the engine
+    assert table.startswith("2 prompts, batch 2,") and "Self CPU time total" in table and "aten::" in table
+    for bad in (["--tasks", "arithmetic", "--profile", "multi_turn", "--out", str(tmp_path / "p.json")],
+                ["--profile", "multi_turn"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--model", model, "--device", "cpu", *bad])
