@@ -190,12 +190,12 @@ def warm_up(runner, config, max_model_len: int, rank: int = 0) -> WarmupReport |
             runner.execute(dummy_step(seqs, bs, pool, dev, "greedy" if rank == 0 else None))
         if runner.drafter is not None:  # drafts, then the target's verify (greedy and sampled verification)
             k = runner.drafter.config.num_speculative_tokens
-            plans = [(k, seqs) for seqs in speculative_plan(config.max_num_seqs, max_model_len, k, bs)]
+            # (drafts per sequence, the step's sequences, how many of them are prefill chunks first)
+            plans = [(k, seqs, 0) for seqs in speculative_plan(config.max_num_seqs, max_model_len, k, bs)]
             if runner.drafter.config.confidence_scheduling:  # steps whose K is a smaller verify width: their own shapes
-                plans += [(w, [(1 + w, 1)] * b) for w in verify_widths(k)[:-1] for b in (1, config.max_num_seqs)]
-            plans = [(w, seqs, 0) for w, seqs in plans] + [
-                (k, seqs, 1) for seqs in mixed_speculative_plan(config.max_num_seqs, config.max_num_batched_tokens,
-                                                                max_model_len, k, bs)]
+                plans += [(w, [(1 + w, 1)] * b, 0) for w in verify_widths(k)[:-1] for b in (1, config.max_num_seqs)]
+            mixed = mixed_speculative_plan(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, k, bs)
+            plans += [(k, seqs, 1) for seqs in mixed]
             for width, seqs, prefills in plans:
                 for kind in ("greedy", "sampled"):
                     runner.execute(dummy_step(seqs, bs, pool, dev, kind, k=width, prefills=prefills))
