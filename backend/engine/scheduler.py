@@ -17,7 +17,7 @@ result, async scheduling, may still write there). A preempted sequence is recomp
 up to its last token only, which the next step feeds as a decode again (`resume_as_decode`): it speculates from
 the same anchor as it would have without the preemption, so it draws the same tokens.
 
-`prefill_apart` (speculative_config.prefill_apart, off by default): a step whose decodes draft takes no prefill
+`prefill_apart` (speculative_config.prefill_apart, on by default): a step whose decodes draft takes no prefill
 work; the prefill chunks and admissions it left go in the next step, without the decodes (which then take the step
 after). A step that holds only speculating decodes replays the speculative CUDA graphs, where a mixed step runs
 every phase eagerly (executor/speculative/decoder.py). The tokens are the same either way; only which step runs
