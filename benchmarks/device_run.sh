@@ -21,7 +21,9 @@
 # (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels
 # by benchmarks/make_carry_server.sh (cut down so that they fit one call's 64 MiB beside the tree).
 # "suite" also takes .carry-reference/reference312.tar.xz (transformers 5.25 for Python 3.12, onto PYTHONPATH; made by
-# benchmarks/make_carry_reference.sh), as "train", "evaltasks" and "learnedspec" do (or the wheels in .whl/).
+# benchmarks/make_carry_reference.sh), as "train", "evaltasks" and "learnedspec" do (or the wheels in .whl/); with
+# both carries the tree is over a call's 64 MiB, so the learned checkpoint travels as .carry-model/ then
+# (benchmarks/make_carry_model.sh).
 # tritonserver vs engine-direct), "soak": benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS (streams
 # with random cancellation through the real tritonserver), "gateway": benchmarks/bench_gateway.py --geometry
 # $SERVER_LAYERS $GATEWAY_ARGS (the OpenAI gateway vs gRPC direct). Logs and JSON go to $OUT (or ./device_out).
@@ -47,6 +49,10 @@
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# the learned checkpoint left out of the tree to fit a call's 64 MiB (benchmarks/make_carry_model.sh) comes back here
+if [ ! -f models/m3-tiny-learned/config.json ] && [ -f .carry-model/m3-tiny-learned.tar.xz ]; then
+  mkdir -p models && tar -xJf .carry-model/m3-tiny-learned.tar.xz -C models
+fi
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT" /tmp/p/m3serve
 cp -r backend/. /tmp/p/m3serve/ && rm -rf /tmp/p/m3serve/kernels && cp -r kernels /tmp/p/m3serve/kernels
