@@ -46,6 +46,12 @@
 # $OUT/bench_learned_spec.json. "learnedserver": benchmarks/bench_learned_server.py on the same checkpoint (or
 # $LSERVER_MODEL) $LSERVER_ARGS: DSpark vs plain through tritonserver (`m3` vs `m3_spec`) into $OUT/learned_server/.
 # $SANITIZER prefixes the GPU tests' python, e.g. "compute-sanitizer --tool memcheck --error-exitcode 9".
+# "memcheck": compute-sanitizer memcheck over each of $MEMCHECK_FILES (default: the kernel GPU test files) in its own
+# process, with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1: each tensor its own cudaMalloc, so
+# an access past a tensor's end is past an allocation's end, which memcheck sees; inside a cached segment it would
+# not); one log per file in $OUT/memcheck/ and a line per file: pytest's summary and memcheck's error count. Under
+# memcheck the M3-sized MoE layers of test_moe_gpu.py ran out of memory on an 80 GB H100 (docs/performance.md):
+# that file wants an H200 (run's needs_h200).
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,6 +104,14 @@ for step in ${STEPS:-tests msa qkv}; do
     tests) reference_site  # tests/gpu/test_learned_gpu.py trains transformers' model
            PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q \
              -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    memcheck)
+      mkdir -p "$OUT/memcheck"
+      for f in ${MEMCHECK_FILES:-tests/gpu/test_kernels_gpu.py tests/gpu/test_odd_shapes_gpu.py tests/gpu/test_dequant_gemm_gpu.py tests/gpu/test_nvfp4_mma_gpu.py tests/gpu/test_markov_gpu.py tests/gpu/test_moe_gpu.py}; do
+        log="$OUT/memcheck/$(basename "$f" .py).log"
+        PYTHONPATH=/tmp/p PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer \
+          --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider "$f" > "$log" 2>&1
+        echo "$f: rc $? | $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$log" | tail -1) | $(grep 'ERROR SUMMARY' "$log" | head -1)"
+      done ;;
     trainops) reference_site
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TRAINOPS_TIMEOUT:-240}" python3 \
         benchmarks/bench_train_ops.py --out "$OUT/bench_train_ops.json" \
