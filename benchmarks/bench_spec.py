@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="the draft proposes from N ids only (draft_vocab_size): the plain runs' tokens, then random")
     ap.add_argument("--eager", action="store_true", help="speculative steps eagerly (no graphs), for comparison")
+    ap.add_argument("--prefill-mixed", action="store_true",
+                    help="prefill chunks beside speculating decodes (speculative_config prefill_apart false)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="speculative steps synchronous (none queued ahead of the previous result), for comparison")
     ap.add_argument("--confidence-scheduling", action="store_true",
@@ -362,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                       4096, max(batches) * max(a.prompt_len, a.k + 1)),
                   num_gpu_blocks_override=pages, enable_prefix_caching=False, enforce_eager=a.smoke, **kv)
     speculative_config = {"method": "dspark", "num_speculative_tokens": a.k,
-                          "draft_sample_method": a.draft_sample_method, "kv_cache_dtype": a.draft_kv_cache_dtype}
+                          "draft_sample_method": a.draft_sample_method, "kv_cache_dtype": a.draft_kv_cache_dtype,
+                          "prefill_apart": not a.prefill_mixed}
     if a.draft_vocab:
         if not 1 <= a.draft_vocab <= cfg.vocab_size:
             ap.error(f"--draft-vocab must be in 1..{cfg.vocab_size} (the vocabulary)")

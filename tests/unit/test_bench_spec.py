@@ -4,6 +4,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -73,16 +75,19 @@ def test_projection_to_60_layers():
     assert bench.project({**row, "phase_ms": None}, 4, 1.0) is None and bench.project(row, 4, None) is None
 
 
-def test_mixed_steps_are_counted(tmp_path):
-    """A token budget below the batch's prompts chunks the prefill: the decodes of the sequences prefilled first
-    share steps with the others' chunks, and the table says so (on the CPU, in fp32, the tokens stay the
-    recording's)."""
+@pytest.mark.parametrize("mixed", [True, False], ids=["prefill_mixed", "prefill_apart"])
+def test_mixed_steps_are_counted(tmp_path, mixed):
+    """A token budget below the batch's prompts chunks the prefill: with --prefill-mixed the decodes of the
+    sequences prefilled first share steps with the others' chunks, and the table says so; apart (the default) no
+    step is mixed (on the CPU, in fp32, the tokens stay the recording's either way)."""
     bench = _bench()
     out = tmp_path / "bench_spec.json"
-    assert bench.main(["--smoke", "--out", str(out), "--max-num-batched-tokens", "24"]) == 0
+    assert bench.main(["--smoke", "--out", str(out), "--max-num-batched-tokens", "24"]
+                      + (["--prefill-mixed"] if mixed else [])) == 0
     rows = {(r["batch"], r["p"]): r for r in json.loads(out.read_text())["rows"]}
     assert rows[(1, 0.8)]["mixed"] == 0  # 20 prompt tokens: one step
-    assert rows[(2, 0.0)]["mixed"] > 0 and rows[(2, 0.8)]["mixed"] > 0
+    counts = [rows[(2, 0.0)]["mixed"], rows[(2, 0.8)]["mixed"]]
+    assert all(n > 0 for n in counts) if mixed else counts == [0, 0]
     assert rows[(2, 0.8)]["recorded"] == 1.0 and rows[(2, 0.8)]["preempted"] == 0
 
 
