@@ -203,6 +203,12 @@ def engine_pace(before: dict, after: dict, wall: float) -> dict:
     return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": wait / wall}
 
 
+def timed_levels(a) -> list[tuple[int, int]]:
+    """(repeat, concurrency) of each timed level: every level once per repeat, in the order given (--repeats: is the
+    ratio steady from one pass to the next?)."""
+    return [(r, c) for r in range(a.repeats) for c in a.levels]
+
+
 def run_engine_direct(a, model_dir, speculative: bool = False) -> list[dict]:
     from m3serve.config import EngineConfig
     from m3serve.engine.async_engine import AsyncLLMEngine
@@ -221,8 +227,8 @@ def run_engine_direct(a, model_dir, speculative: bool = False) -> list[dict]:
                 # per user left C = 64 compiling inside the timed run)
                 await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids)
             out = []
-            for c in a.levels:
-                out.append(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids))
+            for r, c in timed_levels(a):
+                out.append(dict(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids), repeat=r))
                 print(f"[engine{' spec' if speculative else ''}] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s",
                       file=sys.stderr, flush=True)
             return out
@@ -355,12 +361,12 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
             await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True, 0.0, 600,
                                   False)
         out = []
-        for c in a.levels:
+        for r, c in timed_levels(a):
             await asyncio.sleep(0.4)
             before, t_start = server_counters(mport, model), time.time()
             lv = await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True,
                                        0.0, 600, False)
-            lv["t_start"], lv["t_end"] = t_start, time.time()
+            lv["t_start"], lv["t_end"], lv["repeat"] = t_start, time.time(), r
             await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
             after = server_counters(mport, model)
             lv.update(engine_pace(*({"num_steps": x["m3serve:engine_steps_total"],
@@ -407,12 +413,14 @@ def summarize(res) -> str:
     nan = float("nan")  # a side that failed (its placeholders carry no counters)
     if not res["null"]:  # --geometry: engine-direct vs the server only
         lines = lines[:1] + ["|---|---|---|---|---|---|---|---|---|---|"]
-        lines[0] = ("| C | engine-direct tok/s | server tok/s | server / engine | server TTFT p50 ms | server ITL p50 ms | "
-                    "server resp/req | engine steps/s (direct / server) | engine waits for the GPU (direct / server) | "
-                    "kernel compiles in the timed run (direct / server) |")
+        lines[0] = ("| C | run | engine-direct tok/s | server tok/s | server / engine | TTFT p50 ms (direct / server) | "
+                    "server ITL p50 ms | server resp/req | engine steps/s (direct / server) | "
+                    "engine waits for the GPU (direct / server) | kernel compiles in the timed run (direct / server) |")
+        lines[1] = "|---" * 11 + "|"
         for e, s in zip(res["engine"], res["server"]):
-            lines.append(f"| {e['concurrency']} | {e['tokens_per_s_total']:.0f} | {s['tokens_per_s_total']:.0f} | "
-                         f"{s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | {s['ttft_ms'][50]:.1f} | "
+            lines.append(f"| {e['concurrency']} | {s.get('repeat', 0) + 1} | {e['tokens_per_s_total']:.0f} | "
+                         f"{s['tokens_per_s_total']:.0f} | {s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | "
+                         f"{e.get('ttft_ms_p50', nan):.1f} / {s['ttft_ms'][50]:.1f} | "
                          f"{s['itl_ms'][50]:.2f} | {s['responses_per_request_mean'] or 0:.0f} | "
                          f"{e.get('engine_steps_per_s', nan):.0f} / {s.get('engine_steps_per_s', nan):.0f} | "
                          f"{100 * e.get('engine_device_wait_share', nan):.0f}% / "
@@ -437,6 +445,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--repeats", type=int, default=1, help="timed passes over the levels, each side (after one warm-up)")
     p.add_argument("--requests-per-user", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--null-max-tokens", type=int, default=512)
@@ -523,11 +532,11 @@ def main(argv=None) -> int:
     nan = float("nan")
     for side in ("engine", "engine_spec") if a.speculative else ("engine",):
         if not res.get(side):
-            res[side] = [{"concurrency": c, "tokens_per_s_total": nan} for c in a.levels]
+            res[side] = [{"concurrency": c, "tokens_per_s_total": nan} for _, c in timed_levels(a)]
     for side in ("server", "server_spec") if a.speculative else ("server",):
         if not res.get(side):
             res[side] = [{"concurrency": c, "tokens_per_s_total": nan, "ttft_ms": {50: nan}, "itl_ms": {50: nan},
-                          "responses_per_request_mean": nan} for c in a.levels]
+                          "responses_per_request_mean": nan} for _, c in timed_levels(a)]
     res["table"] = summarize(res)
     if a.speculative:
         res["table"] += (f"\n\nDSpark K = {a.speculative} (random draft, controlled acceptance p = {a.spec_p}), "

@@ -1,57 +1,56 @@
 #!/usr/bin/env bash
-# One device call on a GPU machine that has torch + triton but not this package installed (the lent H200):
-# lay the package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/), then run the steps named
-# in $STEPS (default "tests msa qkv"): the GPU tests, benchmarks/bench_msa.py $MSA_ARGS,
-# benchmarks/bench_qkv.py $QKV_ARGS, benchmarks/bench_moe.py $MOE_ARGS ("moe"), benchmarks/bench_engine.py
-# $ENGINE_ARGS ("engine"), benchmarks/bench_spec.py $SPEC_ARGS ("spec"), benchmarks/bench_markov.py
-# $MARKOV_ARGS ("markov": DSpark's greedy Markov phase, fused kernels vs the torch loop, both in CUDA graphs),
-# benchmarks/bench_prefill.py $PREFILL_ARGS
-# ("prefill": MoE layer and quantized linears at prefill sizes, decode kernels vs decode-once-then-cuBLAS, TTFT as a
-# share of the bf16 GEMM rate), benchmarks/bench_itl.py $ITL_ARGS ("itl": ITL p50 / p99 of 64 decoding streams alone
-# and while a 32K prompt is prefilled in chunks beside them, per chunk size), and on a multi-GPU kind "tp":
-# benchmarks/bench_tp.py $TP_ARGS (TP / EP parity over NCCL, all-reduce cost), "rank": benchmarks/bench_rank.py
-# $RANK_ARGS (rank 0 of TP 4 at 60 layers on one GPU; after "tp": RANK_ARGS="--allreduce $OUT/bench_tp.json"), and "server":
-# benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS (the M3.1-Flash geometry through the real
-# tritonserver vs engine-direct; SERVER_ARGS="--speculative 7 --concurrency 1,16" adds DSpark on vs off),
-# and "suite": the whole test suite as `./build.sh test` runs it (tests/run_suite.py:
-# tests/kernels in the interpreter beside the rest with compiled kernels; logs in $OUT/suite). Logs and JSON go to
-# $OUT (or ./device_out).
-# "server" needs tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
-# site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
-# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages), made here from the wheels
-# by benchmarks/make_carry_server.sh (cut down so that they fit one call's 64 MiB beside the tree).
-# "suite" also takes .carry-reference/reference312.tar.xz (transformers 5.25 for Python 3.12, onto PYTHONPATH; made by
-# benchmarks/make_carry_reference.sh), as "train", "evaltasks" and "learnedspec" do (or the wheels in .whl/); with
-# both carries the tree is over a call's 64 MiB, so the learned checkpoint travels as .carry-model/ then
-# (benchmarks/make_carry_model.sh).
-# tritonserver vs engine-direct), "soak": benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS (streams
-# with random cancellation through the real tritonserver), "gateway": benchmarks/bench_gateway.py --geometry
-# $SERVER_LAYERS $GATEWAY_ARGS (the OpenAI gateway vs gRPC direct). Logs and JSON go to $OUT (or ./device_out).
-# "server" and "soak" need tritonserver and numpy<2 where the machine has neither (the lent H200): .carry-server/ holds
-# site312.tar.xz (numpy 1.26.4, tritonclient, python-rapidjson, unpacked onto PYTHONPATH) and pytriton312.tar.xz
-# (the nvidia-pytriton 0.7.0 wheel's files for Python 3.12, unpacked into site-packages):
-# benchmarks/make_carry_server.sh makes both.
-# "trainops": benchmarks/bench_train_ops.py $TRAINOPS_ARGS (default: 8 rows of 512 tokens, eager vs captured as
-# a CUDA graph; `--modes eager,graphed+grouped,...` picks the steps and experts paths) into
-# $OUT/bench_train_ops.json, with transformers as "train" has it.
-# "train": `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS` (the learned tiny model, issue
-# 27), with transformers 5.25 from .carry-reference/ or .whl/ (into /tmp/site); where .ckpt/ holds a packed checkpoint
-# (part-aa ..., an earlier call's $OUT; .ckpt/ is gitignored, so name it in the call's carry), it is unpacked to
-# /tmp/ckpt and the run goes on from its weights (add "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS).
-# "evaltasks": `m3serve eval-tasks` on that checkpoint (or on $EVAL_MODEL; where neither exists, on .ckpt/'s, else on
-# the committed models/m3-tiny-learned) on the GPU
-# (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into $OUT/eval.json. "learnedspec":
-# benchmarks/bench_learned_spec.py on that checkpoint (or on $LSPEC_MODEL; where neither exists, on .ckpt/'s packed
-# one, unpacked to /tmp/ckpt) $LSPEC_ARGS (DSpark vs plain tok/s on its eval tasks at batch 1 and 8, bf16) into
-# $OUT/bench_learned_spec.json. "learnedserver": benchmarks/bench_learned_server.py on the same checkpoint (or
-# $LSERVER_MODEL) $LSERVER_ARGS: DSpark vs plain through tritonserver (`m3` vs `m3_spec`) into $OUT/learned_server/.
-# $SANITIZER prefixes the GPU tests' python, e.g. "compute-sanitizer --tool memcheck --error-exitcode 9".
-# "memcheck": compute-sanitizer memcheck over each of $MEMCHECK_FILES (default: the kernel GPU test files) in its own
-# process, with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1: each tensor its own cudaMalloc, so
-# an access past a tensor's end is past an allocation's end, which memcheck sees; inside a cached segment it would
-# not); one log per file in $OUT/memcheck/ and a line per file: pytest's summary and memcheck's error count. Under
-# memcheck the M3-sized MoE layers of test_moe_gpu.py ran out of memory on an 80 GB H100 (docs/performance.md):
-# that file wants an H200 (run's needs_h200).
+# One device call on a GPU machine that has torch + triton but not this package installed (the lent H200): lay the
+# package out under /tmp/p (m3serve = backend/, m3serve.kernels = kernels/; LAYOUT=0 keeps the layout of another run
+# of this script still going on the machine), then run the steps named in $STEPS (default "tests msa qkv"). Logs and
+# JSON go to $OUT (or ./device_out). `*_ARGS` are word-split: no spaces inside one argument.
+#
+# Kernels and the engine:
+#   tests      pytest $TESTS (default tests/gpu); $SANITIZER prefixes its python (e.g. "compute-sanitizer --tool
+#              memcheck --error-exitcode 9")
+#   memcheck   compute-sanitizer memcheck over each of $MEMCHECK_FILES (default: the kernel GPU test files), each in
+#              its own process, $MEMCHECK_JOBS at once, with PyTorch's caching allocator off
+#              (PYTORCH_NO_CUDA_MEMORY_CACHING=1: each tensor its own cudaMalloc, so an access past a tensor's end is
+#              past an allocation's end, which memcheck sees; inside a cached segment it would not); a line per file
+#              (pytest's summary, memcheck's error count), the logs in $OUT/memcheck.tgz. Under memcheck the M3-sized
+#              MoE layers of test_moe_gpu.py ran out of memory on an 80 GB H100 once (docs/performance.md)
+#   msa, qkv, moe, markov   benchmarks/bench_{msa,qkv,moe,markov}.py $MSA_ARGS ... ("markov": DSpark's greedy Markov
+#              phase, fused kernels vs the torch loop, both in CUDA graphs)
+#   engine     benchmarks/bench_engine.py $ENGINE_ARGS; spec: benchmarks/bench_spec.py $SPEC_ARGS
+#   prefill    benchmarks/bench_prefill.py $PREFILL_ARGS (the MoE layer and quantized linears at prefill sizes, decode
+#              kernels vs decode-once-then-cuBLAS, TTFT as a share of the bf16 GEMM rate)
+#   itl        benchmarks/bench_itl.py $ITL_ARGS (ITL p50 / p99 of 64 decoding streams alone and while a 32K prompt
+#              is prefilled in chunks beside them, per chunk size)
+#   tp         (multi-GPU kinds) benchmarks/bench_tp.py $TP_ARGS: TP / EP parity over NCCL, all-reduce cost
+#   rank       benchmarks/bench_rank.py $RANK_ARGS: rank 0 of TP 4 at 60 layers on one GPU (after "tp":
+#              RANK_ARGS="--allreduce $OUT/bench_tp.json")
+# Through the real tritonserver (need .carry-server, below):
+#   server     benchmarks/bench_server.py --geometry $SERVER_LAYERS $SERVER_ARGS: the M3.1-Flash geometry vs
+#              engine-direct (SERVER_ARGS="--speculative 7 --concurrency 1,16" adds DSpark on vs off)
+#   soak       benchmarks/soak_server.py --geometry $SERVER_LAYERS $SOAK_ARGS: streams with random cancellation
+#   gateway    benchmarks/bench_gateway.py --geometry $SERVER_LAYERS $GATEWAY_ARGS: the OpenAI gateway vs gRPC direct
+#   suite      the whole test suite as `./build.sh test` runs it: lint-imports, then tests/run_suite.py $SUITE_ARGS
+#              (tests/kernels in the interpreter beside the rest with compiled kernels), all of it in $OUT/suite.log
+# The learned model (transformers 5.25 from .carry-reference/ or the wheels in .whl/, into /tmp/site):
+#   trainops   benchmarks/bench_train_ops.py $TRAINOPS_ARGS (eager vs captured as a CUDA graph)
+#   train      `m3serve train-learned --out /tmp/m3-tiny-learned --pack $OUT $TRAIN_ARGS`; where .ckpt/ holds a
+#              packed checkpoint (part-aa ..., an earlier call's $OUT; gitignored, so name it in carry), the run goes
+#              on from its weights (add "--dense-frac 0 --sparse-ramp-frac 0" to TRAIN_ARGS)
+#   evaltasks  `m3serve eval-tasks` (bf16, $EVAL_ARGS, default "--n 50 --paths engine dspark-greedy") into eval.json
+#   learnedspec    benchmarks/bench_learned_spec.py $LSPEC_ARGS: DSpark vs plain on the eval tasks, batch 1 and 8
+#   learnedserver  benchmarks/bench_learned_server.py $LSERVER_ARGS: the same through tritonserver (m3 vs m3_spec)
+#   The last four take the checkpoint of "train" in this call, else $EVAL_MODEL / $LSPEC_MODEL / $LSERVER_MODEL, else
+#   .ckpt/'s, else the committed models/m3-tiny-learned.
+# Carries (each made here by its benchmarks/make_carry_*.sh; a call's tree and carries must fit 64 MiB):
+#   .carry-server/     site312.tar.xz (numpy 1.26.4 -- numpy 2 empties the 2.51 python backend's outputs --,
+#                      tritonclient, python-rapidjson), pytriton312.tar.xz (the nvidia-pytriton 0.7.0 wheel's files:
+#                      tritonserver), gateway312.tar.xz (FastAPI, uvicorn, ...; make_carry_gateway.sh)
+#   .carry-reference/  transformers 5.25 for Python 3.12
+#   .carry-tests/      lint312.tar.xz (import-linter), gwtests312.tar.xz (openai, schemathesis): what "suite" needs
+#                      beyond the image; carry the file(s) that fit
+#   .carry-model/      the learned checkpoint as an 18 MiB xz, unpacked where models/m3-tiny-learned is missing (move
+#                      that folder out for a call that carries .carry-server and .carry-reference)
+#   .carry-baseline/   an earlier commit's package, to time a benchmark on it and on the tree in one call
+#
 #   STEPS="tests msa" MSA_ARGS="--dtypes nvfp4" bash benchmarks/device_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +60,9 @@ if [ ! -f models/m3-tiny-learned/config.json ] && [ -f .carry-model/m3-tiny-lear
 fi
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT" /tmp/p/m3serve
-cp -r backend/. /tmp/p/m3serve/ && rm -rf /tmp/p/m3serve/kernels && cp -r kernels /tmp/p/m3serve/kernels
+if [ "${LAYOUT:-1}" = 1 ]; then  # LAYOUT=0: another run of this script on the machine laid it out and still imports it
+  cp -r backend/. /tmp/p/m3serve/ && rm -rf /tmp/p/m3serve/kernels && cp -r kernels /tmp/p/m3serve/kernels
+fi
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -104,14 +105,23 @@ for step in ${STEPS:-tests msa qkv}; do
     tests) reference_site  # tests/gpu/test_learned_gpu.py trains transformers' model
            PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q \
              -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    memcheck)
-      mkdir -p "$OUT/memcheck"
-      for f in ${MEMCHECK_FILES:-tests/gpu/test_kernels_gpu.py tests/gpu/test_odd_shapes_gpu.py tests/gpu/test_dequant_gemm_gpu.py tests/gpu/test_nvfp4_mma_gpu.py tests/gpu/test_markov_gpu.py tests/gpu/test_moe_gpu.py}; do
-        log="$OUT/memcheck/$(basename "$f" .py).log"
+    memcheck)  # $MEMCHECK_JOBS files at once (default 1); logs in /tmp/memcheck, packed into $OUT/memcheck.tgz
+      mkdir -p /tmp/memcheck
+      files=(${MEMCHECK_FILES:-tests/gpu/test_kernels_gpu.py tests/gpu/test_odd_shapes_gpu.py tests/gpu/test_dequant_gemm_gpu.py tests/gpu/test_nvfp4_mma_gpu.py tests/gpu/test_markov_gpu.py tests/gpu/test_moe_gpu.py})
+      pids=()
+      for f in "${files[@]}"; do
+        while [ "$(jobs -rp | wc -l)" -ge "${MEMCHECK_JOBS:-1}" ]; do sleep 1; done
         PYTHONPATH=/tmp/p PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer \
-          --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider "$f" > "$log" 2>&1
-        echo "$f: rc $? | $(grep -E 'passed|failed' "$log" | tail -1) | $(grep 'ERROR SUMMARY' "$log" | head -1)"
-      done ;;
+          --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider "$f" \
+          > "/tmp/memcheck/$(basename "$f" .py).log" 2>&1 &
+        pids+=($!)
+      done
+      for i in "${!files[@]}"; do
+        wait "${pids[$i]}"; rc=$?
+        log="/tmp/memcheck/$(basename "${files[$i]}" .py).log"
+        echo "${files[$i]}: rc $rc | $(grep -E 'passed|failed' "$log" | tail -1) | $(grep 'ERROR SUMMARY' "$log" | head -1)"
+      done
+      tar -czf "$OUT/memcheck.tgz" -C /tmp memcheck ;;
     trainops) reference_site
       PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TRAINOPS_TIMEOUT:-240}" python3 \
         benchmarks/bench_train_ops.py --out "$OUT/bench_train_ops.json" \
@@ -138,11 +148,18 @@ for step in ${STEPS:-tests msa qkv}; do
         M3SERVE_BENCH_WORK=/tmp/bench_server_work timeout "${SERVER_TIMEOUT:-300}" python3 benchmarks/bench_server.py \
         --out "$OUT/server" --geometry "${SERVER_LAYERS:-4}" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/bench_server.log" \
         | grep -v "^I1\|^W1" | tail -20 ;;
-    suite)  # the README's test command (./build.sh test) without a venv: tests/run_suite.py under python3
+    suite)  # the README's test command (./build.sh test) without a venv: lint-imports, then tests/run_suite.py
       install_server
       reference_site
+      purelib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      [ -f .carry-server/gateway312.tar.xz ] && tar -xJf .carry-server/gateway312.tar.xz -C "$purelib"
+      for t in .carry-tests/*.tar.xz; do [ -f "$t" ] && tar -xJf "$t" -C /tmp/site; done  # make_carry_tests.sh
       export PYTHONPATH=/tmp/p:/tmp/site
-      M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton M3SERVE_SUITE_LOG_DIR="$OUT/suite" \
+      python3 -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-cache --no-logo \
+        2>&1 | tail -3
+      # genai-perf's venv (build.sh genai_perf_setup: hundreds of MB, from PyPI) cannot travel: its one test is optional
+      M3SERVE_TEST_OPTIONAL="${M3SERVE_TEST_OPTIONAL-genai-perf}" M3SERVE_PYTHON="$(command -v python3)" \
+        M3SERVE_TRITON_DIR=/tmp/triton M3SERVE_SUITE_LOG_DIR=/tmp/suite \
         M3SERVE_SUITE_SHARDS="${SUITE_SHARDS:-8}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
         USE_HUB_KERNELS=0 timeout "${SUITE_TIMEOUT:-560}" python3 tests/run_suite.py -q -rs -p no:cacheprovider \
         ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log" | grep -v "^\[run_suite\] ----\|^I1\|^W1" | tail -60 ;;

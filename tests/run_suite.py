@@ -83,7 +83,8 @@ def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
         rest_parts = []                                            # longest ones (SPLIT) over n // 2 each
         for d in sorted(glob.glob(os.path.join(ROOT, "tests", "*", ""))):
             tree = os.path.relpath(d, ROOT)
-            if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED):
+            ignored = any(o.startswith("--ignore=") and _inside(tree, o.split("=", 1)[1]) for o in opts)
+            if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED) and not ignored:
                 rest_parts += _file_shards(tree, n // 2) if tree in SPLIT else [[tree]]
     else:
         rest_parts = [rest] if rest else []

@@ -48,4 +48,4 @@ def test_server_table_survives_a_failed_side():
                        "responses_per_request_mean": 128, "engine_steps_per_s": 590.0,
                        "engine_device_wait_share": 0.3, "compiles": 0}]}
     row = bench.summarize(res).splitlines()[-1]
-    assert row.startswith("| 1 | nan | 600 | nan |") and "nan / 590" in row and "nan% / 30%" in row
+    assert row.startswith("| 1 | 1 | nan | 600 | nan | nan / 14.0 |") and "nan / 590" in row and "nan% / 30%" in row

@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support.required import require
 
 ROOT = Path(__file__).resolve().parents[2]
-LINT = Path(sys.executable).with_name("lint-imports")
+# lint-imports' own entry point, through this interpreter: the same wherever import-linter is importable (a venv, or
+# wheels unpacked onto PYTHONPATH without their console scripts, as on the device)
+LINT = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"]
 
-pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (requirements-test.txt)")
+require("importlinter", "import-linter")
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -23,8 +25,9 @@ def _tree(tmp_path: Path) -> Path:
 
 
 def _lint(tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    return subprocess.run([str(LINT), "--config", str(ROOT / "pyproject.toml"), "--no-cache", "--no-logo"],
+    path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))  # the copy's m3serve first
+    return subprocess.run([*LINT, "--config", str(ROOT / "pyproject.toml"), "--no-cache", "--no-logo"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -59,6 +59,9 @@ def test_interpreter_tree_in_shards(monkeypatch):
     files = sorted(f for _, args, _ in runs[:4] for f in args[len(Q):])
     assert files == _test_files(INTERPRETED)  # every file once
     assert plan(Q, gpu=False) == [("tests", Q, True)]  # no GPU: one process whatever the setting
+    without = plan(Q + ["--ignore=tests/gateway"], gpu=True)  # an ignored folder gets no process (pytest would
+    assert len(without) == len(runs) - 1                      # collect nothing there and exit 5)
+    assert not [a for _, a, _ in without if "tests/gateway" in a]
 
 
 def test_failing_process_fails_the_run_and_its_summary_line_ends_the_output(tmp_path):
