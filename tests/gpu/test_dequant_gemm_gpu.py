@@ -48,6 +48,7 @@ def test_dequant_matches_unpack(fmt, gen):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
 @pytest.mark.parametrize("n,k", [(40, 208), (6144, 8192)])
+@pytest.mark.cuda_graph
 def test_dense_linear(fmt, n, k, gen):
     k = k if fmt != "mxfp8" or k % 32 == 0 else 224
     qw = QuantWeight(n, k, fmt, torch.bfloat16, device=DEV)
@@ -90,6 +91,7 @@ def test_dense_moe_small(expert_fmt, shared_fmt, hidden, gen):
 
 
 @pytest.mark.parametrize("expert_fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.cuda_graph
 def test_dense_moe_m3_shapes(expert_fmt, gen):
     cfg = m3_moe_config()
     torch.cuda.empty_cache()

@@ -35,6 +35,7 @@ def test_markov_kernel_ties_and_nan_real_size(s, n, period, mode):
     check_markov(s, K, n, R, V, device="cuda", vocab=n < V, specials=True, splits=_splits(mode))
 
 
+@pytest.mark.cuda_graph
 def test_markov_kernel_in_a_cuda_graph():
     """Captured once, replayed on other base logits and anchors copied into the captured inputs: the new drafts."""
     w1, w2, u, anchors, ids = markov_inputs(8, K, 32768, R, V, "cuda", vocab=True, seed=1)

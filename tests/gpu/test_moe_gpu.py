@@ -159,6 +159,7 @@ def test_skewed_routing(T):
 
 
 @pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.cuda_graph
 def test_cuda_graph_capture_matches_eager(T):
     cfg, moe, w = _layer("nvfp4")
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
@@ -227,6 +228,7 @@ def test_quant_linear(fmt, M):
 
 
 @pytest.mark.parametrize("T", [1, 16, 64, 300])
+@pytest.mark.cuda_graph
 def test_expert_parallel_rank_runs_the_fused_kernel(T):
     """Rank 1 of EP 4 at M3 shapes (experts 32-63 whole, the shared expert's quarter): `select_moe_method` picks
     the fused kernel, whose partial sum matches the torch reference of the same rank; captured in a CUDA graph it

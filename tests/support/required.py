@@ -1,7 +1,8 @@
 """What the suite needs installed. transformers (the only independent numerical oracle) and the server wheel
 (tritonserver, tritonclient) are required: a missing one fails the run instead of turning its tests into skips.
-`M3SERVE_TEST_OPTIONAL` (comma separated: `transformers`, `server`, `genai-perf`, `import-linter`) names what may
-be missing on this machine; only those tests then skip, saying why."""
+`M3SERVE_TEST_OPTIONAL` (comma separated: `transformers`, `server`, `genai-perf`, `import-linter`, `index`: the package
+index the pin check resolves against) names what may be missing on this machine; only those tests then skip, saying
+why."""
 from __future__ import annotations
 
 import importlib

@@ -296,7 +296,8 @@ def test_abort_waiting_mid_prefill_mid_decode(make_engine, reference_greedy, eu)
 def test_llm_generate(tiny_model_dir, reference_greedy, eu):
     from m3serve import LLM
 
-    llm = LLM(tiny_model_dir, max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks_override=40)
+    llm = LLM(tiny_model_dir, max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks_override=40,
+              device="cpu", dtype="float32")  # the reference's device and dtype (the default picks a GPU where one is)
     prompts = eu.random_prompts([70, 5], seed=22)
     outs = llm.generate(prompts + [PROMPT], [greedy(8, ignore_eos=True)] * 2 + [greedy(8, logprobs=1)])
     assert [o.token_ids for o in outs[:2]] == [reference_greedy(p, 8) for p in prompts]
