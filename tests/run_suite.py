@@ -7,8 +7,8 @@ GPU) and everything else without the interpreter, so tests/gpu runs the compiled
 The two run side by side, each into a log (under $M3SERVE_SUITE_LOG_DIR if set) printed whole when it ends; the
 output ends with each process's pytest summary line; the exit status is the first failing process's.
 `--ignore=tests/kernels` leaves the interpreter process out. $M3SERVE_SUITE_SHARDS=N (many-core GPU hosts) splits
-the interpreter tree over N processes by file, tests/gpu and tests/unit over N // 2 each, and runs each other test
-folder in a process of its own.
+the interpreter tree over N processes by file, tests/gpu and tests/unit (whole, or named) over N // 2 each, and runs
+each other test folder in a process of its own.
 Path arguments pick what runs (a path under tests/kernels goes to the interpreter process); other arguments go
 to every process.
 """
@@ -61,6 +61,26 @@ def _file_shards(tree: str, n: int) -> list[list[str]]:
     return [sorted(files) for _, files in shares]
 
 
+def _sharded(rest: list[str], opts: list[str], n: int) -> list[list[str]]:
+    """Sharded (n > 1): a process per test folder named (`tests`: each of its folders but the interpreter tree and
+    the --ignore'd ones), the longest folders (SPLIT) over n // 2 processes each; test files and node ids named
+    alone run together in one more."""
+    folders, alone = [], []
+    for p in rest:
+        if _rel(p) == "tests":
+            for d in sorted(glob.glob(os.path.join(ROOT, "tests", "*", ""))):
+                tree = os.path.relpath(d, ROOT)
+                ignored = any(o.startswith("--ignore=") and _inside(tree, o.split("=", 1)[1]) for o in opts)
+                if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED) and not ignored:
+                    folders.append(tree)
+        elif "::" not in p and os.path.isdir(os.path.join(ROOT, _rel(p))):
+            folders.append(_rel(p))
+        else:
+            alone.append(p)
+    parts = [part for tree in folders for part in (_file_shards(tree, n // 2) if tree in SPLIT else [[tree]])]
+    return parts + ([alone] if alone else [])
+
+
 def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
     """(label, pytest args, interpreter on) per process."""
     if not gpu:
@@ -79,15 +99,7 @@ def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
     for i, part in enumerate(shards):
         tag = f" [{i + 1}/{len(shards)}]" if len(shards) > 1 else ""
         runs.append((f"{INTERPRETED}{tag} (TRITON_INTERPRET=1)", opts + part, True))
-    if rest and n > 1 and [_rel(p) for p in rest] == ["tests"]:  # sharded: a process per test folder, the
-        rest_parts = []                                            # longest ones (SPLIT) over n // 2 each
-        for d in sorted(glob.glob(os.path.join(ROOT, "tests", "*", ""))):
-            tree = os.path.relpath(d, ROOT)
-            ignored = any(o.startswith("--ignore=") and _inside(tree, o.split("=", 1)[1]) for o in opts)
-            if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED) and not ignored:
-                rest_parts += _file_shards(tree, n // 2) if tree in SPLIT else [[tree]]
-    else:
-        rest_parts = [rest] if rest else []
+    rest_parts = _sharded(rest, opts, n) if rest and n > 1 else [rest] if rest else []
     for part in rest_parts:
         around = any(_inside(INTERPRETED, p) for p in part)
         runs.append((f"{' '.join(part)}{' without ' + INTERPRETED if around else ''} (compiled kernels)",

@@ -39,6 +39,11 @@ def _test_files(tree: str) -> list[str]:
                   if f.startswith("test_") and f.endswith(".py"))
 
 
+def _file_shards_of(tree: str, runs) -> list[list[str]]:
+    """The shards of `tree` in a plan's runs (each a list of its files)."""
+    return [a[len(Q):-1] for _, a, interp in runs if not interp and a[len(Q)].startswith(tree + os.sep)]
+
+
 def test_interpreter_tree_in_shards(monkeypatch):
     """M3SERVE_SUITE_SHARDS=4: the interpreter tree in 4 processes, tests/gpu and tests/unit in 2 each, every other
     folder whole; every test file runs exactly once."""
@@ -59,6 +64,9 @@ def test_interpreter_tree_in_shards(monkeypatch):
     files = sorted(f for _, args, _ in runs[:4] for f in args[len(Q):])
     assert files == _test_files(INTERPRETED)  # every file once
     assert plan(Q, gpu=False) == [("tests", Q, True)]  # no GPU: one process whatever the setting
+    named = plan(Q + ["tests/gpu", "tests/gateway", "tests/unit/test_formats.py"], gpu=True)  # folders named: split
+    assert [a[len(Q):-1] for _, a, _ in named] == [*_file_shards_of("tests/gpu", runs), ["tests/gateway"],
+                                                    ["tests/unit/test_formats.py"]]
     without = plan(Q + ["--ignore=tests/gateway"], gpu=True)  # an ignored folder gets no process (pytest would
     assert len(without) == len(runs) - 1                      # collect nothing there and exit 5)
     assert not [a for _, a, _ in without if "tests/gateway" in a]
