@@ -69,16 +69,19 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 # the python backend's stub does not see PYTHONPATH (2026-12-03 on the H200: neither /tmp/p's m3serve nor numpy 1.26
 # from /tmp/site reached it, and numpy 2 empties the outputs it builds): numpy 1.26, tritonclient and the package go
-# into site-packages itself (the machine is a throw-away copy)
+# into site-packages itself (the machine is a throw-away copy), with the gateway's packages where they travel
+PURELIB="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 install_server() {
-  local purelib
-  purelib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   if [ -d .carry-server ]; then
-    rm -rf "$purelib"/numpy "$purelib"/numpy-*.dist-info "$purelib"/numpy.libs
-    tar -xJf .carry-server/site312.tar.xz -C "$purelib"
-    tar -xJf .carry-server/pytriton312.tar.xz -C "$purelib"
+    rm -rf "$PURELIB"/numpy "$PURELIB"/numpy-*.dist-info "$PURELIB"/numpy.libs
+    # the image's scipy is built for numpy 2, and transformers imports it where it is installed (its detection
+    # losses, at import): beside numpy 1.26 that failed (2026-12-06). CI's environment has no scipy either.
+    rm -rf "$PURELIB"/scipy "$PURELIB"/scipy-*.dist-info "$PURELIB"/scipy.libs
+    tar -xJf .carry-server/site312.tar.xz -C "$PURELIB"
+    tar -xJf .carry-server/pytriton312.tar.xz -C "$PURELIB"
+    [ -f .carry-server/gateway312.tar.xz ] && tar -xJf .carry-server/gateway312.tar.xz -C "$PURELIB"
   fi
-  rm -rf "$purelib/m3serve" && cp -r /tmp/p/m3serve "$purelib/m3serve"
+  rm -rf "$PURELIB/m3serve" && cp -r /tmp/p/m3serve "$PURELIB/m3serve"
   python3 -c 'import numpy; print("numpy", numpy.__version__)'
 }
 unpack_ckpt() {  # .ckpt/part-* (a packed checkpoint: an earlier call's $OUT) into /tmp/ckpt; prints its folder
@@ -109,17 +112,18 @@ for step in ${STEPS:-tests msa qkv}; do
     memcheck)  # $MEMCHECK_JOBS files at once (default 1); logs in /tmp/memcheck, packed into $OUT/memcheck.tgz
       mkdir -p /tmp/memcheck
       files=(${MEMCHECK_FILES:-tests/gpu/test_kernels_gpu.py tests/gpu/test_odd_shapes_gpu.py tests/gpu/test_dequant_gemm_gpu.py tests/gpu/test_nvfp4_mma_gpu.py tests/gpu/test_markov_gpu.py tests/gpu/test_moe_gpu.py})
+      memcheck_pass() {  # LOG LABEL PYTEST-ARGS...: pytest under memcheck; a line: its summary and the error count
+        local log="$1" label="$2"
+        shift 2
+        PYTHONPATH=/tmp/p timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --print-limit 20 \
+          python3 -m pytest -q -rs -p no:cacheprovider "$@" > "$log" 2>&1
+        echo "$label: rc $? | $(grep -E ' in [0-9.]+s' "$log" | tail -1) | $(grep 'ERROR SUMMARY' "$log" | head -1)"
+      }
       memcheck_file() {  # the file with the caching allocator off (its cuda_graph tests skip: nothing can be
         local f="$1" log="/tmp/memcheck/$(basename "$1" .py)"  # allocated while capturing), then those tests with it on
-        PYTHONPATH=/tmp/p PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer \
-          --tool memcheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider "$f" > "$log.log" 2>&1
-        echo "$f: rc $? | $(grep -E 'passed|failed' "$log.log" | tail -1) | $(grep 'ERROR SUMMARY' "$log.log" | head -1)" \
-          > "$log.line"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck_pass "$log.log" "$f" "$f" > "$log.line"
         if grep -q "mark.cuda_graph" "$f"; then
-          PYTHONPATH=/tmp/p timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --print-limit 20 \
-            python3 -m pytest -q -p no:cacheprovider -m cuda_graph "$f" > "$log.graphs.log" 2>&1
-          echo "$f -m cuda_graph (caching allocator on): rc $? | $(grep -E 'passed|failed' "$log.graphs.log" | tail -1) |" \
-            "$(grep 'ERROR SUMMARY' "$log.graphs.log" | head -1)" >> "$log.line"
+          memcheck_pass "$log.graphs.log" "$f -m cuda_graph (caching allocator on)" -m cuda_graph "$f" >> "$log.line"
         fi
       }
       for f in "${files[@]}"; do
@@ -158,11 +162,6 @@ for step in ${STEPS:-tests msa qkv}; do
     suite)  # the README's test command (./build.sh test) without a venv: lint-imports, then tests/run_suite.py
       install_server
       reference_site
-      purelib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-      [ -f .carry-server/gateway312.tar.xz ] && tar -xJf .carry-server/gateway312.tar.xz -C "$purelib"
-      # CI's environment has no scipy; the image's is built for numpy 2, and transformers imports it where it is
-      # installed (its detection losses, at import), which failed beside the server's numpy 1.26 (2026-12-06)
-      rm -rf "$purelib"/scipy "$purelib"/scipy-*.dist-info "$purelib"/scipy.libs
       for t in .carry-tests/*.tar.xz; do [ -f "$t" ] && tar -xJf "$t" -C /tmp/site; done  # make_carry_tests.sh
       export PYTHONPATH=/tmp/p:/tmp/site
       python3 -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-cache --no-logo \
@@ -177,7 +176,6 @@ for step in ${STEPS:-tests msa qkv}; do
     gateway)  # the OpenAI gateway vs gRPC direct through one tritonserver; .carry-server/gateway312.tar.xz holds
               # FastAPI, uvicorn, sse-starlette, pydantic, httpx2 ... for Python 3.12 (benchmarks/make_carry_gateway.sh)
       install_server
-      tar -xJf .carry-server/gateway312.tar.xz -C "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
       M3SERVE_PYTHON="$(command -v python3)" M3SERVE_TRITON_DIR=/tmp/triton timeout "${GATEWAY_TIMEOUT:-400}" \
         python3 benchmarks/bench_gateway.py --device cuda --geometry "${SERVER_LAYERS:-4}" --out "$OUT/gateway" \
         ${GATEWAY_ARGS:-} 2>&1 | tee "$OUT/bench_gateway.log" | grep -v "^I1\|^W1" | tail -20 ;;

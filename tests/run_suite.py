@@ -42,6 +42,11 @@ def _inside(path: str, tree: str) -> bool:
     return tree == "." or path == tree or path.startswith(tree + os.sep)
 
 
+def _ignored(tree: str, opts: list[str]) -> bool:
+    """An `--ignore=` among the pytest options covers `tree`."""
+    return any(o.startswith("--ignore=") and _inside(tree, o.split("=", 1)[1]) for o in opts)
+
+
 def _shards(kernels: list[str], n: int) -> list[list[str]]:
     """The interpreter tree in `n` processes: the interpreter runs one core per process, so a many-core GPU host runs
     it `n` times faster. Only the whole tree is split."""
@@ -70,8 +75,7 @@ def _sharded(rest: list[str], opts: list[str], n: int) -> list[list[str]]:
         if _rel(p) == "tests":
             for d in sorted(glob.glob(os.path.join(ROOT, "tests", "*", ""))):
                 tree = os.path.relpath(d, ROOT)
-                ignored = any(o.startswith("--ignore=") and _inside(tree, o.split("=", 1)[1]) for o in opts)
-                if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED) and not ignored:
+                if glob.glob(os.path.join(d, "test_*.py")) and not _inside(d, INTERPRETED) and not _ignored(tree, opts):
                     folders.append(tree)
         elif "::" not in p and os.path.isdir(os.path.join(ROOT, _rel(p))):
             folders.append(_rel(p))
@@ -90,7 +94,7 @@ def plan(args: list[str], gpu: bool) -> list[tuple[str, list[str], bool]]:
     kernels = [p for p in paths if _inside(p, INTERPRETED)]
     if any(_inside(INTERPRETED, p) and not _inside(p, INTERPRETED) for p in paths):  # a folder above the tree
         kernels.append(INTERPRETED)
-    if any(o.startswith("--ignore=") and _inside(INTERPRETED, o.split("=", 1)[1]) for o in opts):
+    if _ignored(INTERPRETED, opts):
         kernels = []  # the caller left the interpreter tree out
     rest = [p for p in paths if not _inside(p, INTERPRETED)]
     runs = []
