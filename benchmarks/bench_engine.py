@@ -82,13 +82,19 @@ def stop_synthetic(engine, rids: list[str]) -> None:
         engine.step()
 
 
+def decode_tokens(steps: int, warmup: int = 3, runs: int = 3) -> int:
+    """Tokens each sequence of `time_decode` asks for (its timed runs, the warm-up and a margin): the room above
+    the context that `max_model_len` must leave."""
+    return runs * steps + warmup + 4
+
+
 def time_decode(engine, device, batch, context, steps, warmup=3, runs=3) -> tuple[float, float]:
     """Seconds per engine step as served: `steps` consecutive `step()` calls timed together, no synchronisation in
     between (with async scheduling the next step is queued while this one runs, and the host's work overlaps the
     device's; each call still waits for its step's tokens), the median of `runs` such runs; and the share of that
     run the host spent waiting for sampled tokens (near 0: the host's per-step work, not the GPU, sets the pace)."""
     g = torch.Generator().manual_seed(context + batch)
-    rids = start_synthetic(engine, batch, context, runs * steps + warmup + 4, g)
+    rids = start_synthetic(engine, batch, context, decode_tokens(steps, warmup, runs), g)
     times = []
     try:
         for _ in range(warmup):
@@ -183,8 +189,9 @@ def build(num_layers, dense_layers, device, args, max_context):
     cfg = flash_geometry(num_layers, dense_layers, **args.geometry_over)
     model = random_model(cfg, device)
     max_batch = max(args.batches)
-    pages = max_batch * (-(-(max_context + 64) // cfg.index_block_size)) + 16
-    engine = make_engine(model, device=str(device), dtype="bfloat16", max_model_len=max_context + 64,
+    max_len = max_context + max(64, decode_tokens(args.steps))  # a decode at the largest context fits
+    pages = max_batch * (-(-max_len // cfg.index_block_size)) + 16
+    engine = make_engine(model, device=str(device), dtype="bfloat16", max_model_len=max_len,
                          max_num_seqs=max_batch, num_gpu_blocks_override=pages, enforce_eager=args.enforce_eager,
                          async_scheduling=not args.no_async_scheduling,
                          max_num_batched_tokens=args.chunk)
@@ -212,7 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--contexts", default="1024,4096,32768,131072")
     p.add_argument("--ttft", default="1024,8192,32768")
-    p.add_argument("--steps", type=int, default=20, help="decode steps per timed run (3 runs)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps per timed run (3 runs; 20, --smoke 2)")
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     p.add_argument("--scaling-context", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
@@ -226,7 +233,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if a.smoke:
         a.geometry_over = SMOKE
-        a.batches, a.contexts, a.ttft, a.steps, a.chunk, a.scaling_context = [1, 2], [40], [48], 2, 64, 40
+        a.batches, a.contexts, a.ttft, a.chunk, a.scaling_context = [1, 2], [48], [48], 64, 40
+    a.steps = a.steps or (2 if a.smoke else 20)
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "layers": a.layers, "cuda_graphs": device.type == "cuda" and not a.enforce_eager,

@@ -264,6 +264,11 @@ def main(argv=None) -> int:
                 max_num_batched_tokens=a.chunk)
     if device.type != "cuda":
         opts["num_gpu_blocks_override"] = max_seqs * pages_per_seq(max_context + 64, cfg.index_block_size) + 16
+    if device.type == "cuda":  # what holds the device's memory as the engine starts sizing its pool
+        free, total = torch.cuda.mem_get_info(device)
+        res["before_engine"] = {"in_use_bytes": total - free, "allocated_bytes": torch.cuda.memory_allocated(device),
+                                "reserved_bytes": torch.cuda.memory_reserved(device),
+                                "outside_pytorch_bytes": total - free - torch.cuda.memory_reserved(device)}
     t0 = time.perf_counter()
     engine = make_engine(model, **opts)
     res["engine_s"] = time.perf_counter() - t0
@@ -330,6 +335,12 @@ def table(res) -> str:
                      f"{pm['max_concurrent_sequences']} | {m['sequences_over_planner']:.3f} |")
     lines.append(f"| graph pool | {m['graph_pool_bytes'] / gib:.2f} | {m['graph_reserve_bytes'] / gib:.2f} (reserve) "
                  f"| {m['graph_pool_over_reserve']:.3f} |")
+    if "before_engine" in res:
+        b = res["before_engine"]
+        lines += ["", f"Before the engine sized its pool: {b['in_use_bytes'] / gib:.2f} GiB in use on the device, "
+                  f"{b['allocated_bytes'] / gib:.2f} GiB in PyTorch's tensors, {b['reserved_bytes'] / gib:.2f} GiB "
+                  f"held by its allocator, {b['outside_pytorch_bytes'] / gib:.2f} GiB outside it (CUDA context, "
+                  "libraries)."]
     lines += ["", "TP4 estimate: this rank's step (the other ranks assumed as fast) plus every collective it calls at "
               f"NCCL's tuner model for 4 GPUs on NVLink ({NCCL_BASE_US} us + {NCCL_HOP_US} us per step, "
               f"{NCCL_BUS_GBPS:.0f} GB/s bus); pessimistic: at least {PESSIMISTIC_US:.0f} us each. Goal: "

@@ -13,7 +13,8 @@
 #              past an allocation's end, which memcheck sees; inside a cached segment it would not), then the file's
 #              `cuda_graph` tests (nothing can be allocated while capturing without that allocator) with it on; a
 #              line per pass (pytest's summary, memcheck's error count), the logs in $OUT/memcheck.tgz. Six files at
-#              once ran out of memory on an 80 GB H100 (2026-12-06): keep MEMCHECK_JOBS at 1 or 2 there
+#              once, and four, ran the sanitizer out of memory on an 80 GB H100 (2026-12-06): keep MEMCHECK_JOBS at 1.
+#              $MEMCHECK_OPTS (word-split) go to compute-sanitizer before the program (e.g. a --kernel-name filter)
 #   msa, qkv, moe, markov   benchmarks/bench_{msa,qkv,moe,markov}.py $MSA_ARGS ... ("markov": DSpark's greedy Markov
 #              phase, fused kernels vs the torch loop, both in CUDA graphs)
 #   engine     benchmarks/bench_engine.py $ENGINE_ARGS; spec: benchmarks/bench_spec.py $SPEC_ARGS
@@ -116,7 +117,7 @@ for step in ${STEPS:-tests msa qkv}; do
         local log="$1" label="$2"
         shift 2
         PYTHONPATH=/tmp/p timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --print-limit 20 \
-          python3 -m pytest -q -rs -p no:cacheprovider "$@" > "$log" 2>&1
+          ${MEMCHECK_OPTS:-} python3 -m pytest -q -rs -p no:cacheprovider "$@" > "$log" 2>&1
         echo "$label: rc $? | $(grep -E ' in [0-9.]+s' "$log" | tail -1) | $(grep 'ERROR SUMMARY' "$log" | head -1)"
       }
       memcheck_file() {  # the file with the caching allocator off (its cuda_graph tests skip: nothing can be
@@ -165,14 +166,14 @@ for step in ${STEPS:-tests msa qkv}; do
       for t in .carry-tests/*.tar.xz; do [ -f "$t" ] && tar -xJf "$t" -C /tmp/site; done  # make_carry_tests.sh
       export PYTHONPATH=/tmp/p:/tmp/site
       python3 -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-cache --no-logo \
-        2>&1 | tail -3
+        2>&1 | tee "$OUT/suite.log" | tail -3
       # genai-perf's venv (build.sh genai_perf_setup: hundreds of MB, from PyPI) cannot travel, and the pin check
       # resolves against PyPI, which the machine cannot reach: those tests are optional here (skipped, saying why)
       M3SERVE_TEST_OPTIONAL="${M3SERVE_TEST_OPTIONAL-genai-perf,index}" M3SERVE_PYTHON="$(command -v python3)" \
         M3SERVE_TRITON_DIR=/tmp/triton M3SERVE_SUITE_LOG_DIR=/tmp/suite \
         M3SERVE_SUITE_SHARDS="${SUITE_SHARDS:-8}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
         USE_HUB_KERNELS=0 timeout "${SUITE_TIMEOUT:-560}" python3 tests/run_suite.py -q -rs -p no:cacheprovider \
-        ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log" | grep -v "^\[run_suite\] ----\|^I1\|^W1" | tail -60 ;;
+        ${SUITE_ARGS:-} 2>&1 | tee -a "$OUT/suite.log" | grep -v "^\[run_suite\] ----\|^I1\|^W1" | tail -60 ;;
     gateway)  # the OpenAI gateway vs gRPC direct through one tritonserver; .carry-server/gateway312.tar.xz holds
               # FastAPI, uvicorn, sse-starlette, pydantic, httpx2 ... for Python 3.12 (benchmarks/make_carry_gateway.sh)
       install_server

@@ -61,8 +61,9 @@ def determine_num_pages(cfg: ModelConfig, kv_dtype: str, index_dtype: str, devic
         pages, how = int(num_gpu_blocks_override), "num_gpu_blocks_override"
     elif device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # blocks the allocator caches but nothing holds (loading's temporaries) are free
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free  # weights, this process's allocations, other processes
+        used = total - free  # weights, this process's allocations, the CUDA context, other processes
         budget = total * gpu_memory_utilization - used - reserved_bytes - activation_reserve_bytes(
             cfg, max_num_batched_tokens, max_num_seqs)
         pages = max(int(budget // per_page), 0)

@@ -12,20 +12,27 @@ def _uniform(shape, lo, hi, gen, device):
     return torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo
 
 
+def _matrices(t: torch.Tensor):
+    """`t`'s matrices one by one (one expert's at a time): the fp32 draw of a whole M3-sized layer would be 18 GiB."""
+    return t.view(-1, *t.shape[-2:])
+
+
 @torch.no_grad()
 def fill_random(qw, gen: torch.Generator, std: float = 0.02) -> None:
     """Random weights in qw's format with roughly ``std`` spread: every code / byte value occurs, block scales vary
     over a 8x range, per-row second-level scales differ (so gate / up halves do too)."""
     dev = qw.packed.device if qw.fmt == "nvfp4" else (qw.weight.device if qw.fmt == "dense" else qw.qweight.device)
     if qw.fmt == "dense":
-        qw.weight.copy_(torch.randn(qw.weight.shape, generator=gen, device=dev) * std)
+        for part in _matrices(qw.weight):
+            part.copy_(torch.randn(part.shape, generator=gen, device=dev) * std)
     elif qw.fmt == "nvfp4":
         qw.packed.copy_(torch.randint(0, 256, qw.packed.shape, generator=gen, device=dev, dtype=torch.uint8))
         qw.block_scale.copy_(_uniform(qw.block_scale.shape, 8.0, 64.0, gen, dev).to(torch.float8_e4m3fn))
         qw.scale_2.copy_(_uniform(qw.scale_2.shape, 0.5, 1.5, gen, dev) * std / (3.0 * 30.0))
     else:
-        q = (torch.randn(qw.qweight.shape, generator=gen, device=dev) * 100.0).clamp(-448, 448)
-        qw.qweight.copy_(q.to(torch.float8_e4m3fn))
+        for part in _matrices(qw.qweight):
+            q = (torch.randn(part.shape, generator=gen, device=dev) * 100.0).clamp(-448, 448)
+            part.copy_(q.to(torch.float8_e4m3fn))
         if qw.fmt == "mxfp8":
             e = torch.randint(-2, 2, qw.scale_e8m0.shape, generator=gen, device=dev) + 127 - 13
             qw.scale_e8m0.copy_(e.to(torch.uint8))
