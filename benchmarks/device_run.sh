@@ -112,6 +112,12 @@ for step in ${STEPS:-tests msa qkv}; do
              -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     memcheck)  # $MEMCHECK_JOBS files at once (default 1); logs in /tmp/memcheck, packed into $OUT/memcheck.tgz
       mkdir -p /tmp/memcheck
+      if [ -n "${MEMCHECK_OPTS:-}" ] \
+          && ! compute-sanitizer --tool memcheck ${MEMCHECK_OPTS} true > /tmp/memcheck/opts.log 2>&1; then
+        echo "compute-sanitizer refused MEMCHECK_OPTS=$MEMCHECK_OPTS: running without them"
+        head -5 /tmp/memcheck/opts.log
+        MEMCHECK_OPTS=""
+      fi
       files=(${MEMCHECK_FILES:-tests/gpu/test_kernels_gpu.py tests/gpu/test_odd_shapes_gpu.py tests/gpu/test_dequant_gemm_gpu.py tests/gpu/test_nvfp4_mma_gpu.py tests/gpu/test_markov_gpu.py tests/gpu/test_moe_gpu.py})
       memcheck_pass() {  # LOG LABEL PYTEST-ARGS...: pytest under memcheck; a line: its summary and the error count
         local log="$1" label="$2"
