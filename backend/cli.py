@@ -140,7 +140,7 @@ def cmd_openai(a) -> int:
     cfg = GatewayConfig(triton_url=a.triton_url, model=a.model, served_model_name=a.served_model_name,
                         api_key=a.api_key or os.environ.get("M3SERVE_OPENAI_API_KEY") or None,
                         max_concurrent=a.max_concurrent, cors_origins=a.cors_origin or [])
-    run(cfg, a.host, a.port, a.log_level)
+    run(cfg, a.host, a.port, a.log_level, workers=a.workers)
     return 0
 
 
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $M3SERVE_OPENAI_API_KEY)")
     o.add_argument("--max-concurrent", type=int, default=0, help="429 beyond this many open requests (0: no limit)")
     o.add_argument("--cors-origin", action="append", help="allow this origin (CORS is off without one)")
+    o.add_argument("--workers", type=int, default=1,
+                   help="serve from this many processes on the one port (each relays its own requests; "
+                        "--max-concurrent applies per worker)")
     o.add_argument("--log-level", default="info")
     o.set_defaults(fn=cmd_openai)
     return p

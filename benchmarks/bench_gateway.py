@@ -69,10 +69,11 @@ def write_repo(a, model_dir: str, repo: str) -> None:
         json.dump(opts, f, indent=2)
 
 
-def start_gateway(triton_url: str, port: int, log_path: str) -> subprocess.Popen:
-    log = open(log_path, "w")
+def start_gateway(triton_url: str, port: int, log_path: str, workers: int = 1) -> subprocess.Popen:
+    log = open(log_path, "a")
     proc = subprocess.Popen([sys.executable, "-m", "m3serve.cli", "openai", "--triton-url", triton_url, "--port",
-                             str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                             str(port), "--log-level", "warning", "--workers", str(workers)], stdout=log,
+                            stderr=subprocess.STDOUT, cwd=ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -199,7 +200,7 @@ def _minus(a: float | None, b: float | None) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["C", "run", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms",
+    cols = ["C", "run", "gateway workers", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms",
             "TTFT p50 gateway ms", "TTFT p50 overhead ms", "ITL p50 direct ms", "ITL p50 gateway ms",
             "ITL p50 overhead ms", "errors (direct/gateway)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -208,7 +209,8 @@ def table(rows: list[dict]) -> str:
         return "n/a" if x is None else format(x, fmt)
     for r in rows:
         d, g = r["direct"], r["gateway"]
-        cells = [str(r["concurrency"]), str(r["run"]), num(d["tokens_per_s_total"], ".1f"),
+        cells = [str(r["concurrency"]), str(r["run"]), str(r.get("gateway_workers", 1)),
+                 num(d["tokens_per_s_total"], ".1f"),
                  num(g["tokens_per_s_total"], ".1f"), num(r["tokens_per_s_ratio"], ".3f"), num(d["ttft_ms"][50], ".1f"),
                  num(g["ttft_ms"][50], ".1f"), num(r["ttft_p50_overhead_ms"], "+.1f"), num(d["itl_ms"][50], ".2f"),
                  num(g["itl_ms"][50], ".2f"), num(r["itl_p50_overhead_ms"], "+.2f"), f"{d['errors']}/{g['errors']}"]
@@ -224,10 +226,13 @@ def main(argv=None) -> int:
                                 ("--max-model-len", int, 1024), ("--max-num-batched-tokens", int, 4096),
                                 ("--num-pages", int, 4096)):
         p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--gateway-workers", default="1",
+                   help="comma-separated `m3serve openai --workers` counts, each measured against direct in turn")
     p.add_argument("--geometry", type=int, default=0, metavar="LAYERS",
                    help="the M3.1-Flash geometry cut to LAYERS layers (random weights) instead of the tiny model")
     a = p.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",")]
+    a.gateway_workers = [int(w) for w in a.gateway_workers.split(",")]
     # on a GPU two requests per user end a level in well under a second: too short to compare (2026-12-06)
     a.requests_per_user = a.requests_per_user or (8 if a.device == "cuda" else 2)
     os.makedirs(a.out, exist_ok=True)
@@ -247,15 +252,18 @@ def main(argv=None) -> int:
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
            "args": {k: v for k, v in vars(a).items()}}
     proc, url, _ = start_server(repo, os.path.join(a.out, "tritonserver.log"), ready_model="m3")
-    gw = None
+    res["levels"] = []
     try:
-        port = free_port()
-        gw = start_gateway(url, port, os.path.join(a.out, "gateway.log"))
-        res["levels"] = run_levels(a, url, f"http://127.0.0.1:{port}")
+        for workers in a.gateway_workers:  # one gateway after the other in front of the same server
+            port = free_port()
+            gw = start_gateway(url, port, os.path.join(a.out, "gateway.log"), workers)
+            try:
+                levels = run_levels(a, url, f"http://127.0.0.1:{port}")
+            finally:
+                gw.terminate()
+                gw.wait(10)
+            res["levels"] += [{**lv, "gateway_workers": workers} for lv in levels]
     finally:
-        if gw is not None:
-            gw.terminate()
-            gw.wait(10)
         stop_server(proc)
     res["table"] = table(res["levels"])
     for name, text in (("bench_gateway.json", json.dumps(res, indent=2)), ("bench_gateway.md", res["table"] + "\n")):

@@ -200,7 +200,8 @@ def engine_pace(before: dict, after: dict, wall: float) -> dict:
     between two readings of the engine's counters (`stats()`, or the server's metrics under the same names)."""
     steps = after.get("num_steps", 0) - before.get("num_steps", 0)
     wait = after.get("device_wait_seconds", 0.0) - before.get("device_wait_seconds", 0.0)
-    return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": wait / wall}
+    return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": wait / wall,
+            "engine_prompt_steps": after.get("num_prompt_steps", 0) - before.get("num_prompt_steps", 0)}
 
 
 def timed_levels(a) -> list[tuple[int, int]]:
@@ -347,6 +348,7 @@ def server_counters(mport, model) -> dict:
     out = {}
     for name in ("m3serve:responses_total", "m3serve:response_send_seconds_total", "vllm:generation_tokens_total",
                  "m3serve:engine_steps_total", "m3serve:engine_device_wait_seconds_total",
+                 "m3serve:engine_prompt_steps_total",
                  "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"):
         m = re.search(re.escape(name) + r'\{[^}]*model="' + re.escape(model) + r'"[^}]*\}\s+(\S+)', text)
         out[name] = float(m.group(1)) if m else 0.0
@@ -370,7 +372,8 @@ def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
             await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
             after = server_counters(mport, model)
             lv.update(engine_pace(*({"num_steps": x["m3serve:engine_steps_total"],
-                                     "device_wait_seconds": x["m3serve:engine_device_wait_seconds_total"]}
+                                     "device_wait_seconds": x["m3serve:engine_device_wait_seconds_total"],
+                                     "num_prompt_steps": x["m3serve:engine_prompt_steps_total"]}
                                     for x in (before, after)), lv["wall_s"]))
             n = after["m3serve:responses_total"] - before["m3serve:responses_total"]
             sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
@@ -415,8 +418,9 @@ def summarize(res) -> str:
         lines = lines[:1] + ["|---|---|---|---|---|---|---|---|---|---|"]
         lines[0] = ("| C | run | engine-direct tok/s | server tok/s | server / engine | TTFT p50 ms (direct / server) | "
                     "server ITL p50 ms | server resp/req | engine steps/s (direct / server) | "
-                    "engine waits for the GPU (direct / server) | kernel compiles in the timed run (direct / server) |")
-        lines[1] = "|---" * 11 + "|"
+                    "engine waits for the GPU (direct / server) | steps with prompt tokens (direct / server) | "
+                    "kernel compiles in the timed run (direct / server) |")
+        lines[1] = "|---" * 12 + "|"
         for e, s in zip(res["engine"], res["server"]):
             lines.append(f"| {e['concurrency']} | {s.get('repeat', 0) + 1} | {e['tokens_per_s_total']:.0f} | "
                          f"{s['tokens_per_s_total']:.0f} | {s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | "
@@ -425,6 +429,7 @@ def summarize(res) -> str:
                          f"{e.get('engine_steps_per_s', nan):.0f} / {s.get('engine_steps_per_s', nan):.0f} | "
                          f"{100 * e.get('engine_device_wait_share', nan):.0f}% / "
                          f"{100 * s.get('engine_device_wait_share', nan):.0f}% | "
+                         f"{e.get('engine_prompt_steps', nan):.0f} / {s.get('engine_prompt_steps', nan):.0f} | "
                          f"{e.get('compiles', '-')} / {s.get('compiles', '-')} |")
         return "\n".join(lines)
     for e, s, n in zip(res["engine"], res["server"], res["null"]):

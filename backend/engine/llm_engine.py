@@ -495,6 +495,7 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_steps": self.num_steps, "num_steps_ahead": self.num_steps_ahead,
+            "num_prompt_steps": sum(n for kind, n in self.steps_by_kind.items() if "prefill" in kind),
             "steps_by_kind": dict(self.steps_by_kind), "step_seconds_by_kind": dict(self.step_seconds_by_kind),
             "device_wait_seconds": self.device_wait_s,
             "num_chunked_prefills": sch.num_chunked_prefills,

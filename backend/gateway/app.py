@@ -12,11 +12,20 @@ first chunk) only once the first Triton response is back, so an error the server
 is an HTTP error with its status; a later one is an error event, then `[DONE]`. A client that disconnects
 (before or during its reply) cancels its Triton request at once. With --max-concurrent N, request N+1
 gets 429. CORS is off unless origins are given.
+
+`run(cfg, ..., workers=N)` with N > 1 serves the app from N processes on one port (uvicorn's workers, each with its
+own gRPC channel and event loop), as vLLM's --api-server-count does: one Python process parses, relays and
+re-encodes every streamed token, and at tens of thousands of tokens a second that is a core's worth of work. The
+workers get the config from $M3SERVE_GATEWAY_CONFIG (`app_from_env`); their metrics go through a shared folder
+(metrics.py), so /metrics from any worker counts all of them; --max-concurrent applies per worker.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
+import tempfile
 import time
 from contextlib import asynccontextmanager, aclosing
 from dataclasses import dataclass, field
@@ -30,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3serve.gateway.chat import ChatCompletion, ChatCompletionRequest
 from m3serve.gateway.completions import Completion, CompletionRequest
-from m3serve.gateway.metrics import GatewayMetrics
+from m3serve.gateway.metrics import MULTIPROC_ENV, GatewayMetrics
 from m3serve.gateway.protocol import APIError, new_id, now
 from m3serve.gateway.triton import TritonModel
 
@@ -238,8 +247,24 @@ async def _timed(deltas, first_token: _Once):
             yield d
 
 
-def run(cfg: GatewayConfig, host: str, port: int, log_level: str = "info") -> None:
+CONFIG_ENV = "M3SERVE_GATEWAY_CONFIG"
+
+
+def app_from_env() -> FastAPI:
+    """The app of one worker process of `run(..., workers > 1)`: its config from $M3SERVE_GATEWAY_CONFIG."""
+    return create_app(GatewayConfig(**json.loads(os.environ[CONFIG_ENV])))
+
+
+def run(cfg: GatewayConfig, host: str, port: int, log_level: str = "info", workers: int = 1) -> None:
     import uvicorn
 
     # the standard asyncio loop (grpc.aio's poller is built for it); httptools parses HTTP when installed
-    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level, loop="asyncio")
+    opts = dict(host=host, port=port, log_level=log_level, loop="asyncio")
+    if workers <= 1:
+        uvicorn.run(create_app(cfg), **opts)
+        return
+    with tempfile.TemporaryDirectory(prefix="m3serve-gateway-metrics-") as shared:
+        # the workers are fresh interpreters started after this: they read both when they import the app
+        os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
+        os.environ[MULTIPROC_ENV] = shared
+        uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **opts)

@@ -96,6 +96,8 @@ class Metrics:
               "Speculative decoding draft acceptance rate, accepted / draft tokens (0 without speculative_config).")
         gauge("active", "m3serve:triton_requests_active", "Triton requests in flight in this model instance.")
         counter("steps", "m3serve:engine_steps_total", "Engine steps run (prefill, mixed and decode).")
+        counter("prompt_steps", "m3serve:engine_prompt_steps_total",
+                "Engine steps that carried prompt tokens (a prefill, or a prefill chunk beside decodes).")
         counter("device_wait", "m3serve:engine_device_wait_seconds_total",
                 "Seconds the engine thread waited for steps' sampled tokens from the device; the rest of its "
                 "time is host work (scheduling, step inputs, outputs): a share near 0 means the host sets the pace.")
@@ -144,7 +146,8 @@ class Metrics:
         for key, stat in (("preemptions", "num_preemptions"), ("prefix_hits", "prefix_cache_hit_tokens"),
                           ("spec_accepted", "spec_decode_num_accepted_tokens"),
                           ("spec_draft", "spec_decode_num_draft_tokens"), ("spec_drafts", "spec_decode_num_drafts"),
-                          ("steps", "num_steps"), ("device_wait", "device_wait_seconds")):
+                          ("steps", "num_steps"), ("prompt_steps", "num_prompt_steps"),
+                          ("device_wait", "device_wait_seconds")):
             value = float(stats.get(stat, 0))
             prev = self._last.get(key)
             if prev is not None and value > prev:

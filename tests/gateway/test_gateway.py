@@ -316,6 +316,55 @@ def test_api_key_capacity_and_not_ready(m3_server, tmp_path):
         dead.stop()
 
 
+def _spawned_workers(pid: int) -> list[int]:
+    """The worker processes uvicorn started under `pid` (multiprocessing's spawn; not its resource tracker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.append(int(d))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def test_workers_share_the_port_and_the_counts(m3_server, tmp_path):
+    """--workers 2: two processes answer on one port, every request is served, /metrics counts the requests of
+    both whichever worker answers it, and stopping the gateway stops its workers."""
+    gw = start_gateway(m3_server.grpc_url, str(tmp_path / "workers.log"), "--workers", "2")
+    try:
+        workers = _spawned_workers(gw.proc.pid)
+        assert len(workers) == 2, workers
+        n = 6
+        for i in range(n):  # a client (a connection) each: either worker may take it
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            r = c.completions.create(model="m3", prompt=f"Hello {i}", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+            c.close()
+        for _ in range(4):  # a connection each: whichever worker answers counts both
+            assert metric(metrics(gw.url + "/metrics"), "m3serve_gateway_requests_total", endpoint="completions",
+                          status="200") == n
+    finally:
+        gw.stop()
+    deadline = time.monotonic() + 15
+    while not all(_gone(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(p) for p in workers)
+
+
 def _fuzz(url: str, operation, failures: list, examples: int) -> None:
     from hypothesis import HealthCheck, given, settings
     from schemathesis.checks import not_a_server_error

@@ -39,6 +39,7 @@ def test_batched_equals_standalone(make_engine, reference_greedy, eu, budget, or
     kinds = st["steps_by_kind"]  # steps by kind: a mixed step is "decode+prefill"; no draft, no speculative step
     assert kinds["decode+prefill"] == st["num_mixed_steps"] and kinds["prefill"] >= 1 and kinds["decode"] >= 1
     assert kinds["speculative"] == kinds["speculative+prefill"] == 0 and sum(kinds.values()) == st["num_steps"]
+    assert st["num_prompt_steps"] == kinds["prefill"] + kinds["decode+prefill"]  # steps that carried prompt tokens
     assert st["num_free_pages"] == st["num_total_pages"]
     eu.check_invariants(eng)
 

@@ -599,13 +599,14 @@ def test_triton_metrics_export_the_engine_counters():
 
     metrics = Metrics(SimpleNamespace(MetricFamily=Family), {"model": "m3"}, 512)
     stats = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 9,
-             "spec_decode_acceptance_rate": 0.75, "num_steps": 4, "device_wait_seconds": 0.25}
+             "spec_decode_acceptance_rate": 0.75, "num_steps": 4, "device_wait_seconds": 0.25, "num_prompt_steps": 1}
     metrics.engine_stats(stats, 0)
     metrics.engine_stats({**stats, "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 20, "num_steps": 7,
-                          "device_wait_seconds": 0.5}, 0)
+                          "device_wait_seconds": 0.5, "num_prompt_steps": 3}, 0)
     m = {k: v.value for k, v in Family.all.items()}
     assert (m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"],
             m["vllm:spec_decode_num_accepted_tokens_total"]) == (5, 20, 9)
     assert m["vllm:spec_decode_draft_acceptance_rate"] == 0.75
     # the engine thread's own counters (steps, seconds waiting for the device) follow the engine's totals
-    assert (m["m3serve:engine_steps_total"], m["m3serve:engine_device_wait_seconds_total"]) == (7, 0.5)
+    assert (m["m3serve:engine_steps_total"], m["m3serve:engine_device_wait_seconds_total"],
+            m["m3serve:engine_prompt_steps_total"]) == (7, 0.5, 3)
