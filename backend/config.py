@@ -289,6 +289,10 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps launch their kernels one by one)
     async_scheduling: bool = True  # queue the next decode step before this one's tokens are back (llm_engine.py)
+    # gathering arrivals while decodes run (engine/scheduler.py; TGI's max_waiting_tokens, waiting_served_ratio):
+    # 0 admits each request at the first step it fits
+    max_waiting_steps: int = 0
+    waiting_served_ratio: float = 1.2
     num_gpu_blocks_override: int | None = None  # fixes the page-pool size (tests, CPU)
     reasoning_parser: str | None = None
     disable_hybrid_kv_cache_manager: bool = False  # accepted for launch-line compatibility (one pool anyway)
@@ -336,6 +340,12 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")
+        w = self.max_waiting_steps
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            problems.append(f"max_waiting_steps: must be an integer >= 0, got {w!r}")
+        r = self.waiting_served_ratio
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not r > 0:
+            problems.append(f"waiting_served_ratio: must be a number > 0, got {r!r}")
         for name in ("max_model_len", "num_gpu_blocks_override", "block_size"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -123,10 +123,22 @@ def engine_options(a, speculative: bool = False) -> dict:
     out = {"device": a.device, "dtype": a.dtype, "max_model_len": a.max_model_len,
            "max_num_seqs": max(64, max(a.levels)), "max_num_batched_tokens": a.max_num_batched_tokens,
            "num_gpu_blocks_override": a.num_pages}
+    out.update(a.engine_option)
     if speculative:  # the draft: written by geometry.py's factory
         out["speculative_config"] = {"method": "dspark", "num_speculative_tokens": a.speculative,
                                      "kv_cache_dtype": "fp8"}
     return out
+
+
+def _option(text: str) -> tuple[str, object]:
+    """KEY=JSON (a bare word is a string) -> (KEY, value)."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--engine-option wants KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def spec_control(a) -> str:
@@ -457,6 +469,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--num-pages", type=int, default=4096)
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
+                   help="an engine option for both sides (model.json and engine-direct), e.g. max_waiting_steps=4")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--geometry", type=int, default=0, metavar="LAYERS",
                    help="the M3.1-Flash geometry cut to LAYERS layers, random weights (benchmarks/geometry.py), "
@@ -470,6 +484,7 @@ def main(argv=None) -> int:
                    help="the server's engine in a process of its own (the model's default) or on threads of the stub")
     a = p.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",")]
+    a.engine_option = dict(_option(o) for o in a.engine_option)
     if a.speculative and not a.geometry:
         p.error("--speculative needs --geometry")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

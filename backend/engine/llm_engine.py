@@ -101,7 +101,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
                                    num_lookahead=(lambda seq: num_draft_tokens(seq, self.verify_width)) if k else None,
-                                   prefill_apart=bool(k) and speculative.prefill_apart)
+                                   prefill_apart=bool(k) and speculative.prefill_apart,
+                                   max_waiting_steps=config.max_waiting_steps,
+                                   waiting_served_ratio=config.waiting_served_ratio)
         self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids, self.executor.pin_memory, k)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
@@ -498,7 +500,7 @@ class LLMEngine:
             "num_prompt_steps": sum(n for kind, n in self.steps_by_kind.items() if "prefill" in kind),
             "steps_by_kind": dict(self.steps_by_kind), "step_seconds_by_kind": dict(self.step_seconds_by_kind),
             "device_wait_seconds": self.device_wait_s,
-            "num_chunked_prefills": sch.num_chunked_prefills,
+            "num_chunked_prefills": sch.num_chunked_prefills, "num_held_steps": sch.num_held_steps,
             "num_mixed_steps": sch.num_mixed_steps, "max_running": sch.max_running,
             "load_seconds": self.load_seconds, "warmup_seconds": self.warmup_seconds,
             **(self.speculative_stats.as_dict() if self.speculative_stats is not None else {}),

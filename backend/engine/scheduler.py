@@ -17,6 +17,13 @@ result, async scheduling, may still write there). A preempted sequence is recomp
 up to its last token only, which the next step feeds as a decode again (`resume_as_decode`): it speculates from
 the same anchor as it would have without the preemption, so it draws the same tokens.
 
+Gathering arrivals (`max_waiting_steps` > 0, off by default; TGI's max_waiting_tokens / waiting_served_ratio): while
+decodes run, new requests are not admitted one by one as they arrive but held until `waiting_served_ratio` x the
+running ones wait, or the first has waited `max_waiting_steps` steps; a preempted sequence is never held. A step
+that admits prompts runs eagerly (decode steps replay CUDA graphs) and, on an MoE model, reads most experts'
+weights, so prompts admitted together cost one such step where arrivals a few milliseconds apart cost one each.
+The price is up to `max_waiting_steps` steps of TTFT for a request that arrives alone.
+
 `prefill_apart` (speculative_config.prefill_apart, on by default): a step whose decodes draft takes no prefill
 work; the prefill chunks and admissions it left go in the next step, without the decodes (which then take the step
 after). A step that holds only speculating decodes replays the speculative CUDA graphs, where a mixed step runs
@@ -64,7 +71,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, num_lookahead: Callable[[Sequence], int] | None = None,
-                 prefill_apart: bool = False):
+                 prefill_apart: bool = False, max_waiting_steps: int = 0, waiting_served_ratio: float = 1.2):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -72,6 +79,10 @@ class Scheduler:
         self.resume_as_decode = num_lookahead is not None
         self.prefill_apart = prefill_apart  # speculating decodes and prefill work in separate steps (docstring)
         self._prefill_turn = False  # the last step left prefill work for this one (prefill_apart)
+        self.max_waiting_steps, self.waiting_served_ratio = max_waiting_steps, waiting_served_ratio  # gathering
+        self._num_schedules = 0
+        self._queued_at: dict[str, int] = {}  # request id -> the schedule() count when it was added
+        self.num_held_steps = 0  # steps that held arrivals back to gather them
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.requests: dict[str, Sequence] = {}
@@ -87,6 +98,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         assert seq.request_id not in self.requests, seq.request_id
         self.requests[seq.request_id] = seq
+        self._queued_at[seq.request_id] = self._num_schedules
         bisect.insort(self.waiting, seq, key=self._arrival)
 
     def has_unfinished(self) -> bool:
@@ -101,6 +113,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.requests.pop(seq.request_id, None)
+        self._queued_at.pop(seq.request_id, None)
 
     def abort(self, request_id: str) -> Sequence | None:
         seq = self.requests.get(request_id)
@@ -132,7 +145,17 @@ class Scheduler:
         return (any(s.num_uncomputed_tokens > 1 for s in self.running)
                 or bool(self.waiting) and len(self.running) < self.max_num_seqs)
 
+    def _hold_arrivals(self, num_decodes: int) -> bool:
+        """Gathering (module docstring): whether this step admits no waiting request."""
+        if not self.max_waiting_steps or not num_decodes or not self.waiting:
+            return False
+        head = self.waiting[0]
+        if head.num_preemptions or len(self.waiting) >= self.waiting_served_ratio * len(self.running):
+            return False
+        return self._num_schedules - self._queued_at.get(head.request_id, 0) <= self.max_waiting_steps
+
     def schedule(self) -> ScheduledBatch:
+        self._num_schedules += 1
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -174,6 +197,9 @@ class Scheduler:
                     if n:
                         take(seq, n)
             # 3. admissions, FCFS
+            if self._hold_arrivals(num_decodes):
+                self.num_held_steps += 1
+                return
             while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
