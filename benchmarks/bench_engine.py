@@ -185,11 +185,13 @@ def profile_decode(engine, device, batch, context, top=12) -> dict:
                         for e in rows[:top]]}
 
 
-def build(num_layers, dense_layers, device, args, max_context):
+def build(num_layers, dense_layers, device, args, max_context, room: int = 64):
+    """The geometry's engine; `max_model_len` leaves `room` tokens above `max_context` for what its callers'
+    sequences generate there (`decode_tokens` for `time_decode`'s rows)."""
     cfg = flash_geometry(num_layers, dense_layers, **args.geometry_over)
     model = random_model(cfg, device)
     max_batch = max(args.batches)
-    max_len = max_context + max(64, decode_tokens(args.steps))  # a decode at the largest context fits
+    max_len = max_context + room
     pages = max_batch * (-(-max_len // cfg.index_block_size)) + 16
     engine = make_engine(model, device=str(device), dtype="bfloat16", max_model_len=max_len,
                          max_num_seqs=max_batch, num_gpu_blocks_override=pages, enforce_eager=args.enforce_eager,
@@ -243,8 +245,9 @@ def main(argv=None) -> int:
     res["copy_bytes_per_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     max_context = max(a.contexts + a.ttft + [a.scaling_context])
+    room = max(64, decode_tokens(a.steps))  # a decode row at the largest context fits
 
-    cfg, model, engine = build(a.layers, 1, device, a, max_context)
+    cfg, model, engine = build(a.layers, 1, device, a, max_context, room)
     wb = weight_bytes(model)
     g = torch.Generator().manual_seed(0)
     res["ttft"] = []
@@ -279,11 +282,11 @@ def main(argv=None) -> int:
     # scaling: the same step on [dense, moe] and [dense, dense, moe] splits head / dense layer / MoE layer
     scale = {}
     for name, (n, dense) in {"D+M": (2, 1), "D+D+M": (3, 2)}.items():
-        eng_s = build(n, dense, device, a, a.scaling_context)[2]
+        eng_s = build(n, dense, device, a, a.scaling_context, room)[2]
         scale[name] = {b: time_decode(eng_s, device, b, a.scaling_context, a.steps) for b in (1, max(a.batches))}
         del eng_s
         release()
-    eng4 = build(a.layers, 1, device, a, a.scaling_context)[2]  # the full model at the scaling context
+    eng4 = build(a.layers, 1, device, a, a.scaling_context, room)[2]  # the full model at the scaling context
     scale[f"D+{a.layers - 1}M"] = {b: time_decode(eng4, device, b, a.scaling_context, a.steps)
                                    for b in (1, max(a.batches))}
     del eng4
