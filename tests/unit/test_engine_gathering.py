@@ -85,7 +85,8 @@ def test_gathered_arrivals_decode_as_the_reference(make_engine, reference_greedy
 
 
 @pytest.mark.parametrize("field, value", [("max_waiting_steps", -1), ("max_waiting_steps", 1.5),
-                                          ("waiting_served_ratio", 0), ("waiting_served_ratio", True)])
+                                          ("waiting_served_ratio", 0), ("waiting_served_ratio", True),
+                                          ("waiting_served_ratio", float("nan")), ("waiting_served_ratio", "2")])
 def test_bad_values_are_refused(field, value):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(model="m", **{field: value}).validate()
