@@ -81,8 +81,9 @@ def cmd_capacity(a) -> int:
     from m3serve.config import ModelConfig, preset
 
     cfg = preset(a.preset) if a.preset else ModelConfig.from_pretrained(a.model)
+    ctx = {} if a.cuda_context_gb is None else {"cuda_context_gb": a.cuda_context_gb}
     out = plan(cfg, a.kv_cache_dtype, a.indexer_kv_dtype, a.gpus, a.gpu_memory_gb, a.seq_len, a.weights_gb,
-               a.gpu_memory_utilization)
+               a.gpu_memory_utilization, **ctx)
     print(json.dumps(out, indent=2))
     return 0
 
@@ -137,6 +138,8 @@ def cmd_openai(a) -> int:
 
     from m3serve.gateway.app import GatewayConfig, run
 
+    if a.workers < 1:
+        raise SystemExit(f"m3serve openai: --workers must be at least 1 (got {a.workers})")
     cfg = GatewayConfig(triton_url=a.triton_url, model=a.model, served_model_name=a.served_model_name,
                         api_key=a.api_key or os.environ.get("M3SERVE_OPENAI_API_KEY") or None,
                         max_concurrent=a.max_concurrent, cors_origins=a.cors_origin or [])
@@ -180,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=int, default=262144)
     c.add_argument("--weights-gb", type=float)
     c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    c.add_argument("--cuda-context-gb", type=float, default=None,
+                   help="memory the driver holds per process outside PyTorch (default: the planner's measured figure)")
     c.set_defaults(fn=cmd_capacity)
 
     t = sub.add_parser("make-tiny", help="generate the tiny random M3 model (+ tokenizer) for demos and tests")

@@ -106,10 +106,12 @@ def pages_per_seq(context: int, block: int) -> int:
     return math.ceil(context / block)
 
 
-def memory_plan(cfg, engine, weights: int, device, max_context: int, chunk: int, max_seqs: int) -> dict:
+def memory_plan(cfg, engine, weights: int, device, max_context: int, chunk: int, max_seqs: int,
+                outside_pytorch: int = 0) -> dict:
     """The engine's memory on this rank against the planner's prediction for rank 0 of TP 4: once as
     `m3serve capacity` runs it (141 GB, a flat 4 GB activation reserve), once with this device's total and the
-    engine's own reserves (activations and the graph pool): the comparison that isolates the planner's arithmetic."""
+    engine's own reserves (activations and the graph pool) and the memory measured outside PyTorch before the engine
+    (`outside_pytorch`: the CUDA context): the comparison that isolates the planner's arithmetic."""
     w = engine.executor.worker
     pool = sum(t.numel() * t.element_size() for layer in w.cache.layers for t in layer.tensors())
     per_seq = pages_per_seq(max_context, cfg.index_block_size)
@@ -125,7 +127,8 @@ def memory_plan(cfg, engine, weights: int, device, max_context: int, chunk: int,
         total = torch.cuda.mem_get_info(device)[1]
         reserve = activation_reserve_bytes(cfg, chunk, max_seqs) + res["graph_reserve_bytes"]
         matched = plan(cfg, "nvfp4", "nvfp4", gpus=TP, seq_len=max_context, gpu_memory_gb=total / 1e9,
-                       activation_reserve_gb=reserve / 1e9, gpu_memory_utilization=engine.config.gpu_memory_utilization)
+                       activation_reserve_gb=reserve / 1e9, gpu_memory_utilization=engine.config.gpu_memory_utilization,
+                       cuda_context_gb=outside_pytorch / 1e9)
         res.update(device_total_bytes=total, engine_reserve_bytes=reserve, planner_matched=matched,
                    peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
                    kv_pool_over_planner=pool / max(1, matched["per_rank"]["cache_budget_bytes"]),
@@ -274,7 +277,8 @@ def main(argv=None) -> int:
     res["engine_s"] = time.perf_counter() - t0
     graphs = engine.executor.worker.runner.graphs
     res["graph_capture_s"] = graphs.capture_s if graphs is not None else None
-    res["memory"] = memory_plan(cfg, engine, weights, device, max_context, a.chunk, max_seqs)
+    res["memory"] = memory_plan(cfg, engine, weights, device, max_context, a.chunk, max_seqs,
+                                res.get("before_engine", {}).get("outside_pytorch_bytes", 0))
     m = res["memory"]
     print(f"KV pool {m['kv_pages']} pages, {m['kv_pool_bytes'] / 2**30:.2f} GiB: {m['sequences_at_max_context']} "
           f"sequences of {max_context}; graphs {m['graph_pool_bytes'] / 2**30:.2f} GiB captured in "

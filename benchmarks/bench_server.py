@@ -62,6 +62,11 @@ class _NullEngine:
         n_prompt = len(prompt_token_ids) if prompt_token_ids else len(self.tokenizer.encode(prompt or ""))
         return n_prompt, sampling_params.max_tokens or 16
 
+    def start(self, request_id, sink, prompt=None, prompt_token_ids=None, sampling_params=None, **_):
+        """The token-id contract's one-message start (engine/client.py): prepared at once, nothing to wait for."""
+        n_prompt = len(prompt_token_ids) if prompt_token_ids else len(self.tokenizer.encode(prompt or ""))
+        self.submit(request_id, (n_prompt, sampling_params.max_tokens or 16), sink)
+
     def submit(self, request_id, prepared, sink):
         with self._cv:
             self._active[request_id] = [sink, prepared[1], 0, prepared[0]]

@@ -112,8 +112,10 @@ for step in ${STEPS:-tests msa qkv}; do
              -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     memcheck)  # $MEMCHECK_JOBS files at once (default 1); logs in /tmp/memcheck, packed into $OUT/memcheck.tgz
       mkdir -p /tmp/memcheck
-      if [ -n "${MEMCHECK_OPTS:-}" ] \
-          && ! compute-sanitizer --tool memcheck ${MEMCHECK_OPTS} true > /tmp/memcheck/opts.log 2>&1; then
+      # the probe must make a CUDA call: under `true` the sanitizer fails whatever its options ("Target application
+      # terminated before first instrumented API call", which dropped valid options on the H100, 2026-12-06)
+      if [ -n "${MEMCHECK_OPTS:-}" ] && ! compute-sanitizer --tool memcheck ${MEMCHECK_OPTS} \
+          python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" > /tmp/memcheck/opts.log 2>&1; then
         echo "compute-sanitizer refused MEMCHECK_OPTS=$MEMCHECK_OPTS: running without them"
         head -5 /tmp/memcheck/opts.log
         MEMCHECK_OPTS=""

@@ -63,6 +63,14 @@ def build_inputs(model_kind: str, prompt, max_tokens: int, ignore_eos: bool, tem
             _t("return_num_output_tokens", True, bool), _t("sampling_parameters", json.dumps(sp))]
 
 
+def requested_outputs(model_kind: str) -> list | None:
+    """The outputs this client reads, asked for by name (None: every output). Each tensor of a response costs the
+    server's Python backend a shared-memory block and a copy per response (about 30 us of its one response thread
+    per extra tensor on the CPU, docs/performance.md), so an `m3_ids` client that reads only the new ids asks for
+    `output_ids` alone, not `sequence_length`, `batch_index` and `sequence_index` as well."""
+    return [grpcclient.InferRequestedOutput("output_ids")] if model_kind == "ids" else None
+
+
 def random_ids(n: int, vocab: int = 500, seed: int = 0) -> list[int]:
     """A prompt of n token ids (ids < 500: valid for the tiny model and every M3 vocabulary)."""
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
@@ -72,9 +80,10 @@ def pct(values, q):
     return float(np.percentile(values, q)) if len(values) else None
 
 
-async def one_request(client, model, inputs, rid, timeout):
+async def one_request(client, model, inputs, rid, timeout, outputs=None):
     async def requests():
-        yield {"model_name": model, "inputs": inputs, "request_id": rid, "enable_empty_final_response": True}
+        yield {"model_name": model, "inputs": inputs, "outputs": outputs, "request_id": rid,
+               "enable_empty_final_response": True}
 
     t0 = time.perf_counter()
     ttft = None
@@ -114,6 +123,7 @@ async def one_request(client, model, inputs, rid, timeout):
 async def run_level(url, model, model_kind, concurrency, n_requests, prompt, max_tokens, ignore_eos,
                     temperature, timeout, show_bar):
     inputs = build_inputs(model_kind, prompt, max_tokens, ignore_eos, temperature)
+    outputs = requested_outputs(model_kind)
     results = []
     counter = iter(range(n_requests))
     bar = tqdm(total=n_requests, desc=f"c={concurrency}", unit="req", leave=False, file=sys.stderr) \
@@ -123,7 +133,7 @@ async def run_level(url, model, model_kind, concurrency, n_requests, prompt, max
         client = grpcaio.InferenceServerClient(url)
         try:
             for i in counter:
-                results.append(await one_request(client, model, inputs, f"u{u}-{i}", timeout))
+                results.append(await one_request(client, model, inputs, f"u{u}-{i}", timeout, outputs))
                 if bar:
                     bar.update(1)
         finally:

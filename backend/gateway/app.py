@@ -258,9 +258,11 @@ def app_from_env() -> FastAPI:
 def run(cfg: GatewayConfig, host: str, port: int, log_level: str = "info", workers: int = 1) -> None:
     import uvicorn
 
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: must be an integer >= 1, got {workers!r}")
     # the standard asyncio loop (grpc.aio's poller is built for it); httptools parses HTTP when installed
     opts = dict(host=host, port=port, log_level=log_level, loop="asyncio")
-    if workers <= 1:
+    if workers == 1:
         uvicorn.run(create_app(cfg), **opts)
         return
     with tempfile.TemporaryDirectory(prefix="m3serve-gateway-metrics-") as shared:

@@ -52,8 +52,8 @@ class Sender:
 
 
 class Request:
-    def __init__(self, tensors: dict):
-        self.tensors, self.sender = tensors, Sender()
+    def __init__(self, tensors: dict, requested: tuple = ()):
+        self.tensors, self.sender, self.requested = tensors, Sender(), list(requested)
 
     def get_response_sender(self):
         return self.sender
@@ -62,7 +62,7 @@ class Request:
         return ""
 
     def requested_output_names(self):
-        return []
+        return self.requested
 
     def inputs(self):
         return [types.SimpleNamespace(name=lambda k=k: k, as_numpy=lambda v=v: v) for k, v in self.tensors.items()]
@@ -103,9 +103,10 @@ def load_model(monkeypatch, tmp_path, tiny_model_dir):
         model.finalize()
 
 
-def ask(model, tensors: dict) -> dict:
-    """One request's final response tensors (its error raised)."""
-    request = Request(tensors)
+def ask(model, tensors: dict, requested: tuple = ()) -> dict:
+    """One request's final response tensors (its error raised); `requested`: the output names the client asked for
+    (none: every output)."""
+    request = Request(tensors, requested)
     model.execute([request])
     assert request.sender.done.wait(60)
     response = request.sender.responses[-1]
@@ -150,3 +151,23 @@ def test_the_model_holds_no_tokenizer_and_answers_with_the_engines_text(load_mod
     stopped = stopped.reshape(-1).tolist()
     assert len(stopped) <= at + 2 < len(first) and stopped == first[:len(stopped)]
     assert tokenizer_loads[loaded:] == ["built"]  # only the test's own
+
+
+def test_a_client_gets_only_the_outputs_it_names(load_model):
+    """Each output tensor costs the Python backend's response thread a shared-memory block per response: a client
+    that names its outputs (clients/bench.py asks `m3_ids` for output_ids alone) gets those and nothing else,
+    streaming or not; one that names none gets every output of the contract."""
+    ids = load_model("ids", False)
+    req = {"input_ids": np.array([[5, 7, 9, 11]], np.int32), "request_output_len": np.array([[6]], np.int32),
+           "end_id": np.array([[-1]], np.int32)}
+    every = ask(ids, req)
+    assert {"output_ids", "sequence_length", "batch_index", "sequence_index"} <= set(every)
+    only = ask(ids, req, ("output_ids",))
+    assert set(only) == {"output_ids"} and only["output_ids"].tolist() == every["output_ids"].tolist()
+    request = Request({**req, "streaming": np.array([[True]])}, ("output_ids",))
+    ids.execute([request])
+    assert request.sender.done.wait(60)
+    deltas = [r.tensors for r in request.sender.responses if r.tensors]
+    assert deltas and all(set(t) == {"output_ids"} for t in deltas)
+    streamed = [i for t in deltas for i in t["output_ids"].reshape(-1).tolist()]
+    assert len(streamed) == 6

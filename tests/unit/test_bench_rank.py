@@ -26,7 +26,7 @@ def test_bench_rank_smoke(bench, tmp_path):
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "bench_rank.json").read_text())
     m = res["memory"]
-    assert abs(m["weights_over_planner"] - 1) < 0.05  # the rank's shard is what the planner predicts
+    assert abs(m["weights_over_planner"] - 1) < 0.01  # the rank's shard is what the planner predicts (norms aside)
     assert m["kv_pages"] >= 2 * m["pages_per_sequence"] and m["kv_pool_bytes"] > 0
     vocab, hidden, layers = 4096, 256, 4
     for b, c in res["collectives"].items():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from m3serve.capacity import param_counts, plan
+from m3serve.capacity import CUDA_CONTEXT_GB, param_counts, plan
 from m3serve.config import ConfigError, EngineConfig, ModelConfig, preset
 from support.required import require
 
@@ -81,6 +81,10 @@ def test_capacity_bytes_per_token():
     assert nv["indexer_bytes_per_token"] == 4_104 and fp8["indexer_bytes_per_token"] == 7_296
     assert nv["max_concurrent_sequences"] > fp8["max_concurrent_sequences"] > 0
     assert abs(nv["weight_bytes"] - 250.1e9) / 250.1e9 < 0.05  # the published checkpoint size
+    # a rank's budget leaves out the CUDA context it cannot allocate (measured, CUDA_CONTEXT_GB), and only that
+    bare = plan(flash, "nvfp4", gpus=4, gpu_memory_gb=288, seq_len=262144, cuda_context_gb=0.0)
+    gone = bare["per_rank"]["cache_budget_bytes"] - nv["per_rank"]["cache_budget_bytes"]
+    assert 0.3e9 < gone == pytest.approx(CUDA_CONTEXT_GB * 1e9, abs=1)
 
 
 def test_engine_config_names_unsupported_options():

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 RECORD = """
 import sys
 from m3serve.gateway.metrics import GatewayMetrics
@@ -39,3 +41,15 @@ def test_worker_processes_count_together(tmp_path):
     assert _value(second, "m3serve_gateway_time_to_first_token_seconds_count") == 2
     alone = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     assert _value(_worker(alone, 4), "m3serve_gateway_requests_total") == 4  # one process: its own counts
+
+
+def test_a_worker_count_below_one_is_refused():
+    """`--workers 0` (or less) is an operator's mistake: refused before anything serves, not one process served."""
+    from m3serve.cli import main
+    from m3serve.gateway.app import GatewayConfig, run
+
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(ValueError, match="workers: must be an integer >= 1"):
+            run(GatewayConfig(), "127.0.0.1", 0, workers=bad)
+    with pytest.raises(SystemExit, match="--workers must be at least 1"):
+        main(["openai", "--workers", "0"])
