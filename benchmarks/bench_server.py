@@ -11,6 +11,8 @@ every request --max-tokens tokens with ignore_eos, greedy):
   server   the same engine behind tritonserver: model `m3`, gRPC streaming, clients/bench.py's client
   null     tritonserver with a zero-cost engine (model `m3null`, $M3SERVE_TEST_ENGINE_FACTORY=m3null=this file:null_engine):
            what the server path alone can carry -> responses/s and microseconds per response
+  null ids the same engine behind the token-id contract (`m3null_ids`), twice: the client naming no output (all four
+           tensors in each response) and naming `output_ids` alone (clients/bench.py's default): the cost of a tensor
 With --geometry N: the M3.1-Flash geometry cut to N layers (random weights, benchmarks/geometry.py) engine-direct
 and behind tritonserver's `m3_ids` (token ids in and out, the engine built by $M3SERVE_TEST_ENGINE_FACTORY), at
 real speed on the GPU; no null engine. With --speculative K as well: the same again with DSpark speculation on
@@ -264,7 +266,8 @@ def run_engine_direct(a, model_dir, speculative: bool = False) -> list[dict]:
 def write_repo(a, model_dir, repo) -> str:
     """The model repository; returns $M3SERVE_TEST_ENGINE_FACTORY for the server (engines of the test models)."""
     src = os.path.join(ROOT, "model_repository", "m3", "config.pbtxt")
-    models = [("m3", None), ("m3null", os.path.abspath(__file__) + ":null_engine")]
+    null = os.path.abspath(__file__) + ":null_engine"
+    models = [("m3", None), ("m3null", null), ("m3null_ids", null)]
     if a.geometry:  # the token-id contract over the random M3.1-Flash geometry (no tokenizer: ids in, ids out)
         src = os.path.join(ROOT, "model_repository", "m3_ids", "config.pbtxt")
         factory = os.path.join(ROOT, "benchmarks", "geometry.py") + ":async_engine"
@@ -273,7 +276,8 @@ def write_repo(a, model_dir, repo) -> str:
     for name, factory in models:
         opts = dict(engine_options(a, name == "m3_ids_spec"), model=model_dir, enable_prefix_caching=True)
         os.makedirs(os.path.join(repo, name, "1"), exist_ok=True)
-        cfg = re.sub(r'^name: "[^"]*"', f'name: "{name}"', open(src).read(), count=1, flags=re.M)
+        contract = os.path.join(ROOT, "model_repository", "m3_ids", "config.pbtxt") if name == "m3null_ids" else src
+        cfg = re.sub(r'^name: "[^"]*"', f'name: "{name}"', open(contract).read(), count=1, flags=re.M)
         if factory and not a.geometry:  # one response per token: measures the per-response cost, no coalescing
             cfg = cfg.replace("parameters [\n", 'parameters [\n  { key: "coalesce_responses" value: '
                                                 '{ string_value: "false" } },\n')
@@ -372,19 +376,20 @@ def server_counters(mport, model) -> dict:
     return out
 
 
-def run_server_levels(bench, url, mport, model, a, max_tokens) -> list[dict]:
-    kind, prompt = ("ids", a.prompt_ids) if model.startswith("m3_ids") else ("text", PROMPT)
+def run_server_levels(bench, url, mport, model, a, max_tokens, outputs=None) -> list[dict]:
+    """`outputs`: as clients/bench.py's run_level (None: what its client asks for by default)."""
+    kind, prompt = ("ids", a.prompt_ids) if "_ids" in model else ("text", PROMPT)
 
     async def go():
         for c in a.levels:  # warm-up, as engine-direct's
             await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True, 0.0, 600,
-                                  False)
+                                  False, outputs)
         out = []
         for r, c in timed_levels(a):
             await asyncio.sleep(0.4)
             before, t_start = server_counters(mport, model), time.time()
             lv = await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True,
-                                       0.0, 600, False)
+                                       0.0, 600, False, outputs)
             lv["t_start"], lv["t_end"], lv["repeat"] = t_start, time.time(), r
             await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
             after = server_counters(mport, model)
@@ -457,6 +462,12 @@ def summarize(res) -> str:
             f"{s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | {s['ttft_ms'][50]:.1f} | {s['itl_ms'][50]:.2f} | "
             f"{s['responses_per_request_mean'] or 0:.0f} | {rps:.0f} | {1e6 / rps if rps else 0:.0f} | "
             f"{n['server_send_us_per_response'] or 0:.0f} |")
+    if res.get("null_ids"):
+        lines += ["", "The null engine behind the token-id contract (`m3null_ids`), by the outputs the client names:", "",
+                  "| C | outputs named | tok/s (1 token per response) | us per response in send() |", "|---|---|---|---|"]
+        for label, levels in res["null_ids"].items():
+            lines += [f"| {lv['concurrency']} | {label} | {lv['tokens_per_s_total']:.0f} | "
+                      f"{lv['server_send_us_per_response'] or 0:.0f} |" for lv in levels]
     return "\n".join(lines)
 
 
@@ -536,6 +547,9 @@ def main(argv=None) -> int:
             else:
                 res[f"{key}_error"] = f"model {name} failed to load (see tritonserver.log)"
         res["null"] = [] if a.geometry else run_server_levels(bench, url, mport, "m3null", a, a.null_max_tokens)
+        if not a.geometry:  # the token-id contract: every output in each response, then output_ids alone
+            res["null_ids"] = {label: run_server_levels(bench, url, mport, "m3null_ids", a, a.null_max_tokens, names)
+                               for label, names in (("every output", bench.EVERY_OUTPUT), ("output_ids", ["output_ids"]))}
         import urllib.request
         with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
             res["metrics_tail"] = [ln for ln in f.read().decode().splitlines()

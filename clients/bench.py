@@ -65,9 +65,9 @@ def build_inputs(model_kind: str, prompt, max_tokens: int, ignore_eos: bool, tem
 
 def requested_outputs(model_kind: str) -> list | None:
     """The outputs this client reads, asked for by name (None: every output). Each tensor of a response costs the
-    server's Python backend a shared-memory block and a copy per response (about 30 us of its one response thread
-    per extra tensor on the CPU, docs/performance.md), so an `m3_ids` client that reads only the new ids asks for
-    `output_ids` alone, not `sequence_length`, `batch_index` and `sequence_index` as well."""
+    server's Python backend a shared-memory block and a copy per response, in its one response thread (on the CPU
+    at 16 streams: 112-143 us per response with the four tensors, 65-78 us with output_ids alone,
+    docs/performance.md), so an `m3_ids` client that reads only the new ids asks for `output_ids` alone."""
     return [grpcclient.InferRequestedOutput("output_ids")] if model_kind == "ids" else None
 
 
@@ -120,10 +120,17 @@ async def one_request(client, model, inputs, rid, timeout, outputs=None):
             "responses": len(stamps)}
 
 
+EVERY_OUTPUT = ()  # run_level(outputs=EVERY_OUTPUT): name no output, get each one the model returns
+
+
 async def run_level(url, model, model_kind, concurrency, n_requests, prompt, max_tokens, ignore_eos,
-                    temperature, timeout, show_bar):
+                    temperature, timeout, show_bar, outputs=None):
+    """`outputs`: the output names to ask for (default: `requested_outputs(model_kind)`; EVERY_OUTPUT: none named)."""
     inputs = build_inputs(model_kind, prompt, max_tokens, ignore_eos, temperature)
-    outputs = requested_outputs(model_kind)
+    if outputs is None:
+        outputs = requested_outputs(model_kind)
+    else:
+        outputs = [grpcclient.InferRequestedOutput(name) for name in outputs] or None
     results = []
     counter = iter(range(n_requests))
     bar = tqdm(total=n_requests, desc=f"c={concurrency}", unit="req", leave=False, file=sys.stderr) \
