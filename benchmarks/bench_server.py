@@ -463,8 +463,9 @@ def summarize(res) -> str:
             f"{s['responses_per_request_mean'] or 0:.0f} | {rps:.0f} | {1e6 / rps if rps else 0:.0f} | "
             f"{n['server_send_us_per_response'] or 0:.0f} |")
     if res.get("null_ids"):
-        lines += ["", "The null engine behind the token-id contract (`m3null_ids`), by the outputs the client names:", "",
-                  "| C | outputs named | tok/s (1 token per response) | us per response in send() |", "|---|---|---|---|"]
+        lines += ["", "The null engine behind the token-id contract (`m3null_ids`), by the outputs the client names:",
+                  "", "| C | outputs named | tok/s (1 token per response) | us per response in send() |",
+                  "|---|---|---|---|"]
         for label, levels in res["null_ids"].items():
             lines += [f"| {lv['concurrency']} | {label} | {lv['tokens_per_s_total']:.0f} | "
                       f"{lv['server_send_us_per_response'] or 0:.0f} |" for lv in levels]
@@ -548,8 +549,9 @@ def main(argv=None) -> int:
                 res[f"{key}_error"] = f"model {name} failed to load (see tritonserver.log)"
         res["null"] = [] if a.geometry else run_server_levels(bench, url, mport, "m3null", a, a.null_max_tokens)
         if not a.geometry:  # the token-id contract: every output in each response, then output_ids alone
+            named = (("every output", bench.EVERY_OUTPUT), ("output_ids", ["output_ids"]))
             res["null_ids"] = {label: run_server_levels(bench, url, mport, "m3null_ids", a, a.null_max_tokens, names)
-                               for label, names in (("every output", bench.EVERY_OUTPUT), ("output_ids", ["output_ids"]))}
+                               for label, names in named}
         import urllib.request
         with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
             res["metrics_tail"] = [ln for ln in f.read().decode().splitlines()
