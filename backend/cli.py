@@ -138,8 +138,6 @@ def cmd_openai(a) -> int:
 
     from m3serve.gateway.app import GatewayConfig, run
 
-    if a.workers < 1:
-        raise SystemExit(f"m3serve openai: --workers must be at least 1 (got {a.workers})")
     cfg = GatewayConfig(triton_url=a.triton_url, model=a.model, served_model_name=a.served_model_name,
                         api_key=a.api_key or os.environ.get("M3SERVE_OPENAI_API_KEY") or None,
                         max_concurrent=a.max_concurrent, cors_origins=a.cors_origin or [])

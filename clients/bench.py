@@ -63,12 +63,12 @@ def build_inputs(model_kind: str, prompt, max_tokens: int, ignore_eos: bool, tem
             _t("return_num_output_tokens", True, bool), _t("sampling_parameters", json.dumps(sp))]
 
 
-def requested_outputs(model_kind: str) -> list | None:
-    """The outputs this client reads, asked for by name (None: every output). Each tensor of a response costs the
+def requested_outputs(model_kind: str) -> list[str]:
+    """The outputs this client reads, asked for by name (none named: every output). Each tensor of a response costs the
     server's Python backend a shared-memory block and a copy per response, in its one response thread (on the CPU
     at 16 streams: 112-143 us per response with the four tensors, 65-78 us with output_ids alone,
     docs/performance.md), so an `m3_ids` client that reads only the new ids asks for `output_ids` alone."""
-    return [grpcclient.InferRequestedOutput("output_ids")] if model_kind == "ids" else None
+    return ["output_ids"] if model_kind == "ids" else []
 
 
 def random_ids(n: int, vocab: int = 500, seed: int = 0) -> list[int]:
@@ -127,10 +127,8 @@ async def run_level(url, model, model_kind, concurrency, n_requests, prompt, max
                     temperature, timeout, show_bar, outputs=None):
     """`outputs`: the output names to ask for (default: `requested_outputs(model_kind)`; EVERY_OUTPUT: none named)."""
     inputs = build_inputs(model_kind, prompt, max_tokens, ignore_eos, temperature)
-    if outputs is None:
-        outputs = requested_outputs(model_kind)
-    else:
-        outputs = [grpcclient.InferRequestedOutput(name) for name in outputs] or None
+    names = requested_outputs(model_kind) if outputs is None else outputs
+    outputs = [grpcclient.InferRequestedOutput(name) for name in names] or None
     results = []
     counter = iter(range(n_requests))
     bar = tqdm(total=n_requests, desc=f"c={concurrency}", unit="req", leave=False, file=sys.stderr) \
