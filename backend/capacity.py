@@ -72,6 +72,8 @@ def plan(cfg: ModelConfig, kv_cache_dtype: str, indexer_kv_dtype: str | None = N
          activation_reserve_gb: float = 4.0, cuda_context_gb: float = CUDA_CONTEXT_GB) -> dict:
     """The cache budget per rank: `gpu_memory_gb` x `gpu_memory_utilization`, less the activation reserve, the
     rank's weights and `cuda_context_gb` (what the driver holds for a process outside PyTorch's allocator)."""
+    if not 0 <= cuda_context_gb < float("inf"):  # NaN too
+        raise ValueError(f"cuda_context_gb: must be a finite number >= 0, got {cuda_context_gb!r}")
     kv = normalize_kv_dtype(kv_cache_dtype)
     idx = kv if indexer_kv_dtype in (None, "auto") else normalize_kv_dtype(indexer_kv_dtype)
     q = cfg.quantization_config or {}

@@ -85,6 +85,9 @@ def test_capacity_bytes_per_token():
     bare = plan(flash, "nvfp4", gpus=4, gpu_memory_gb=288, seq_len=262144, cuda_context_gb=0.0)
     gone = bare["per_rank"]["cache_budget_bytes"] - nv["per_rank"]["cache_budget_bytes"]
     assert 0.3e9 < gone == pytest.approx(CUDA_CONTEXT_GB * 1e9, abs=1)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="cuda_context_gb: must be a finite number >= 0"):
+            plan(flash, "nvfp4", gpus=4, cuda_context_gb=bad)
 
 
 def test_engine_config_names_unsupported_options():
