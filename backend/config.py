@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 SPARSE = "minimax_m3_sparse"
 FULL = "full_attention"
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax): sampling params and the sampler
 TEXT_MODEL_TYPES = ("minimax_m3_vl_text", "minimax_m3_text", "minimax_m3")
 VL_MODEL_TYPES = ("minimax_m3_vl",)
 

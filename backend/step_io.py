@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax)
+from m3serve.config import GREEDY_TEMPERATURE
 
 
 def _map_tensors(obj, fn):

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from m3serve.step_io import GREEDY_TEMPERATURE
+from m3serve.config import GREEDY_TEMPERATURE
 
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # seeds are exact integers in [0, 2^64)

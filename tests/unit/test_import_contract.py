@@ -76,3 +76,16 @@ def test_an_import_circle_between_siblings_breaks_the_acyclic_contract(tmp_path)
     r = _lint(tmp_path)
     assert r.returncode != 0
     assert "No cycles are allowed in m3serve.kernels." in r.stdout
+
+
+def test_the_gateway_and_the_triton_stub_do_not_import_torch():
+    """The OpenAI gateway (one process per worker, beside the server) and the Triton stub's request side talk to the
+    engine over gRPC / a pipe: importing them must not load torch (2 s and hundreds of MB per process; the gateway
+    imported it through `m3serve/__init__` -> sampling_params -> step_io until 2026-12-06)."""
+    code = ("import sys\n"
+            "import m3serve.gateway.app, m3serve.engine.client, m3serve.triton.text_contract, "
+            "m3serve.triton.ids_contract, m3serve.triton.responder\n"
+            "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
