@@ -91,7 +91,7 @@ def start_gateway(triton_url: str, port: int, log_path: str, workers: int = 1) -
 
 async def _gateway_request(client, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    ttft, last, tokens, error = None, None, 0, None
+    ttft, last, tokens, error, events = None, None, 0, None, 0
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             return {"ttft": None, "tokens": 0, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
@@ -106,7 +106,8 @@ async def _gateway_request(client, url: str, body: dict) -> dict:
             elif chunk["choices"] and chunk["choices"][0]["text"]:
                 last = time.perf_counter() - t0
                 ttft = last if ttft is None else ttft
-    return {"ttft": ttft, "tokens": tokens, "error": error, "itl": itl(ttft, last, tokens)}
+                events += 1
+    return {"ttft": ttft, "tokens": tokens, "error": error, "itl": itl(ttft, last, tokens), "events": events}
 
 
 def itl(first: float | None, last: float | None, tokens: int) -> float | None:
@@ -135,7 +136,8 @@ def summary(c: int, results: list[dict], wall: float) -> dict:
             "first_error": next((r["error"] for r in results if r["error"]), None), "wall_s": wall,
             "output_tokens": tokens, "tokens_per_s_total": tokens / wall if wall else None,
             "ttft_ms": {q: float(np.percentile(ttft, q)) * 1000 if ttft else None for q in (50, 90)},
-            "itl_ms": {q: float(np.percentile(itls, q)) * 1000 if itls else None for q in (50, 90)}}
+            "itl_ms": {q: float(np.percentile(itls, q)) * 1000 if itls else None for q in (50, 90)},
+            "text_events_per_request": (sum(r.get("events", 0) for r in ok) / len(ok)) if ok else None}
 
 
 def load_bench_client():
@@ -146,9 +148,10 @@ def load_bench_client():
     return mod
 
 
-def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
+def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = None) -> list[dict]:
     """Both paths hold one connection pool for the whole run (the gateway holds one gRPC channel): a gRPC client
-    (clients/bench.py's request, one stream each) and an HTTP client; each level is warmed up first."""
+    (clients/bench.py's request, one stream each) and an HTTP client; each level is warmed up first. With
+    ``gateway_pid``, each gateway level also reports the gateway processes' CPU time per streamed token."""
     import httpx2
     import tritonclient.grpc.aio as grpcaio
 
@@ -179,7 +182,11 @@ def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
                 await level(c, c, gateway)
                 for run in range(a.repeats):
                     d = await level(c, n, direct)
+                    cpu0 = tree_cpu_seconds(gateway_pid) if gateway_pid else None
                     g = await level(c, n, gateway)
+                    cpu1 = tree_cpu_seconds(gateway_pid) if gateway_pid else None
+                    g["cpu_us_per_token"] = ((cpu1 - cpu0) * 1e6 / g["output_tokens"]
+                                             if cpu0 is not None and cpu1 is not None and g["output_tokens"] else None)
                     out.append({"concurrency": c, "run": run + 1, "direct": d, "gateway": g,
                                 "tokens_per_s_ratio": g["tokens_per_s_total"] / d["tokens_per_s_total"]
                                 if d["tokens_per_s_total"] else None,
@@ -195,6 +202,31 @@ def run_levels(a, triton_url: str, gateway_url: str) -> list[dict]:
     return asyncio.run(go())
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its descendants (the gateway and, with --workers, its
+    worker processes), from /proc; None where /proc cannot be read."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        parent, cpu = {}, {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                parent[int(d)] = int(fields[1])
+                cpu[int(d)] = (int(fields[11]) + int(fields[12])) / tick
+        mine, grew = {pid}, True
+        while grew:
+            more = {p for p, pp in parent.items() if pp in mine} - mine
+            grew = bool(more)
+            mine |= more
+        return sum(cpu.get(p, 0.0) for p in mine)
+    except (OSError, ValueError):
+        return None
+
+
 def _minus(a: float | None, b: float | None) -> float | None:
     return a - b if a is not None and b is not None else None
 
@@ -202,7 +234,8 @@ def _minus(a: float | None, b: float | None) -> float | None:
 def table(rows: list[dict]) -> str:
     cols = ["C", "run", "gateway workers", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms",
             "TTFT p50 gateway ms", "TTFT p50 overhead ms", "ITL p50 direct ms", "ITL p50 gateway ms",
-            "ITL p50 overhead ms", "errors (direct/gateway)"]
+            "ITL p50 overhead ms", "gateway CPU us/token", "gateway text events/request",
+            "errors (direct/gateway)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
     def num(x, fmt):
@@ -213,7 +246,8 @@ def table(rows: list[dict]) -> str:
                  num(d["tokens_per_s_total"], ".1f"),
                  num(g["tokens_per_s_total"], ".1f"), num(r["tokens_per_s_ratio"], ".3f"), num(d["ttft_ms"][50], ".1f"),
                  num(g["ttft_ms"][50], ".1f"), num(r["ttft_p50_overhead_ms"], "+.1f"), num(d["itl_ms"][50], ".2f"),
-                 num(g["itl_ms"][50], ".2f"), num(r["itl_p50_overhead_ms"], "+.2f"), f"{d['errors']}/{g['errors']}"]
+                 num(g["itl_ms"][50], ".2f"), num(r["itl_p50_overhead_ms"], "+.2f"), num(g.get("cpu_us_per_token"), ".0f"),
+                 num(g.get("text_events_per_request"), ".0f"), f"{d['errors']}/{g['errors']}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -258,7 +292,7 @@ def main(argv=None) -> int:
             port = free_port()
             gw = start_gateway(url, port, os.path.join(a.out, "gateway.log"), workers)
             try:
-                levels = run_levels(a, url, f"http://127.0.0.1:{port}")
+                levels = run_levels(a, url, f"http://127.0.0.1:{port}", gw.pid)
             finally:
                 gw.terminate()
                 gw.wait(10)

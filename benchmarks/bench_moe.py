@@ -133,16 +133,19 @@ class TorchLayer:
 def variants(T: int) -> list[tuple]:
     """Configs timed besides the default (the sweep that sets `dispatch.MOE_TABLE`): (path, gate_up, down)."""
     m = lambda g, d: ("mma", dict(p=g[0], nt=g[1], unroll=g[2]), dict(p=d[0], nt=d[1], unroll=d[2]))
-    t = lambda g, d: ("tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3),
-                      dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3))
+    t = lambda g, d, swap=False: ("tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3, swap=swap),
+                                  dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3, swap=swap))
+    sw = lambda g, d: t(g, d, True)  # the transposed product: decoded weights as the wgmma's register operand
     if T <= 4:
         return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 8, 3), (2, 8, 3)), m((2, 8, 2), (2, 8, 2))]
     if T <= 64:
         return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 16, 2), (2, 16, 2))]
     if T <= 512:
         return [m((1, 16, 2), (2, 16, 2)), m((1, 32, 2), (2, 32, 2)), t((64, 64, 4), (64, 128, 8)),
-                t((32, 64, 4), (32, 128, 4))]
-    return [t((128, 64, 8), (128, 128, 8)), t((64, 64, 4), (64, 128, 8)), t((128, 128, 8), (64, 128, 8))]
+                t((32, 64, 4), (32, 128, 4)), sw((64, 128, 8), (64, 128, 8)), sw((32, 64, 4), (32, 64, 4))]
+    return [t((128, 64, 8), (128, 128, 8)), t((64, 64, 4), (64, 128, 8)), t((128, 128, 8), (64, 128, 8)),
+            sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 4), (128, 64, 4)),
+            sw((256, 128, 8), (256, 128, 8))]
 
 
 STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
@@ -154,7 +157,10 @@ def linear_variants(M: int) -> list[tuple]:
         return [("mma", dict(p=1, nt=16, unroll=2))]
     if M <= 64:
         return [("mma", dict(p=1, nt=64, unroll=2)), ("mma", dict(p=1, nt=32, unroll=2))]
-    return [("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3)), ("mma", dict(p=1, nt=64, unroll=2))]
+    return [("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3)), ("mma", dict(p=1, nt=64, unroll=2)),
+            ("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True)),
+            ("tl", dict(bm=64, bn=128, num_warps=8, num_stages=3, swap=True)),
+            ("tl", dict(bm=256, bn=128, num_warps=8, num_stages=3, swap=True))]
 
 
 def bench_layer(args, dev, bw, res):

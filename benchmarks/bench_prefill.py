@@ -172,11 +172,22 @@ def bench_linears(args, dev, res):
                 row["dense_ms"] = timed(lambda: quant_linear(x, ql), True, args.rep)
             row["bf16_ms"] = timed(lambda: F.linear(x, wd), True, args.rep)
             row["best_speedup_vs_bf16"] = row["bf16_ms"] / min(row["kernels_ms"], row["dense_ms"])
+            row["tl_variants"] = [  # the portable kernel with the transposed product (`grouped_gemm._tile_gemm`)
+                timed_variant("linear_table", v, lambda: dispatch.linear_config(M, ql.packed, x.device),
+                              lambda: quant_linear(x, ql), args.rep)
+                for v in (swap_variants(M) if dev == "cuda" and M >= args.variants_from_rows else [])]
             mine.append(row)
             print(json.dumps(row), flush=True)
         res["linear_crossover_rows"][fmt] = crossover(mine, "M")
         rows += mine
     res["linear"] = rows
+
+
+def swap_variants(M: int) -> list[tuple]:
+    """Portable-kernel configs with ``swap`` for a linear of M rows: (path, config); bm = rows per tile (the
+    wgmma's N side), bn = weight rows (its M side: 64 per warp group)."""
+    bms = sorted({min(max(16, triton.next_power_of_2(M)), 128), min(max(16, triton.next_power_of_2(M)), 256)})
+    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True)) for bm in bms for bn in (64, 128)]
 
 
 def prefill_flops(cfg, prompt: int) -> float:
@@ -204,6 +215,27 @@ def prefill_flops(cfg, prompt: int) -> float:
     return total
 
 
+def swapped_tl(table: tuple) -> tuple:
+    """A dispatch table with its portable ("tl") rows' configs computing the transposed product (``swap``)."""
+    return tuple((r[0], r[1], *(dict(c, swap=True) for c in r[2:])) if r[1] == "tl" else r for r in table)
+
+
+def profile_ttft(engine, device, prompt: int, g, top: int = 15) -> dict:
+    """One more prefill of ``prompt`` tokens under torch.profiler (after the timed ones): its kernels by device
+    time (the largest ``top``), each with its share of the step's kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+    from bench_engine import time_ttft
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = time_ttft(engine, device, prompt, g)
+    rows = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    total = sum(e.self_device_time_total for e in rows) or 1.0
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return dict(prompt_tokens=prompt, wall_ms=wall * 1e3, kernel_ms=total / 1e3,
+                kernels=[dict(name=e.key[:90], ms=e.self_device_time_total / 1e3, calls=e.count,
+                              share=e.self_device_time_total / total) for e in rows[:top]])
+
+
 def bench_ttft(args, dev, res):
     from bench_engine import build, release, time_ttft
     from geometry import SMOKE
@@ -214,8 +246,10 @@ def bench_ttft(args, dev, res):
     cfg, model, engine = build(args.layers, 1, torch.device(dev), ns, max(args.ttft))
     g = torch.Generator().manual_seed(0)
     kernels_only = dict(moe_table=without_dense(dispatch.MOE_TABLE), linear_table=without_dense(dispatch.LINEAR_TABLE))
-    rows = []
-    for tables, name in ((kernels_only, "decode kernels only"), ({}, "default dispatch")):
+    swapped = dict(moe_table=swapped_tl(kernels_only["moe_table"]), linear_table=swapped_tl(kernels_only["linear_table"]))
+    rows, profiles = [], []
+    for tables, name in ((kernels_only, "decode kernels only"), ({}, "default dispatch"),
+                         (dict(dense_prefill=True), "dense rows on"), (swapped, "tl rows swapped")):
         with tuned(**tables), recorded({}):
             for n in args.ttft:  # warm-up: compiles the prefill kernels of every chunk size
                 time_ttft(engine, torch.device(dev), n, g)
@@ -227,7 +261,9 @@ def bench_ttft(args, dev, res):
                            share_of_bf16_gemm=fl / t / res["bf16_gemm_flops"])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    res["ttft"] = dict(layers=args.layers, chunk=args.chunk, rows=rows)
+            if dev == "cuda" and name != "default dispatch":
+                profiles.append(dict(dispatch=name, **profile_ttft(engine, torch.device(dev), max(args.ttft), g)))
+    res["ttft"] = dict(layers=args.layers, chunk=args.chunk, rows=rows, profiles=profiles)
     del model, engine
     release()
 
@@ -243,6 +279,7 @@ def main():
     ap.add_argument("--scratch-mb", type=int, default=2048, help="decoded experts held at once (dense path)")
     ap.add_argument("--rep", type=int, default=25)
     ap.add_argument("--variants-from", type=int, default=4096, help="time bench_moe's tl tile variants from here")
+    ap.add_argument("--variants-from-rows", type=int, default=16, help="time the linears' swap variants from here")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
@@ -301,6 +338,8 @@ def report(res):
     for r in res["linear"]:
         print(f"| {r['fmt']} | {r['M']} | {r['default']} | {r['kernels_path']} | {r['kernels_ms']:.4f} | "
               f"{r['dense_ms']:.4f} | {r['bf16_ms']:.4f} | {r['best_speedup_vs_bf16']:.2f}x | {r['err']:.1e} |")
+        for v in r.get("tl_variants", []):
+            print(f"|   tl variant {v['config']} | {v.get('ms', v.get('error'))} |")
     print(f"linear crossover rows (dense path wins from): {res['linear_crossover_rows']} "
           f"(dispatch.LINEAR_DENSE_FROM = {dispatch.LINEAR_DENSE_FROM})")
 
@@ -313,6 +352,12 @@ def report_ttft(res):
         for r in t["rows"]:
             print(f"| {r['dispatch']} | {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['tokens_per_s']:.0f} | "
                   f"{r['gflop_per_token']:.2f} | {r['tflops']:.0f} | {r['share_of_bf16_gemm'] * 100:.0f}% |")
+        for p in t.get("profiles", []):
+            print(f"\nprofile, {p['dispatch']}, {p['prompt_tokens']} tokens: {p['kernel_ms']:.1f} ms of kernels "
+                  f"(wall {p['wall_ms']:.1f} ms under the profiler)")
+            print("| kernel | ms | calls | share |")
+            for k in p["kernels"]:
+                print(f"| {k['name']} | {k['ms']:.2f} | {k['calls']} | {k['share'] * 100:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -99,27 +99,38 @@ def load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.co
 
 @triton.jit
 def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
-               TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr):
-    """acc [BM, BN] over all K chunks, and a second one for rows ``wrows2`` when TWO (gate / up share x's tile)."""
-    acc = tl.zeros((BM, BN), tl.float32)
-    acc2 = tl.zeros((BM, BN), tl.float32)
+               TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr):
+    """acc [BM, BN] over all K chunks, and a second one for rows ``wrows2`` when TWO (gate / up share x's tile).
+    SWAP computes the transposed product ``W x^T`` [BN, BM] and transposes it once at the end: the decoded weight
+    tile is then the dot's first operand, which a Hopper wgmma reads from registers, where the activation tile (the
+    second) is loaded into shared memory by cp.async; unswapped, every decoded tile is written to shared memory
+    before its wgmma."""
+    if SWAP:
+        acc = tl.zeros((BN, BM), tl.float32)
+        acc2 = tl.zeros((BN, BM), tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), tl.float32)
+        acc2 = tl.zeros((BM, BN), tl.float32)
     kk = tl.arange(0, 128)
     for c in range(0, KC):
         k = c * 128 + kk
         xt = tl.load(x_ptr + xrow[:, None] * sx + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
         xt = xt.to(WDT)
-        acc = tl.dot(xt, tl.trans(load_weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)),
-                     acc)
+        w = load_weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
+        acc = tl.dot(w, tl.trans(xt), acc) if SWAP else tl.dot(xt, tl.trans(w), acc)
         if TWO:
-            acc2 = tl.dot(xt, tl.trans(load_weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN,
-                                                        WDT)), acc2)
+            w2 = load_weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
+            acc2 = tl.dot(w2, tl.trans(xt), acc2) if SWAP else tl.dot(xt, tl.trans(w2), acc2)
+    if SWAP:
+        acc = tl.trans(acc)
+        acc2 = tl.trans(acc2)
     return acc, acc2
 
 
 @triton.jit
 def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG,
                out_ptr, so, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, WDT: tl.constexpr):
+               BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr):
     """One output tile: the GEMM over all K chunks, the mode's epilogue, the store. The weight rows read are clamped
     to the group's padded rows: a tile of BN columns may reach past N_PAD (N_PAD is a multiple of 16 only, BN of 64
     or 128), and those columns are never stored, but an unclamped read would run past the weight (the last group's
@@ -129,7 +140,7 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
     wcols2 = tl.minimum(cols + NG, N_PAD - 1)
     UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
     y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
-                       MODE == 0, BM, BN, WDT)
+                       MODE == 0, BM, BN, WDT, SWAP)
     if FMT != DENSE:
         y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
     if MODE == 0:
@@ -152,7 +163,7 @@ def _grouped_gemm_kernel(
     T, K, N_OUT, NG, n_plain_tiles, x_off, out_off, scaling, alpha, limit,
     E, NT16, KC, N_PAD, K_PAD, S_NT16, S_N_PAD,
     MODE: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, ROUTED: tl.constexpr, X_DIV: tl.constexpr,
-    E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr,
+    E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -161,7 +172,7 @@ def _grouped_gemm_kernel(
         t = tile * BM + i
         _tile_body(x_ptr, sx, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
                    tl.full((BM,), 1.0, tl.float32), K, s_data, s_scale, s_rows, 0, S_NT16, KC, S_N_PAD, K_PAD, n0,
-                   N_OUT, NG, out_ptr, so, alpha, limit, MODE, SFMT, BM, BN, WDT)
+                   N_OUT, NG, out_ptr, so, alpha, limit, MODE, SFMT, BM, BN, WDT, SWAP)
     elif ROUTED:
         e, first, nrows = routed_tile(counts_ptr, tile - n_plain_tiles, E, E_PAD, BM)
         if nrows > 0:
@@ -172,7 +183,8 @@ def _grouped_gemm_kernel(
             else:
                 wt = tl.full((BM,), 1.0, tl.float32)
             _tile_body(x_ptr, sx, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale, w_rows,
-                       e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, alpha, limit, MODE, FMT, BM, BN, WDT)
+                       e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, alpha, limit, MODE, FMT, BM, BN, WDT,
+                       SWAP)
 
 
 def work_dtype(x: torch.Tensor):
@@ -205,10 +217,12 @@ def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: PackedWeight | None = None,
                  plain: PackedWeight | None = None, routing=None, T: int, x_div: int = 1, x_off: int = 0,
                  out_off: int = 0, ng: int = 0, scaling: float = 1.0, alpha: float = 1.702, limit: float = 7.0,
-                 bm: int = 16, bn: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 bm: int = 16, bn: int = 64, num_warps: int = 4, num_stages: int = 2, swap: bool = False
+                 ) -> torch.Tensor:
     """Launch the portable kernel (see the module doc). ``routing`` = `moe_router.Routing` (counts, bucket,
     weights) for routed tiles; ``plain`` = the shared-expert / linear weight for ``T`` plain rows; ``ng`` = the
-    gate rows (GATE_UP). ``out`` rows / columns as the mode says; it is written, never read."""
+    gate rows (GATE_UP); ``swap``: the transposed product in the K loop (`_tile_gemm`). ``out`` rows / columns as
+    the mode says; it is written, never read."""
     k = x.shape[1]
     n_out = ng if mode == MODE_GATE_UP else (routed if routed is not None else plain).n
     grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, bm, n_out, bn)
@@ -226,7 +240,7 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
         T, k, n_out, ng, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),
         rr.groups, rr.n_pad // TILE_N, rr.k_pad // CHUNK_K, rr.n_pad, rr.k_pad, pr.n_pad // TILE_N, pr.n_pad,
         MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,
-        E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn, WDT=work_dtype(x),
+        E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn, WDT=work_dtype(x), SWAP=swap,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -82,8 +82,9 @@ def test_router_skewed_and_x16_copy(gen):
     assert torch.equal(x16, expect.half())
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("routed_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("fp8", "dense")])
-def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, gen):
+def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, swap, gen):
     cfg = tiny_moe_config(hidden=96, inter=32, experts=6, top_k=2)
     moe = random_moe(cfg, routed_fmt, shared_fmt, gen)
     w = moe_prepare_module(moe)
@@ -95,7 +96,7 @@ def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, ge
     A = T * k
     inter = torch.full((A + T, ip), float("nan"))
     grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
-                 out_off=A, ng=ip, scaling=2.0)
+                 out_off=A, ng=ip, scaling=2.0, swap=swap)
     rows = torch.cat([torch.arange(A) // k, torch.arange(T)])
     ref_r = grouped_gemm_ref(x, w.gate_up, rows[:A], r.ids.reshape(-1).long(), MODE_GATE_UP, ng=ip,
                              row_weight=r.weights.reshape(-1) * 2.0)
@@ -103,7 +104,8 @@ def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, ge
     assert rel_err(inter[:A], ref_r) < 1e-5 and rel_err(inter[A:], ref_s) < 1e-5
     assert not inter[:, 32:].any()  # padded intermediate columns are exact zeros
     y = torch.full((A + T, 96), float("nan"))
-    grouped_gemm(inter, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A)
+    grouped_gemm(inter, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A,
+                 swap=swap)
     assert rel_err(y[:A], grouped_gemm_ref(inter, w.down, torch.arange(A), r.ids.reshape(-1).long(), MODE_DOWN)) < 1e-5
     assert rel_err(y[A:], grouped_gemm_ref(inter, w.shared_down, torch.arange(A, A + T),
                                            torch.zeros(T, dtype=torch.long), MODE_DOWN)) < 1e-5
