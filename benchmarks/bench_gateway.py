@@ -148,10 +148,12 @@ def load_bench_client():
     return mod
 
 
-def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = None) -> list[dict]:
+def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = None) -> tuple[list, list]:
     """Both paths hold one connection pool for the whole run (the gateway holds one gRPC channel): a gRPC client
     (clients/bench.py's request, one stream each) and an HTTP client; each level is warmed up first. With
-    ``gateway_pid``, each gateway level also reports the gateway processes' CPU time per streamed token."""
+    ``gateway_pid``, each gateway level also reports the gateway processes' CPU time per streamed token, and
+    --start-cost adds the gateway's CPU per request started (one-token requests in bursts of each C): (levels,
+    start-cost rows)."""
     import httpx2
     import tritonclient.grpc.aio as grpcaio
 
@@ -174,7 +176,19 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
 
         def gateway():
             return _gateway_request(http, gateway_url + "/v1/completions", body)
-        out = []
+
+        one_token = dict(body, max_tokens=1)
+
+        async def start_cost(c: int) -> dict:
+            """--start-cost bursts of C one-token requests through the gateway: its CPU per request started."""
+            cpu0, t0 = tree_cpu_seconds(gateway_pid), time.perf_counter()
+            for _ in range(a.start_cost):
+                await asyncio.gather(*(_gateway_request(http, gateway_url + "/v1/completions", one_token)
+                                       for _ in range(c)))
+            cpu1, n = tree_cpu_seconds(gateway_pid), a.start_cost * c
+            return {"concurrency": c, "requests": n, "wall_s": time.perf_counter() - t0,
+                    "cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / n if cpu0 is not None and cpu1 is not None else None}
+        out, starts = [], []
         try:
             for c in a.levels:
                 n = c * a.requests_per_user
@@ -195,10 +209,12 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
                     print(f"c={c} run {run + 1}: direct {d['tokens_per_s_total']:.1f} tok/s, gateway "
                           f"{g['tokens_per_s_total']:.1f} tok/s, errors {d['errors']}/{g['errors']}",
                           file=sys.stderr, flush=True)
+            for c in (a.levels if a.start_cost and gateway_pid else []):
+                starts.append(await start_cost(c))
         finally:
             await http.aclose()
             await grpc_client.close()
-        return out
+        return out, starts
     return asyncio.run(go())
 
 
@@ -260,6 +276,8 @@ def main(argv=None) -> int:
                                 ("--max-model-len", int, 1024), ("--max-num-batched-tokens", int, 4096),
                                 ("--num-pages", int, 4096)):
         p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--start-cost", type=int, default=0, metavar="BURSTS",
+                   help="after the levels, BURSTS bursts of C one-token requests per level: the gateway's CPU per start")
     p.add_argument("--gateway-workers", default="1",
                    help="comma-separated `m3serve openai --workers` counts, each measured against direct in turn")
     p.add_argument("--geometry", type=int, default=0, metavar="LAYERS",
@@ -286,20 +304,27 @@ def main(argv=None) -> int:
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
            "args": {k: v for k, v in vars(a).items()}}
     proc, url, _ = start_server(repo, os.path.join(a.out, "tritonserver.log"), ready_model="m3")
-    res["levels"] = []
+    res["levels"], res["start_cost"] = [], []
     try:
         for workers in a.gateway_workers:  # one gateway after the other in front of the same server
             port = free_port()
             gw = start_gateway(url, port, os.path.join(a.out, "gateway.log"), workers)
             try:
-                levels = run_levels(a, url, f"http://127.0.0.1:{port}", gw.pid)
+                levels, starts = run_levels(a, url, f"http://127.0.0.1:{port}", gw.pid)
             finally:
                 gw.terminate()
                 gw.wait(10)
             res["levels"] += [{**lv, "gateway_workers": workers} for lv in levels]
+            res["start_cost"] += [{**st, "gateway_workers": workers} for st in starts]
     finally:
         stop_server(proc)
     res["table"] = table(res["levels"])
+    if res["start_cost"]:
+        res["table"] += ("\n\nThe gateway's CPU per request started (one-token requests, --start-cost bursts of C):\n\n"
+                         "| C | gateway workers | requests | gateway CPU ms/request | wall s |\n|---|---|---|---|---|\n")
+        res["table"] += "\n".join(f"| {r['concurrency']} | {r['gateway_workers']} | {r['requests']} | "
+                                   f"{'n/a' if r['cpu_ms_per_request'] is None else format(r['cpu_ms_per_request'], '.2f')}"
+                                   f" | {r['wall_s']:.1f} |" for r in res["start_cost"])
     for name, text in (("bench_gateway.json", json.dumps(res, indent=2)), ("bench_gateway.md", res["table"] + "\n")):
         with open(os.path.join(a.out, name), "w") as f:
             f.write(text)
