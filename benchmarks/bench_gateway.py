@@ -185,9 +185,9 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
             for _ in range(a.start_cost):
                 await asyncio.gather(*(_gateway_request(http, gateway_url + "/v1/completions", one_token)
                                        for _ in range(c)))
-            cpu1, n = tree_cpu_seconds(gateway_pid), a.start_cost * c
+            n = a.start_cost * c
             return {"concurrency": c, "requests": n, "wall_s": time.perf_counter() - t0,
-                    "cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / n if cpu0 is not None and cpu1 is not None else None}
+                    "cpu_ms_per_request": cpu_per(cpu0, tree_cpu_seconds(gateway_pid), n, 1e3)}
         out, starts = [], []
         try:
             for c in a.levels:
@@ -196,11 +196,9 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
                 await level(c, c, gateway)
                 for run in range(a.repeats):
                     d = await level(c, n, direct)
-                    cpu0 = tree_cpu_seconds(gateway_pid) if gateway_pid else None
+                    cpu0 = tree_cpu_seconds(gateway_pid)
                     g = await level(c, n, gateway)
-                    cpu1 = tree_cpu_seconds(gateway_pid) if gateway_pid else None
-                    g["cpu_us_per_token"] = ((cpu1 - cpu0) * 1e6 / g["output_tokens"]
-                                             if cpu0 is not None and cpu1 is not None and g["output_tokens"] else None)
+                    g["cpu_us_per_token"] = cpu_per(cpu0, tree_cpu_seconds(gateway_pid), g["output_tokens"], 1e6)
                     out.append({"concurrency": c, "run": run + 1, "direct": d, "gateway": g,
                                 "tokens_per_s_ratio": g["tokens_per_s_total"] / d["tokens_per_s_total"]
                                 if d["tokens_per_s_total"] else None,
@@ -218,9 +216,11 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
     return asyncio.run(go())
 
 
-def tree_cpu_seconds(pid: int) -> float | None:
+def tree_cpu_seconds(pid: int | None) -> float | None:
     """User + system CPU seconds of process ``pid`` and its descendants (the gateway and, with --workers, its
-    worker processes), from /proc; None where /proc cannot be read."""
+    worker processes), from /proc; None without a pid or where /proc cannot be read."""
+    if pid is None:
+        return None
     try:
         tick = os.sysconf("SC_CLK_TCK")
         parent, cpu = {}, {}
@@ -241,6 +241,12 @@ def tree_cpu_seconds(pid: int) -> float | None:
         return sum(cpu.get(p, 0.0) for p in mine)
     except (OSError, ValueError):
         return None
+
+
+def cpu_per(cpu0: float | None, cpu1: float | None, n: int, scale: float) -> float | None:
+    """CPU seconds between two `tree_cpu_seconds` readings per item, times ``scale``; None if a reading is missing
+    or there were no items."""
+    return (cpu1 - cpu0) * scale / n if cpu0 is not None and cpu1 is not None and n else None
 
 
 def _minus(a: float | None, b: float | None) -> float | None:
@@ -283,6 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--geometry", type=int, default=0, metavar="LAYERS",
                    help="the M3.1-Flash geometry cut to LAYERS layers (random weights) instead of the tiny model")
     a = p.parse_args(argv)
+    if a.start_cost < 0:
+        p.error(f"--start-cost: must be >= 0, got {a.start_cost}")
     a.levels = [int(c) for c in a.concurrency.split(",")]
     a.gateway_workers = [int(w) for w in a.gateway_workers.split(",")]
     # on a GPU two requests per user end a level in well under a second: too short to compare (2026-12-06)

@@ -158,9 +158,14 @@ def linear_variants(M: int) -> list[tuple]:
     if M <= 64:
         return [("mma", dict(p=1, nt=64, unroll=2)), ("mma", dict(p=1, nt=32, unroll=2))]
     return [("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3)), ("mma", dict(p=1, nt=64, unroll=2)),
-            ("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True)),
-            ("tl", dict(bm=64, bn=128, num_warps=8, num_stages=3, swap=True)),
-            ("tl", dict(bm=256, bn=128, num_warps=8, num_stages=3, swap=True))]
+            *swap_variants(M)]
+
+
+def swap_variants(M: int) -> list[tuple]:
+    """Portable-kernel configs with ``swap`` for a linear of M rows: (path, config); bm = rows per tile (the
+    wgmma's N side), bn = weight rows (its M side: 64 per warp group)."""
+    bms = sorted({min(max(16, triton.next_power_of_2(M)), 128), min(max(16, triton.next_power_of_2(M)), 256)})
+    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True)) for bm in bms for bn in (64, 128)]
 
 
 def bench_layer(args, dev, bw, res):

@@ -45,7 +45,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/support: random layers
 
-from bench_moe import timed, timed_variant, variants  # noqa: E402
+from bench_moe import swap_variants, timed, timed_variant, variants  # noqa: E402
 from ceilings import copy_bandwidth  # noqa: E402
 from m3serve.config import SPARSE  # noqa: E402
 from m3serve.kernels import dispatch  # noqa: E402
@@ -181,13 +181,6 @@ def bench_linears(args, dev, res):
         res["linear_crossover_rows"][fmt] = crossover(mine, "M")
         rows += mine
     res["linear"] = rows
-
-
-def swap_variants(M: int) -> list[tuple]:
-    """Portable-kernel configs with ``swap`` for a linear of M rows: (path, config); bm = rows per tile (the
-    wgmma's N side), bn = weight rows (its M side: 64 per warp group)."""
-    bms = sorted({min(max(16, triton.next_power_of_2(M)), 128), min(max(16, triton.next_power_of_2(M)), 256)})
-    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True)) for bm in bms for bn in (64, 128)]
 
 
 def prefill_flops(cfg, prompt: int) -> float:
