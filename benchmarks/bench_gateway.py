@@ -8,7 +8,9 @@
 C users each send --requests-per-user requests in a row (default 2 on the CPU, 8 on a GPU; greedy, ignore_eos,
 --max-tokens tokens, the same prompt both ways); per level, both paths in turn after one warm-up level each,
 --repeats times: output tokens/s (all tokens / wall), TTFT p50/p90 (request sent -> first text), ITL p50/p90 (per request: first text -> last
-text over tokens - 1, the same definition both ways), and the gateway/direct ratios and overheads. --geometry N: the M3.1-Flash
+text over tokens - 1, the same definition both ways), the server's response thread's time in send() per response
+(its m3serve:response_send_seconds_total over m3serve:responses_total) on each path, and the gateway/direct ratios
+and overheads. --geometry N: the M3.1-Flash
 geometry cut to N layers with random weights (benchmarks/geometry.py), its vocabulary cut to the tiny
 tokenizer's 512 ids so that every token decodes to text for the m3 contract. Writes OUT_DIR/bench_gateway.json
 and OUT_DIR/bench_gateway.md; the server (build.sh serve) and the gateway run as child processes, stopped at
@@ -148,12 +150,29 @@ def load_bench_client():
     return mod
 
 
-def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = None) -> tuple[list, list]:
+async def send_cost(mport: int | None, c: int, n: int, one) -> dict:
+    """`level(c, n, one)` with the server's send() time and responses per request over it (from its metrics port;
+    the responder publishes its counters every 250 ms, so they are read 0.6 s after the level)."""
+    from bench_server import server_counters
+    before = server_counters(mport, "m3") if mport else None
+    lv = await level(c, n, one)
+    if before is not None:
+        await asyncio.sleep(0.6)
+        after = server_counters(mport, "m3")
+        sent = after["m3serve:responses_total"] - before["m3serve:responses_total"]
+        sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
+        lv["server_send_us_per_response"] = 1e6 * sec / sent if sent else None
+        lv["server_responses_per_request"] = sent / lv["requests"] if lv["requests"] else None
+    return lv
+
+
+def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = None,
+               mport: int | None = None) -> tuple[list, list]:
     """Both paths hold one connection pool for the whole run (the gateway holds one gRPC channel): a gRPC client
     (clients/bench.py's request, one stream each) and an HTTP client; each level is warmed up first. With
     ``gateway_pid``, each gateway level also reports the gateway processes' CPU time per streamed token, and
-    --start-cost adds the gateway's CPU per request started (one-token requests in bursts of each C): (levels,
-    start-cost rows)."""
+    --start-cost adds the gateway's CPU per request started (one-token requests in bursts of each C); with the
+    server's metrics port ``mport``, each level the server's send() time per response: (levels, start-cost rows)."""
     import httpx2
     import tritonclient.grpc.aio as grpcaio
 
@@ -195,9 +214,9 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
                 await level(c, c, direct)  # warm-up of this batch size, both paths
                 await level(c, c, gateway)
                 for run in range(a.repeats):
-                    d = await level(c, n, direct)
+                    d = await send_cost(mport, c, n, direct)
                     cpu0 = tree_cpu_seconds(gateway_pid)
-                    g = await level(c, n, gateway)
+                    g = await send_cost(mport, c, n, gateway)
                     g["cpu_us_per_token"] = cpu_per(cpu0, tree_cpu_seconds(gateway_pid), g["output_tokens"], 1e6)
                     out.append({"concurrency": c, "run": run + 1, "direct": d, "gateway": g,
                                 "tokens_per_s_ratio": g["tokens_per_s_total"] / d["tokens_per_s_total"]
@@ -257,6 +276,7 @@ def table(rows: list[dict]) -> str:
     cols = ["C", "run", "gateway workers", "direct tok/s", "gateway tok/s", "gateway/direct", "TTFT p50 direct ms",
             "TTFT p50 gateway ms", "TTFT p50 overhead ms", "ITL p50 direct ms", "ITL p50 gateway ms",
             "ITL p50 overhead ms", "gateway CPU us/token", "gateway text events/request",
+            "server send us/response (direct / gateway)", "server responses/request (direct / gateway)",
             "errors (direct/gateway)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
@@ -269,7 +289,10 @@ def table(rows: list[dict]) -> str:
                  num(g["tokens_per_s_total"], ".1f"), num(r["tokens_per_s_ratio"], ".3f"), num(d["ttft_ms"][50], ".1f"),
                  num(g["ttft_ms"][50], ".1f"), num(r["ttft_p50_overhead_ms"], "+.1f"), num(d["itl_ms"][50], ".2f"),
                  num(g["itl_ms"][50], ".2f"), num(r["itl_p50_overhead_ms"], "+.2f"), num(g.get("cpu_us_per_token"), ".0f"),
-                 num(g.get("text_events_per_request"), ".0f"), f"{d['errors']}/{g['errors']}"]
+                 num(g.get("text_events_per_request"), ".0f"),
+                 f"{num(d.get('server_send_us_per_response'), '.0f')} / {num(g.get('server_send_us_per_response'), '.0f')}",
+                 f"{num(d.get('server_responses_per_request'), '.0f')} / "
+                 f"{num(g.get('server_responses_per_request'), '.0f')}", f"{d['errors']}/{g['errors']}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -311,14 +334,14 @@ def main(argv=None) -> int:
         os.environ["M3SERVE_GEOMETRY_LAYERS"] = str(a.geometry)
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
            "args": {k: v for k, v in vars(a).items()}}
-    proc, url, _ = start_server(repo, os.path.join(a.out, "tritonserver.log"), ready_model="m3")
+    proc, url, mport = start_server(repo, os.path.join(a.out, "tritonserver.log"), ready_model="m3")
     res["levels"], res["start_cost"] = [], []
     try:
         for workers in a.gateway_workers:  # one gateway after the other in front of the same server
             port = free_port()
             gw = start_gateway(url, port, os.path.join(a.out, "gateway.log"), workers)
             try:
-                levels, starts = run_levels(a, url, f"http://127.0.0.1:{port}", gw.pid)
+                levels, starts = run_levels(a, url, f"http://127.0.0.1:{port}", gw.pid, mport)
             finally:
                 gw.terminate()
                 gw.wait(10)

@@ -242,7 +242,7 @@ class _Once:
 async def _timed(deltas, first_token: _Once):
     async with aclosing(deltas):
         async for d in deltas:
-            if d.num_output_tokens:
+            if not d.final or d.num_output_tokens:  # a response before the final one carries text
                 first_token()
             yield d
 

@@ -1,6 +1,7 @@
 """The gateway's own Prometheus metrics (GET /metrics), in a registry of their own: requests by endpoint and
 HTTP status, errors, requests in flight, time to first token (the first Triton response with tokens, from
-the request's arrival), and the tokens the server reported.
+the request's arrival), and the tokens the server reported (on a request's final response: a request cancelled
+before it counts none here; the server's own vllm:generation_tokens_total counts every token).
 
 With several worker processes (app.run's `workers`) $PROMETHEUS_MULTIPROC_DIR names a folder they share:
 prometheus_client then keeps each process's values in files there, and /metrics, from whichever worker answers,

@@ -47,8 +47,10 @@ def tensor(name: str, value) -> grpcclient.InferInput:
 def m3_inputs(*, prompt: str | None = None, messages: list | None = None, tools: list | None = None,
               chat_template_kwargs: dict | None = None, sampling: dict, logprobs: bool, reasoning: bool,
               assistant_prefix: str | None = None) -> list[grpcclient.InferInput]:
-    """The `m3` request: always streamed (deltas), with the counts and finish reason the API reports."""
-    ins = [tensor("stream", True), tensor("sampling_parameters", json.dumps(sampling))]
+    """The `m3` request: always streamed (deltas), with the counts and finish reason the API reports on the final
+    response only (`returns_on_final_only`: a response of text alone costs the server's response thread least)."""
+    ins = [tensor("stream", True), tensor("returns_on_final_only", True),
+           tensor("sampling_parameters", json.dumps(sampling))]
     if messages is not None:
         ins.append(tensor("messages", json.dumps(messages, ensure_ascii=False)))
         if tools is not None:
@@ -74,9 +76,9 @@ class Delta:
 
     text: str = ""
     reasoning: str = ""
-    num_output_tokens: int = 0  # tokens this response adds
-    num_input_tokens: int = 0
-    finish_reason: str | None = None  # set on the final response
+    num_output_tokens: int = 0  # on the final response: the tokens of the whole output (returns_on_final_only)
+    num_input_tokens: int = 0  # on the final response
+    finish_reason: str | None = None  # on the final response
     logprobs: list = field(default_factory=list)  # one {token id: {logprob, rank, decoded_token}} per token
     final: bool = False
 

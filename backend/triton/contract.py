@@ -41,6 +41,7 @@ class GenRequest:
     stream: bool = False
     prepend_input: bool = False
     returns: frozenset = frozenset()
+    returns_on_final_only: bool = False  # streamed: the whole-request returns on the final response only
     reasoning_parser: str | None = None
     batch_index: int = 0
     sources: dict[str, str] = field(default_factory=dict)  # engine option -> the name the client sent

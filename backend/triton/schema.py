@@ -65,7 +65,7 @@ TEXT_INPUTS = (
      io_spec("tools", "TYPE_STRING", [1]),
      io_spec("chat_template_kwargs", "TYPE_STRING", [1]),
      io_spec("assistant_prefix", "TYPE_STRING", [1])]
-    + [io_spec(n, "TYPE_BOOL", [1]) for n in TEXT_RETURN_SWITCHES]
+    + [io_spec(n, "TYPE_BOOL", [1]) for n in TEXT_RETURN_SWITCHES + ("returns_on_final_only",)]
     + [io_spec(n, t, [1]) for n, (_, t) in TEXT_ALIASES.items()]
 )
 TEXT_OUTPUTS = [

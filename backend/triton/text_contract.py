@@ -1,7 +1,10 @@
 """The text contract (model `m3`): the vLLM backend's tensors, `max_batch_size: 0`.
 
 text_input (or messages + tools + chat_template_kwargs + assistant_prefix) -> text_output deltas, plus finish_reason,
-num_input/output_tokens, cumulative_logprob, logprobs and reasoning_output on request. Sampling options
+num_input/output_tokens, cumulative_logprob, logprobs and reasoning_output on request. As in vLLM's backend, each
+streamed response carries every output asked for; `returns_on_final_only` (an m3serve input, for the OpenAI gateway)
+puts the whole-request ones (finish_reason, num_input_tokens, num_output_tokens as the total, cumulative_logprob) on
+the final response alone: each tensor of a response costs the server's response thread (docs/performance.md). Sampling options
 come from defaults < request parameters < sampling_parameters JSON < alias tensors (max_tokens, top_k...).
 Chat messages are rendered by the engine (its chat template, its time bound), `assistant_prefix` after the
 generation prompt (the reply starts with it: the gateway's forced tool calls); a template sent by the client
@@ -52,7 +55,8 @@ class TextContract(Contract):
                    if echo or logprob_tokens or default else None)
         return [GenRequest(sampling=sampling_params(merged, sources), prompt=prompt, messages=messages,
                            chat_template_kwargs=ctk, stream=stream, prepend_input=prepend,
-                           returns=frozenset(returns), reasoning_parser=parser, sources=sources,
+                           returns=frozenset(returns), reasoning_parser=parser,
+                           returns_on_final_only=bool(stream and bool_scalar(tensors, "returns_on_final_only")), sources=sources,
                            text_options=options)]
 
     def _prompt(self, tensors) -> tuple[str | None, list | None, dict | None]:
@@ -191,18 +195,25 @@ class TextStream:
         t = {"text_output": str_array(text)}
         if "reasoning" in r.returns:
             t["reasoning_output"] = str_array("".join(self._reasoning))
+        if "logprobs" in r.returns:
+            t["logprobs"] = str_array(json.dumps(self._logprobs if self._logprobs or r.sampling.logprobs
+                                                 is not None else None))
+        if r.returns_on_final_only and not final:
+            return self._taken(t)
         if "finish_reason" in r.returns:
             t["finish_reason"] = str_array(str(self.finish_reason) if final else "None")
         if "cumulative_logprob" in r.returns:
             t["cumulative_logprob"] = np.array(
                 [self.cumulative_logprob if self.cumulative_logprob is not None else 0.0], dtype=np.float32)
-        if "logprobs" in r.returns:
-            t["logprobs"] = str_array(json.dumps(self._logprobs if self._logprobs or r.sampling.logprobs
-                                                 is not None else None))
         if "num_input_tokens" in r.returns:
             t["num_input_tokens"] = np.array([self.num_input], dtype=np.uint32)
         if "num_output_tokens" in r.returns:
-            t["num_output_tokens"] = np.array([self._n_new if r.stream else self.num_output], dtype=np.uint32)
+            per_response = r.stream and not r.returns_on_final_only
+            t["num_output_tokens"] = np.array([self._n_new if per_response else self.num_output], dtype=np.uint32)
+        return self._taken(t)
+
+    def _taken(self, t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`t`, this response's tensors, once what it sends is cleared from the stream."""
         self._text.clear()
         self._reasoning.clear()
         self._n_new = 0

@@ -181,6 +181,33 @@ def test_text_stream_deltas_and_final():
     assert t["num_output_tokens"].tolist() == [1]
 
 
+def test_returns_on_final_only_leave_the_deltas_their_text():
+    """`returns_on_final_only` (the OpenAI gateway's requests): a streamed delta carries its text (and the per-token
+    outputs asked for), the final response the whole request's finish reason and counts, num_output_tokens as the
+    total; without the input every response carries every output asked for (the vLLM backend's contract)."""
+    asked = {"text_input": s("hi"), "stream": b(True), "return_finish_reason": b(True), "return_logprobs": b(True),
+             "return_num_input_tokens": b(True), "return_num_output_tokens": b(True),
+             "return_cumulative_logprob": b(True)}
+    req = text({**asked, "returns_on_final_only": b(True)})
+    assert req.returns_on_final_only
+    ts = TextStream(req)
+    ts.add(out([6, 8], "ab"))
+    t = ts.take(False)
+    assert sorted(t) == ["logprobs", "text_output"] and t["text_output"].tolist() == [b"ab"]
+    ts.add(out([9], "c"))
+    assert ts.take(False)["text_output"].tolist() == [b"c"]
+    ts.add(out([7], "d", finished=True, reason="stop", n_prompt=5))
+    t = ts.take(True)
+    assert t["text_output"].tolist() == [b"d"] and t["finish_reason"].tolist() == [b"stop"]
+    assert t["num_output_tokens"].tolist() == [4] and t["num_input_tokens"].tolist() == [5]
+    assert t["cumulative_logprob"].tolist() == [-1.5]
+    every = TextStream(text(asked))
+    every.add(out([6, 8], "ab"))
+    assert set(every.take(False)) == {"text_output", "logprobs", "finish_reason", "num_input_tokens",
+                                      "num_output_tokens", "cumulative_logprob"}
+    assert not text({**asked, "stream": b(False), "returns_on_final_only": b(True)}).returns_on_final_only
+
+
 def test_logprob_entries_put_the_sampled_token_first():
     """A sampled token outside the top-n (or below the top) comes first, with its own logprob and rank, so a
     client (the OpenAI gateway) can tell it from the top-n; the others follow by rank. Each token's text is the
