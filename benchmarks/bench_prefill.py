@@ -124,7 +124,7 @@ def bench_moe_layer(args, dev, res):
             row["err"] = rel_err(y_d, y_k)
         row["tl_variants"] = []  # larger portable tiles (more rows per decoded weight tile): bench_moe's sweep
         for v in (variants(T) if T >= args.variants_from and dev == "cuda" else []):
-            if v[1:] != dispatch.MOE_TABLE[-1][2:]:
+            if tuple(v) != dispatch.moe_config(T, w, x.device):  # the default's own tiles are timed above
                 row["tl_variants"].append(timed_variant("moe_table", v, lambda: dispatch.moe_config(T, w, x.device),
                                                         layer, args.rep))
         a1 = torch.randn(T * (k + 1), H, device=dev, dtype=dtype)

@@ -37,39 +37,48 @@ from .codecs import FMT_NVFP4, FMT_PLAIN, MODE_INT, cache_format
 from .dequant_gemm import dense_path_ok
 from .weight_layout import CHUNK_K, PackedWeight
 
-# The MoE expert GEMMs (`moe_config`), measured on the H200 (docs/performance.md, benchmarks/NOTES-moe.md): rows
+# The MoE expert GEMMs (`moe_config`), measured on the H200 and the H100 (docs/performance.md,
+# benchmarks/NOTES-moe.md; the tl rows from bench_prefill on the H100, 2026-12-07): rows
 # (most tokens or None, path, gate_up config, down config), the first row that fits the step wins (an "mma" row
 # fits where the mma kernels run and the shapes divide; a "tl" row anywhere but compiled NVIDIA CUDA (the
 # interpreter, ROCm, whose devices also report type "cuda") takes `PORTABLE_GEMM`).
 # mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
-# tl: bm x bn output tiles of the portable kernels; dense: the weights decoded once to bf16, then cuBLAS
-# (`dequant_gemm`; scratch_mb bounds the decoded experts held at once), from MOE_DENSE_FROM tokens (provisional:
-# estimated from the bytes, not yet measured; benchmarks/bench_prefill.py prints the measured crossover).
+# tl: bm x bn output tiles of the portable kernels (swap: the transposed product, the decoded weights as the dot's
+# register operand; a row whose tiles need more shared memory than the device has is skipped, `_tl_fits`);
+# dense: the weights decoded once to bf16, then cuBLAS (`dequant_gemm`; scratch_mb bounds the decoded experts held
+# at once), from MOE_DENSE_FROM tokens where `Tuning.dense_prefill` turns it on: off on CUDA by default, where it
+# was slower than the kernels at every count measured (19.8 vs 14.1 ms at 4096 tokens, level with the default
+# tiles and 13% behind the swapped 128 x 128 tiles at 8192; H100, 2026-12-07).
 MOE_DENSE_FROM = 4096
-_MOE_TL = (dict(bm=64, bn=64, num_warps=4, num_stages=3), dict(bm=64, bn=128, num_warps=8, num_stages=3))
+_MOE_TL_MID = dict(bm=64, bn=128, num_warps=8, num_stages=3, swap=True)  # 1024 tokens: 5.24 ms vs mma 6.10
+_MOE_TL = dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True)  # 4096 / 8192: 12.70 / 22.74 ms vs 14.09 / 26.08
+_TL_SMALL_SMEM = dict(bm=64, bn=64, num_warps=4, num_stages=3)  # where the tiles above do not fit (sm_89: 99 KB)
 MOE_TABLE = (
     (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
-    (1024, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
-    (MOE_DENSE_FROM - 1, "tl", *_MOE_TL),
+    (512, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
+    (2048, "tl", _MOE_TL_MID, _MOE_TL_MID),
+    (MOE_DENSE_FROM - 1, "tl", _MOE_TL, _MOE_TL),
     (None, "dense", dict(scratch_mb=2048), dict(scratch_mb=2048)),
-    (None, "tl", *_MOE_TL),
+    (None, "tl", _MOE_TL, _MOE_TL),
+    (None, "tl", _TL_SMALL_SMEM, _TL_SMALL_SMEM),
 )
-# The quantized linears (`linear_config`): rows (most rows M or None, path, config), read as `MOE_TABLE`: the mma
-# rows (up to LINEAR_MMA_MAX_ROWS rows), else the portable tiles, small up to 64 rows, large beyond, and the
-# decode-once-then-cuBLAS path from LINEAR_DENSE_FROM rows (provisional, as MOE_DENSE_FROM). A "dense" row is
-# skipped where that path cannot run (`dequant_gemm.dense_path_ok`: ROCm, or the MoE's during CUDA-graph capture),
-# so each "dense" row is followed by the row to use then.
-LINEAR_MMA_MAX_ROWS = 256
-LINEAR_DENSE_FROM = 1024
-_LINEAR_TL = dict(bm=64, bn=128, num_warps=8, num_stages=3)
+# The quantized linears (`linear_config`): rows (most rows M or None, path, config), read as `MOE_TABLE`. Measured
+# on the H100 (bench_prefill, 2026-12-07, x [M, 8192] -> [M, 6144], NVFP4 / MXFP8 / FP8 alike): the mma rows to
+# 16 rows (0.032 ms, 1.6x bf16), whose cost grows with each 16-row tile (64 rows 0.078 ms); the swapped 64 x 64
+# tiles at 64 rows (0.058-0.070 ms); the decode-once-then-cuBLAS path from LINEAR_DENSE_FROM rows, 2.4-3.2x the
+# kernels at 256-8192 rows (on by default, `Tuning.dense_prefill`). A "dense" row is skipped where that path cannot
+# run (`dequant_gemm.dense_path_ok`: ROCm), so each "dense" row is followed by the row to use then.
+LINEAR_MMA_MAX_ROWS = 32
+LINEAR_DENSE_FROM = 256
+_LINEAR_TL = dict(bm=64, bn=64, num_warps=4, num_stages=3, swap=True)
 LINEAR_TABLE = (
     (16, "mma", dict(p=1, nt=8, unroll=2)),
     (LINEAR_MMA_MAX_ROWS, "mma", dict(p=1, nt=16, unroll=2)),
-    (64, "tl", dict(bm=16, bn=64, num_warps=4, num_stages=2)),
     (LINEAR_DENSE_FROM - 1, "tl", _LINEAR_TL),
     (None, "dense", dict()),
-    (None, "tl", _LINEAR_TL),
+    (None, "tl", dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True)),
+    (None, "tl", _TL_SMALL_SMEM),
 )
 PORTABLE_GEMM = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder
 
@@ -80,8 +89,9 @@ class Tuning:
 
     # which kernels
     mma: bool = True  # the Gluon mma.sync kernels where they apply (False: the portable kernels everywhere)
-    dense_prefill: bool | None = None  # the tables' "dense" rows (decode once, then cuBLAS); None: off on CUDA until
-    #   benchmarks/bench_prefill.py has measured them on the H200, on elsewhere (the paths CI checks)
+    dense_prefill: bool | None = None  # the tables' "dense" rows (decode once, then cuBLAS); None: the linears' on,
+    #   the MoE's off on CUDA (slower there, as measured by benchmarks/bench_prefill.py) and on elsewhere (the paths
+    #   CI checks)
     asm: bool | None = None  # the inline-PTX NVFP4 word decoder in the portable kernels (None: where it self-checks)
     # MSA decode attention (msa_decode)
     decode_words: bool | str | None = None  # portable decoder: True int32 words (nvfp4: one joined tile), "split"
@@ -307,10 +317,27 @@ def _mma_gemm_fits(cfg: dict, rows: tuple[int, ...], k_pads: tuple[int, ...]) ->
     return all(n % r == 0 for n in rows) and all((k // CHUNK_K) % per == 0 for k in k_pads)
 
 
+def _tl_fits(cfgs, device: torch.device) -> bool:
+    """Do a tl row's tiles fit the device's shared memory? Per stage a [bm, CHUNK_K] bf16 activation tile and a
+    [bn, CHUNK_K] tile of weight bytes (at most one per value), plus a tenth for the rest: 128 x 128 tiles in 3
+    stages need ~160 KB (Hopper: 227 KB; 256 x 128 did not fit on the H100, 2026-12-07), more than an sm_89's 99 KB."""
+    limit = _shared_memory(device.index)
+    return limit is None or all(1.1 * c["num_stages"] * CHUNK_K * (2 * c["bm"] + c["bn"]) <= limit for c in cfgs)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index: int | None) -> int | None:
+    if not torch.cuda.is_available():  # tests that make a device of type cuda stand for one
+        return None
+    index = torch.cuda.current_device() if index is None else index
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
 def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[PackedWeight, ...],
-                 rows: tuple[int, ...], k_pads: tuple[int, ...], host_sync: bool) -> tuple:
+                 rows: tuple[int, ...], k_pads: tuple[int, ...], host_sync: bool, dense_on_cuda: bool) -> tuple:
     """(path, configs...) of the first row of ``table`` that fits T tokens of these weights on this device
-    (``host_sync``: the op's dense path synchronises with the host, see `dequant_gemm.dense_path_ok`)."""
+    (``host_sync``: the op's dense path synchronises with the host, see `dequant_gemm.dense_path_ok`;
+    ``dense_on_cuda``: its dense rows' default on CUDA, `Tuning.dense_prefill`)."""
     mma = gemm_mma_kernels()
     fast = (tuning().mma and mma is not None and mma.available(device)
             and all(mma.supported(p) for p in weights))
@@ -322,11 +349,13 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
             continue
         if path == "dense":
             on = tuning().dense_prefill
-            if (device.type != "cuda" if on is None else on) and dense_path_ok(device, host_sync):
+            if ((device.type != "cuda" or dense_on_cuda) if on is None else on) and dense_path_ok(device, host_sync):
                 return (path, *cfgs)
             continue
-        if path == "tl" and not platform.compiled_cuda(device):  # the tl rows' tiles were measured on the H200
+        if path == "tl" and not platform.compiled_cuda(device):  # the tl rows' tiles were measured on Hopper
             return portable
+        if path == "tl" and not _tl_fits(cfgs, device):
+            continue
         return (path, *cfgs)
     return portable
 
@@ -336,15 +365,17 @@ def moe_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     device (`Tuning.moe_table`): the routed experts', with the shared expert's tiles when they ride along."""
     shared = (w.shared_gate_up, w.shared_down) if w.shared_rides else ()
     return _gemm_config(tuning().moe_table, T, device, (w.gate_up, w.down) + shared, (w.inter_pad, w.hidden),
-                        (w.gate_up.k_pad, w.down.k_pad), host_sync=True)
+                        (w.gate_up.k_pad, w.down.k_pad), host_sync=True, dense_on_cuda=False)
 
 
 def moe_shared_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     """As `moe_config`, for the shared expert's own launches (`moe.MoEStep.shared_expert`)."""
     return _gemm_config(tuning().moe_table, T, device, (w.shared_gate_up, w.shared_down),
-                        (w.shared_inter_pad, w.hidden), (w.shared_gate_up.k_pad, w.shared_down.k_pad), host_sync=True)
+                        (w.shared_inter_pad, w.hidden), (w.shared_gate_up.k_pad, w.shared_down.k_pad), host_sync=True,
+                        dense_on_cuda=False)
 
 
 def linear_config(M: int, w: PackedWeight, device: torch.device) -> tuple[str, dict]:
     """(path, config) of a quantized linear for M rows of ``w`` on this device (`Tuning.linear_table`)."""
-    return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,), host_sync=False)
+    return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,), host_sync=False,
+                        dense_on_cuda=True)

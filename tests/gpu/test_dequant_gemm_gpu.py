@@ -26,7 +26,7 @@ DENSE_LINEAR = ((None, "dense", dict()),)
 
 @pytest.fixture(autouse=True)
 def dense_rows_on():
-    """The dense rows are off on CUDA by default until bench_prefill has measured them (`Tuning.dense_prefill`)."""
+    """The MoE's dense rows are off on CUDA by default (`Tuning.dense_prefill`): on for these tests."""
     with tuned(dense_prefill=True):
         yield
 

@@ -132,7 +132,7 @@ def test_shared_expert_of_its_own_width(T):
     w = moe_prepare_module(moe)
     assert (w.inter_pad, w.shared_inter_pad, w.shared_rides) == (3072, 1024, False)
     dev = torch.device(DEV)
-    if T <= 1024 and gemm_mma_kernels() is not None and gemm_mma_kernels().available(dev):
+    if T <= 512 and gemm_mma_kernels() is not None and gemm_mma_kernels().available(dev):
         assert moe_config(T, w, dev)[0] == "mma" and moe_shared_config(T, w, dev)[0] == "mma"
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
     y, routing = _run(cfg, moe, w, x)
@@ -211,12 +211,12 @@ def test_config_table_picks_the_mma_path_for_decode():
     assert moe_config(1, w, torch.device(DEV))[0] == "mma"
     assert moe_config(64, w, torch.device(DEV))[0] == "mma"
     assert moe_config(dispatch.MOE_DENSE_FROM - 1, w, torch.device(DEV))[0] == "tl"
-    with dispatch.tuned(dense_prefill=True):  # off on CUDA by default until measured
+    with dispatch.tuned(dense_prefill=True):  # off on CUDA by default (measured slower than the kernels)
         assert moe_config(dispatch.MOE_DENSE_FROM, w, torch.device(DEV))[0] == "dense"  # decode once, then cuBLAS
 
 
 @pytest.mark.parametrize("expert_fmt", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("T,bm,bn", [(37, 64, 128), (520, 128, 128), (1500, 256, 128), (700, 128, 64)])
+@pytest.mark.parametrize("T,bm,bn", [(37, 64, 128), (520, 128, 128), (1500, 128, 128), (700, 128, 64)])
 def test_portable_tiles_with_the_transposed_product(expert_fmt, T, bm, bn):
     """The portable kernel with ``swap`` (decoded weights as the dot's first operand; `grouped_gemm._tile_gemm`) at
     odd token counts and each tile shape the prefill tables may pick, both expert formats (the MXFP8 shared expert

@@ -109,9 +109,11 @@ TOKENS = (1, 16, 64, 65, 512, 4096)
 MMA_8 = dict(p=1, nt=8, unroll=2)
 SMALL_TL = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # the interpreter's / ROCm's / small-M portable tiles
 # the tables' portable rows: what runs where the mma kernels do not (values are tuning, taken from the tables)
-MOE_TL = dispatch.MOE_TABLE[-1][1:]
-LINEAR_TL = {M: next(r[1:] for r in dispatch.LINEAR_TABLE if r[1] == "tl" and (r[0] is None or M <= r[0]))
-             for M in TOKENS}
+def _tl_rows(table: tuple) -> dict:
+    return {M: next(r[1:] for r in table if r[1] == "tl" and (r[0] is None or M <= r[0])) for M in TOKENS}
+
+
+MOE_TL, LINEAR_TL = _tl_rows(dispatch.MOE_TABLE), _tl_rows(dispatch.LINEAR_TABLE)
 DENSE_FROM = {"moe": dispatch.MOE_DENSE_FROM, "linear": dispatch.LINEAR_DENSE_FROM}  # decode once, then cuBLAS
 
 
@@ -161,10 +163,11 @@ def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
               "linear": ((lin.n_pad,), (lin.k_pad,))}
     for available in (True, False):
         _mma_available(monkeypatch, available)
-        # on CUDA the dense rows wait for their measurement on the H200 (Tuning.dense_prefill), then hold from the
-        # crossover on
+        # on CUDA by default (Tuning.dense_prefill) the linears' dense rows hold from their crossover on and the MoE's
+        # do not (measured slower than the kernels there); turned on, both hold from the crossover
         assert dispatch.moe_config(DENSE_FROM["moe"], moe, CUDA)[0] != "dense"
-        assert dispatch.linear_config(DENSE_FROM["linear"], lin, CUDA)[0] != "dense"
+        assert dispatch.linear_config(DENSE_FROM["linear"], lin, CUDA)[0] == "dense"
+        assert dispatch.linear_config(DENSE_FROM["linear"] - 1, lin, CUDA)[0] != "dense"
         with dispatch.tuned(dense_prefill=True):
             for T in TOKENS:
                 for name, choice in (("moe", dispatch.moe_config(T, moe, CUDA)),
@@ -174,7 +177,7 @@ def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
                     elif T >= DENSE_FROM[name]:
                         assert choice[0] == "dense", (name, T, choice)
                     else:
-                        assert choice == (MOE_TL if name == "moe" else LINEAR_TL[T]), (name, T, choice)
+                        assert choice == (MOE_TL if name == "moe" else LINEAR_TL)[T], (name, T, choice)
         assert (dispatch.moe_config(1, moe, CUDA)[0] == "mma") == available
         assert (dispatch.linear_config(1, lin, CUDA)[0] == "mma") == available
     small = [T for T in TOKENS if T < DENSE_FROM["moe"]]
@@ -185,6 +188,28 @@ def test_moe_and_linear_choices_keep_their_contracts(monkeypatch, gemm_weights):
     monkeypatch.setattr(platform, "interpreting", lambda: True)  # a CUDA device under the interpreter: the same
     small = [T for T in TOKENS if T < DENSE_FROM["moe"]]
     assert {T: dispatch.moe_config(T, moe, CUDA) for T in small} == dict.fromkeys(small, ("tl", SMALL_TL, SMALL_TL))
+
+
+def test_tl_rows_need_tiles_that_fit_the_shared_memory(monkeypatch, gemm_weights):
+    """A tl row whose tiles need more shared memory than the device has is passed over (Triton refuses the launch:
+    256 x 128 tiles in 3 stages on the H100): an sm_89's 99 KB takes the small tiles where Hopper's 227 KB takes the
+    prefill rows' 128 x 128 ones."""
+    moe, lin = gemm_weights
+    _nvidia(monkeypatch)
+    _mma_available(monkeypatch, False)
+    hopper = dispatch.moe_config(4095, moe, CUDA), dispatch.linear_config(8192, lin, CUDA)
+    assert hopper == (MOE_TL[4096], ("dense", {}))
+    with tuned(dense_prefill=False):
+        big = dispatch.linear_config(8192, lin, CUDA)
+    small = dict(bm=64, bn=64, num_warps=4, num_stages=3)
+    monkeypatch.setattr(dispatch, "_shared_memory", lambda index: 101376)
+    assert dispatch.moe_config(4095, moe, CUDA) == ("tl", small, small) != hopper[0]
+    with tuned(dense_prefill=False):
+        assert dispatch.linear_config(8192, lin, CUDA) == ("tl", small) != big
+    monkeypatch.setattr(dispatch, "_shared_memory", lambda index: 232448)
+    assert dispatch.moe_config(4095, moe, CUDA) == hopper[0]
+    with tuned(moe_table=((None, "tl", dict(bm=256, bn=128, num_warps=8, num_stages=3), small),)):
+        assert dispatch.moe_config(4095, moe, CUDA) == ("tl", dispatch.PORTABLE_GEMM, dispatch.PORTABLE_GEMM)
 
 
 def test_rocm_takes_the_portable_choices(monkeypatch, gemm_weights):
@@ -201,7 +226,7 @@ def test_rocm_takes_the_portable_choices(monkeypatch, gemm_weights):
     assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 64
     monkeypatch.setattr(torch.version, "hip", None)  # the same device on NVIDIA: the H200's choices
     assert dispatch.decode_block_n(FMT_NVFP4, sparse=False, on_mma=False, block_size=128) == 128
-    assert dispatch.moe_config(DENSE_FROM["moe"] - 1, moe, CUDA) == MOE_TL and platform.moe_mma_ok(CUDA)
+    assert dispatch.moe_config(4095, moe, CUDA) == MOE_TL[4096] and platform.moe_mma_ok(CUDA)  # the same tiles
 
 
 def test_mma_rows_need_shapes_the_tiles_divide_and_mma_on(monkeypatch, gemm_weights):
@@ -211,13 +236,13 @@ def test_mma_rows_need_shapes_the_tiles_divide_and_mma_on(monkeypatch, gemm_weig
     _nvidia(monkeypatch)
     _mma_available(monkeypatch, True)
     wide = ("mma", dict(p=4, nt=8, unroll=2), MMA_8)
-    with tuned(moe_table=((16, *wide), (None, "mma", MMA_8, dict(p=1, nt=8, unroll=3)), (None, *MOE_TL))):
+    with tuned(moe_table=((16, *wide), (None, "mma", MMA_8, dict(p=1, nt=8, unroll=3)), (None, *MOE_TL[4096]))):
         assert dispatch.moe_config(1, moe, CUDA) == wide  # 1024 rows = 16 tiles of 64
-        assert dispatch.moe_config(17, moe, CUDA) == MOE_TL  # 8 K chunks are not a multiple of 12
+        assert dispatch.moe_config(17, moe, CUDA) == MOE_TL[4096]  # 8 K chunks are not a multiple of 12
     with tuned(linear_table=((None, "mma", dict(p=32, nt=8, unroll=2)), (None, "tl", SMALL_TL))):
         assert dispatch.linear_config(1, lin, CUDA) == ("tl", SMALL_TL)  # 256 rows, tiles of 512
     with tuned(mma=False):  # the portable kernels everywhere
-        assert dispatch.moe_config(1, moe, CUDA) == MOE_TL and dispatch.linear_config(1, lin, CUDA) == LINEAR_TL[1]
+        assert dispatch.moe_config(1, moe, CUDA) == MOE_TL[1] and dispatch.linear_config(1, lin, CUDA) == LINEAR_TL[1]
 
 
 def test_tuned_overrides_the_moe_and_linear_tables_inside_its_block(monkeypatch, gemm_weights):
