@@ -4,8 +4,9 @@ text_input (or messages + tools + chat_template_kwargs + assistant_prefix) -> te
 num_input/output_tokens, cumulative_logprob, logprobs and reasoning_output on request. As in vLLM's backend, each
 streamed response carries every output asked for; `returns_on_final_only` (an m3serve input, for the OpenAI gateway)
 puts the whole-request ones (finish_reason, num_input_tokens, num_output_tokens as the total, cumulative_logprob) on
-the final response alone: each tensor of a response costs the server's response thread (docs/performance.md). Sampling options
-come from defaults < request parameters < sampling_parameters JSON < alias tensors (max_tokens, top_k...).
+the final response alone: each tensor of a response costs the server's response thread (docs/performance.md).
+Sampling options come from defaults < request parameters < sampling_parameters JSON < alias tensors (max_tokens,
+top_k...).
 Chat messages are rendered by the engine (its chat template, its time bound), `assistant_prefix` after the
 generation prompt (the reply starts with it: the gateway's forced tool calls); a template sent by the client
 (`chat_template_kwargs.chat_template`) is refused unless the model sets `trust_request_chat_template`.
@@ -55,8 +56,8 @@ class TextContract(Contract):
                    if echo or logprob_tokens or default else None)
         return [GenRequest(sampling=sampling_params(merged, sources), prompt=prompt, messages=messages,
                            chat_template_kwargs=ctk, stream=stream, prepend_input=prepend,
-                           returns=frozenset(returns), reasoning_parser=parser,
-                           returns_on_final_only=bool(stream and bool_scalar(tensors, "returns_on_final_only")), sources=sources,
+                           returns=frozenset(returns), reasoning_parser=parser, sources=sources,
+                           returns_on_final_only=bool(stream and bool_scalar(tensors, "returns_on_final_only")),
                            text_options=options)]
 
     def _prompt(self, tensors) -> tuple[str | None, list | None, dict | None]:
