@@ -294,6 +294,8 @@ class EngineConfig:
     # 0 admits each request at the first step it fits
     max_waiting_steps: int = 0
     waiting_served_ratio: float = 1.2
+    # prompt tokens a step that decodes may take (engine/scheduler.py): 0 the whole max_num_batched_tokens
+    max_prefill_tokens_with_decodes: int = 0
     num_gpu_blocks_override: int | None = None  # fixes the page-pool size (tests, CPU)
     reasoning_parser: str | None = None
     disable_hybrid_kv_cache_manager: bool = False  # accepted for launch-line compatibility (one pool anyway)
@@ -341,9 +343,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")
-        w = self.max_waiting_steps
-        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
-            problems.append(f"max_waiting_steps: must be an integer >= 0, got {w!r}")
+        for name in ("max_waiting_steps", "max_prefill_tokens_with_decodes"):
+            w = getattr(self, name)
+            if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+                problems.append(f"{name}: must be an integer >= 0, got {w!r}")
         r = self.waiting_served_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not r > 0:
             problems.append(f"waiting_served_ratio: must be a number > 0, got {r!r}")

@@ -15,6 +15,9 @@ Measured, in one run, through `LLMEngine.step()`; a token's arrival time is when
             p99 / max of the streams' gaps that end in that window, p99 over idle p99, the prompt's TTFT (from its
             admission to the step that returns its first token), the steps that carried a chunk (the scheduler's
             mixed-step count) and, beside it, the TTFT of the same prompt with no streams decoding
+  capped    the same at the largest chunk, with the scheduler's `max_prefill_tokens_with_decodes` set to each of
+            --caps: a step that decodes takes at most that many prompt tokens, one with nothing decoding the whole
+            chunk (so the prompt alone keeps the largest chunk's TTFT)
 The trade-off: a bigger chunk means fewer, longer steps in the window: the prompt's TTFT falls and every decoding
 stream waits longer for each token. One engine serves every row (built with the largest chunk, so its warm-up
 compiles every token count up to it); each row sets the scheduler's token budget and runs its scenario once untimed
@@ -46,9 +49,14 @@ WARM_STEPS = 3  # decode steps after the streams start, before anything is recor
 BEFORE_STEPS = 8  # recorded decode steps before the long prompt is admitted (each stream's last token before it)
 
 
-def window_steps(long: int, chunk: int, streams: int) -> int:
-    """Steps whose budget carries a piece of the prompt: decodes take one token each of the budget first."""
-    return -(-long // (chunk - streams))
+def prompt_per_step(chunk: int, streams: int, cap: int = 0) -> int:
+    """Prompt tokens of a step beside the streams' decodes, which take one token each of the budget first."""
+    return min(chunk - streams, cap) if cap else chunk - streams
+
+
+def window_steps(long: int, per_step: int) -> int:
+    """Steps whose budget carries a piece of the prompt."""
+    return -(-long // per_step)
 
 
 def itl_stats(gaps: list[float]) -> dict:
@@ -57,12 +65,12 @@ def itl_stats(gaps: list[float]) -> dict:
             "itl_p99_ms": float(np.percentile(a, 99)), "itl_max_ms": float(a.max())}
 
 
-def run_streams(engine, device, streams: int, context: int, steps: int, long: int, chunk: int, seed: int) -> dict:
+def run_streams(engine, device, streams: int, context: int, steps: int, long: int, per_step: int, seed: int) -> dict:
     """`streams` sequences decode at `context` tokens: `steps` recorded steps, then (long > 0) a prompt of `long`
     tokens is admitted and the steps run until its first token. Returns the streams' ITL over the gaps that end
     after the admission (all recorded gaps without one), the prompt's TTFT, and the engine's counters over it."""
     g = torch.Generator().manual_seed(seed)
-    budget = steps + (window_steps(long, chunk, streams) + 8 if long else 0)
+    budget = steps + (window_steps(long, per_step) + 8 if long else 0)
     rids = start_synthetic(engine, streams, context, WARM_STEPS + budget + 4, g)
     arrivals: dict[str, list[float]] = {rid: [] for rid in rids}
     sch = engine.scheduler
@@ -95,7 +103,8 @@ def run_streams(engine, device, streams: int, context: int, steps: int, long: in
                                   chunked_prefills=sch.num_chunked_prefills - chunked0)
                     break
             else:
-                raise RuntimeError(f"the {long}-token prompt got no token in {budget - steps} steps (chunk {chunk})")
+                raise RuntimeError(f"the {long}-token prompt got no token in {budget - steps} steps "
+                                   f"({per_step} prompt tokens a step)")
     finally:
         stop_synthetic(engine, rids)
         sync(device)
@@ -118,16 +127,21 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", default="192,320,512,2048,8192",
                    help="max_num_batched_tokens per row (the 64 streams take 64 of each; 2026-12-07 on the H100: "
                         "512 kept ITL p99 at 3.5x idle)")
+    p.add_argument("--caps", default="64,128,256",
+                   help="max_prefill_tokens_with_decodes per capped row, at the largest chunk ('' for none)")
     p.add_argument("--idle-steps", type=int, default=256, help="recorded decode steps with nothing admitted")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (no step queued ahead)")
     p.add_argument("--smoke", action="store_true", help="CPU, toy geometry (hidden 256, 8 experts, vocab 4K)")
     a = p.parse_args(argv)
     a.chunks = sorted(int(x) for x in a.chunks.split(","))
+    a.caps = sorted(int(x) for x in a.caps.split(",") if x.strip())
     if a.smoke:
-        a.streams, a.context, a.long, a.chunks, a.idle_steps = 4, 40, 300, [36, 132], 6
+        a.streams, a.context, a.long, a.chunks, a.caps, a.idle_steps = 4, 40, 300, [36, 132], [16], 6
     if a.chunks[0] <= a.streams:
         p.error(f"--chunks: {a.chunks[0]} leaves no budget for the prompt beside {a.streams} decodes")
+    if a.caps and a.caps[0] < 1:
+        p.error(f"--caps: each must be >= 1, got {a.caps[0]}")
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if device.type == "cuda":
         geometry.log_compiles()
@@ -139,31 +153,36 @@ def main(argv=None) -> int:
            "layers": a.layers, "streams": a.streams, "context": a.context, "long_prompt": a.long,
            "cuda_graphs": device.type == "cuda" and not a.enforce_eager, "async_scheduling": not a.no_async_scheduling}
     # the streams' room: every recorded step of the longest row, its untimed run, and slack
-    longest = max(a.idle_steps, BEFORE_STEPS + window_steps(a.long, a.chunks[0], a.streams) + 8) + WARM_STEPS + 8
+    smallest = min([prompt_per_step(a.chunks[0], a.streams)] + [prompt_per_step(a.chunks[-1], a.streams, c)
+                                                                for c in a.caps])
+    longest = max(a.idle_steps, BEFORE_STEPS + window_steps(a.long, smallest) + 8) + WARM_STEPS + 8
     ns = SimpleNamespace(geometry_over=geometry.SMOKE if a.smoke else {}, batches=[a.streams + 1],
                          enforce_eager=a.enforce_eager, no_async_scheduling=a.no_async_scheduling, chunk=a.chunks[-1])
     _, model, engine = build(a.layers, 1, device, ns, max(a.context + longest, a.long + 1))
-    run_streams(engine, device, a.streams, a.context, max(2, a.idle_steps // 4), 0, a.chunks[-1], 1)  # warm-up
-    res["idle"] = run_streams(engine, device, a.streams, a.context, a.idle_steps, 0, a.chunks[-1], 2)
+    run_streams(engine, device, a.streams, a.context, max(2, a.idle_steps // 4), 0, 1, 1)  # warm-up
+    res["idle"] = run_streams(engine, device, a.streams, a.context, a.idle_steps, 0, 1, 2)
     print(f"idle: {a.streams} streams at {a.context} tokens: ITL p50 {res['idle']['itl_p50_ms']:.2f} ms, "
           f"p99 {res['idle']['itl_p99_ms']:.2f} ms", flush=True)
-    res["chunks"] = []
+    res["chunks"], res["caps"] = [], []
     g = torch.Generator().manual_seed(3)
-    for chunk in a.chunks:
-        engine.scheduler.max_num_batched_tokens = chunk
-        run_streams(engine, device, a.streams, a.context, BEFORE_STEPS, a.long, chunk, 4)  # untimed: compiles
-        row = dict(chunk=chunk, prompt_chunk=chunk - a.streams,
-                   **run_streams(engine, device, a.streams, a.context, BEFORE_STEPS, a.long, chunk, 5))
+    sch = engine.scheduler
+    for key, chunk, cap in [("chunks", c, 0) for c in a.chunks] + [("caps", a.chunks[-1], c) for c in a.caps]:
+        sch.max_num_batched_tokens, sch.max_prefill_tokens_with_decodes = chunk, cap
+        per_step = prompt_per_step(chunk, a.streams, cap)
+        run_streams(engine, device, a.streams, a.context, BEFORE_STEPS, a.long, per_step, 4)  # untimed: compiles
+        row = dict(chunk=chunk, cap=cap, prompt_chunk=per_step,
+                   **run_streams(engine, device, a.streams, a.context, BEFORE_STEPS, a.long, per_step, 5))
         time_ttft(engine, device, a.long, g)  # untimed: the prompt's steps without decodes
         row["ttft_alone_s"] = time_ttft(engine, device, a.long, g)
         row["p99_over_idle"] = row["itl_p99_ms"] / res["idle"]["itl_p99_ms"]
         row["within_2x_idle"] = row["p99_over_idle"] <= 2.0
-        res["chunks"].append(row)
-        print(f"chunk {chunk}: ITL p50 {row['itl_p50_ms']:.2f} ms p99 {row['itl_p99_ms']:.2f} ms "
-              f"({row['p99_over_idle']:.2f}x idle), TTFT {row['ttft_s'] * 1e3:.1f} ms (alone "
-              f"{row['ttft_alone_s'] * 1e3:.1f} ms), {row['mixed_steps']} mixed steps, {row['compiles']} compiles",
-              flush=True)
+        res[key].append(row)
+        print(f"chunk {chunk}{f', beside decodes {cap}' if cap else ''}: ITL p50 {row['itl_p50_ms']:.2f} ms p99 "
+              f"{row['itl_p99_ms']:.2f} ms ({row['p99_over_idle']:.2f}x idle), TTFT {row['ttft_s'] * 1e3:.1f} ms "
+              f"(alone {row['ttft_alone_s'] * 1e3:.1f} ms), {row['mixed_steps']} mixed steps, {row['compiles']} "
+              "compiles", flush=True)
         save(res, a.out)
+    sch.max_prefill_tokens_with_decodes = 0
     res["trade_off"] = trade_off(res)
     save(res, a.out)
     with open(os.path.join(a.out, "bench_itl.md"), "w") as f:
@@ -185,11 +204,14 @@ def trade_off(res) -> str:
     rows = res["chunks"]
     lo, hi = rows[0], rows[-1]
     fits = [r["chunk"] for r in rows if r["within_2x_idle"]]
+    capped = [f"{r['cap']}" for r in res.get("caps", []) if r["within_2x_idle"]]
     return (f"bigger chunks: fewer, longer steps while the prompt is prefilled. From chunk {lo['chunk']} to "
             f"{hi['chunk']} the {res['long_prompt']}-token prompt's TTFT went {lo['ttft_s'] * 1e3:.0f} -> "
             f"{hi['ttft_s'] * 1e3:.0f} ms and the decoding streams' ITL p99 {lo['itl_p99_ms']:.1f} -> "
             f"{hi['itl_p99_ms']:.1f} ms (idle {res['idle']['itl_p99_ms']:.1f} ms). ITL p99 within 2x of idle at "
-            + (f"chunk {', '.join(map(str, fits))}" if fits else "no chunk measured") + ".")
+            + (f"chunk {', '.join(map(str, fits))}" if fits else "no chunk measured")
+            + (f"; with the prompt capped beside decodes at {', '.join(capped)} tokens a step" if capped else "")
+            + ".")
 
 
 def table(res) -> str:
@@ -197,13 +219,14 @@ def table(res) -> str:
     lines = [f"{res['device']}, {res['date']}, {res['layers']} layers, {res['streams']} streams decoding at "
              f"{res['context']} tokens, a {res['long_prompt']}-token prompt admitted, CUDA graphs "
              f"{res['cuda_graphs']}, async scheduling {res['async_scheduling']}", "",
-             "| chunk (max_num_batched_tokens) | prompt tokens/step | ITL p50 ms | ITL p99 ms | ITL max ms | "
-             "p99 / idle | TTFT ms | TTFT alone ms | mixed steps | compiles |",
+             "| chunk (max_num_batched_tokens) | prompt tokens/step beside decodes | ITL p50 ms | ITL p99 ms | "
+             "ITL max ms | p99 / idle | TTFT ms | TTFT alone ms | mixed steps | compiles |",
              "|---|---|---|---|---|---|---|---|---|---|",
              f"| idle (no prompt) | - | {i['itl_p50_ms']:.2f} | {i['itl_p99_ms']:.2f} | {i['itl_max_ms']:.2f} | 1.00 | "
              "- | - | - | - |"]
-    for r in res["chunks"]:
-        lines.append(f"| {r['chunk']} | {r['prompt_chunk']} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
+    for r in res["chunks"] + res.get("caps", []):
+        capped = " (capped)" if r.get("cap") else ""
+        lines.append(f"| {r['chunk']} | {r['prompt_chunk']}{capped} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
                      f"{r['itl_max_ms']:.2f} | {r['p99_over_idle']:.2f} | {r['ttft_s'] * 1e3:.1f} | "
                      f"{r['ttft_alone_s'] * 1e3:.1f} | {r['mixed_steps']} | {r['compiles']} |")
     if "trade_off" in res:

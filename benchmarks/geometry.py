@@ -105,7 +105,7 @@ def async_engine(config: EngineConfig):
     """Engine factory for the Triton model ($M3SERVE_TEST_ENGINE_FACTORY = "m3_ids=benchmarks/geometry.py:async_engine") and the
     engine-direct benchmark: an `AsyncLLMEngine` over `random_model(flash_geometry($M3SERVE_GEOMETRY_LAYERS))` on the
     GPU, with model.json's sizes (max_model_len, max_num_seqs, num_gpu_blocks_override, max_num_batched_tokens) and
-    scheduling (max_waiting_steps, waiting_served_ratio).
+    scheduling (max_waiting_steps, waiting_served_ratio, max_prefill_tokens_with_decodes).
     With a `speculative_config` there, a random DSpark draft (`write_draft`) in a temporary folder, and with
     $M3SERVE_GEOMETRY_CONTROL = '{"p": P, "prompt_len": N, "max_tokens": M}' controlled acceptance
     (`control_acceptance`)."""
@@ -131,7 +131,8 @@ def async_engine(config: EngineConfig):
                          max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
                          max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
                          speculative_config=speculative_config, max_waiting_steps=config.max_waiting_steps,
-                         waiting_served_ratio=config.waiting_served_ratio)
+                         waiting_served_ratio=config.waiting_served_ratio,
+                         max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes)
     control = os.environ.get("M3SERVE_GEOMETRY_CONTROL")
     if speculative_config and control:
         c = json.loads(control)

@@ -103,7 +103,8 @@ class LLMEngine:
                                    num_lookahead=(lambda seq: num_draft_tokens(seq, self.verify_width)) if k else None,
                                    prefill_apart=bool(k) and speculative.prefill_apart,
                                    max_waiting_steps=config.max_waiting_steps,
-                                   waiting_served_ratio=config.waiting_served_ratio)
+                                   waiting_served_ratio=config.waiting_served_ratio,
+                                   max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes)
         self.step_builder = StepBuilder(mcfg.index_block_size, self.eos_token_ids, self.executor.pin_memory, k)
         self._arrivals = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)

@@ -24,6 +24,11 @@ that admits prompts runs eagerly (decode steps replay CUDA graphs) and, on an Mo
 weights, so prompts admitted together cost one such step where arrivals a few milliseconds apart cost one each.
 The price is up to `max_waiting_steps` steps of TTFT for a request that arrives alone.
 
+Prefill beside decodes (`max_prefill_tokens_with_decodes` > 0, off by default): a step that decodes takes at most that
+many prompt tokens (chunks and admissions together); a step with nothing decoding still takes the whole
+`max_num_batched_tokens`. A long prompt admitted beside decoding streams then lengthens each of their steps by a
+small chunk's work, not a full one's (their ITL), and a prompt that arrives alone keeps the large chunks (its TTFT).
+
 `prefill_apart` (speculative_config.prefill_apart, on by default): a step whose decodes draft takes no prefill
 work; the prefill chunks and admissions it left go in the next step, without the decodes (which then take the step
 after). A step that holds only speculating decodes replays the speculative CUDA graphs, where a mixed step runs
@@ -71,7 +76,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, num_lookahead: Callable[[Sequence], int] | None = None,
-                 prefill_apart: bool = False, max_waiting_steps: int = 0, waiting_served_ratio: float = 1.2):
+                 prefill_apart: bool = False, max_waiting_steps: int = 0, waiting_served_ratio: float = 1.2,
+                 max_prefill_tokens_with_decodes: int = 0):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -80,6 +86,7 @@ class Scheduler:
         self.prefill_apart = prefill_apart  # speculating decodes and prefill work in separate steps (docstring)
         self._prefill_turn = False  # the last step left prefill work for this one (prefill_apart)
         self.max_waiting_steps, self.waiting_served_ratio = max_waiting_steps, waiting_served_ratio  # gathering
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes  # 0: the whole step budget
         self._num_schedules = 0
         self._queued_at: dict[str, int] = {}  # request id -> the schedule() count when it was added
         self.num_held_steps = 0  # steps that held arrivals back to gather them
@@ -189,30 +196,38 @@ class Scheduler:
                     num_decodes += 1
 
         def prefills() -> None:
+            cap = self.max_prefill_tokens_with_decodes if num_decodes else 0
+            left = budget if not cap else min(budget, cap)  # prompt tokens this step may still take
+
+            def take_prompt(seq: Sequence, n: int) -> None:
+                nonlocal left
+                take(seq, n)
+                left -= n
+
             for seq in self.running:  # 2. prefills in progress
-                if budget == 0:
+                if left == 0:
                     break
                 if id(seq) not in scheduled and seq.num_uncomputed_tokens > 1:
-                    n = self._chunk(seq, budget)
+                    n = self._chunk(seq, left)
                     if n:
-                        take(seq, n)
+                        take_prompt(seq, n)
             # 3. admissions, FCFS
             if self._hold_arrivals(num_decodes):
                 self.num_held_steps += 1
                 return
-            while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while not out.preempted and self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
                     break
-                if not self.enable_chunked_prefill and seq.num_tokens > budget:
+                if not self.enable_chunked_prefill and seq.num_tokens > left:
                     break  # the whole prefill must fit one step
                 self.bm.allocate(seq)
-                n = self._chunk(seq, budget)
+                n = self._chunk(seq, left)
                 self.waiting.pop(0)
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=self._arrival)
                 if n:  # 0: a resumed sequence whose cached prefix left only its last token (next step's decode)
-                    take(seq, n)
+                    take_prompt(seq, n)
 
         prefill_turn, self._prefill_turn = self._prefill_turn, False
         if not prefill_turn:

@@ -76,6 +76,24 @@ def run_to_completion(engine, max_steps=10_000):
     return res
 
 
+def run_staggered(engine, prompts, gens, every: int) -> dict:
+    """Greedy requests r0, r1, ... (prompt ids, max tokens), one added before every `every`-th step while the others
+    run, the block manager checked after each step: {request id: token ids}."""
+    from m3serve.engine.sampling_params import SamplingParams
+
+    res, pending, step = {}, list(range(len(prompts))), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompt_token_ids=prompts[i],
+                               sampling_params=SamplingParams(temperature=0.0, max_tokens=gens[i], ignore_eos=True))
+        for o in engine.step():
+            res.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+        check_invariants(engine)
+    return res
+
+
 def check_invariants(engine):
     """Ref counts equal the number of live sequences holding each page; free list = unreferenced pages."""
     bm, sch = engine.block_manager, engine.scheduler
@@ -138,7 +156,8 @@ def eu():
     from types import SimpleNamespace
 
     return SimpleNamespace(random_prompts=random_prompts, run_to_completion=run_to_completion,
-                           check_invariants=check_invariants, run_queued=run_queued, same_outputs=same_outputs)
+                           check_invariants=check_invariants, run_queued=run_queued, same_outputs=same_outputs,
+                           run_staggered=run_staggered)
 
 
 @pytest.fixture(scope="session")

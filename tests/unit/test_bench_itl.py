@@ -1,6 +1,6 @@
 """benchmarks/bench_itl.py runs end to end on the CPU at toy sizes (`--smoke`): the code path of the H200 run (idle
 ITL of the decoding streams, then per chunk size a long prompt prefilled in chunks beside them: ITL of the window,
-TTFT with and without the streams, the JSON and the table)."""
+TTFT with and without the streams; then the prompt capped beside the decodes; the JSON and the table)."""
 import importlib
 import json
 
@@ -27,6 +27,12 @@ def test_bench_itl_smoke(tmp_path):
         assert r["p99_over_idle"] == r["itl_p99_ms"] / idle["itl_p99_ms"]
         assert r["within_2x_idle"] == (r["p99_over_idle"] <= 2.0)
     assert res["chunks"][0]["mixed_steps"] > res["chunks"][1]["mixed_steps"]
+    # capped: the largest chunk, but at most 16 prompt tokens in a step that decodes (max_prefill_tokens_with_decodes)
+    [capped] = res["caps"]
+    steps = -(-long // 16)
+    assert (capped["chunk"], capped["cap"], capped["prompt_chunk"]) == (132, 16, 16)
+    assert capped["mixed_steps"] == steps and capped["chunked_prefills"] == steps - 1
+    assert streams * steps <= capped["itl_count"] <= streams * (steps + 1)
     assert "From chunk 36 to 132" in res["trade_off"]
     table = (tmp_path / "bench_itl.md").read_text()
-    assert "| idle (no prompt) |" in table and "| 132 | 128 |" in table
+    assert "| idle (no prompt) |" in table and "| 132 | 128 |" in table and "| 132 | 16 (capped) |" in table

@@ -68,16 +68,7 @@ def test_gathered_arrivals_decode_as_the_reference(make_engine, reference_greedy
     prompts = eu.random_prompts([40, 9, 66, 25, 80, 12], seed=4)
     gens = [14, 10, 12, 16, 8, 11]
     eng = make_engine(max_num_batched_tokens=256, max_waiting_steps=3, waiting_served_ratio=2.0)
-    res, pending, step = {}, list(range(len(prompts))), 0
-    while pending or eng.has_unfinished_requests():
-        if pending and step % 2 == 0:  # one arrival every other step while others decode
-            i = pending.pop(0)
-            eng.add_request(f"r{i}", prompt_token_ids=prompts[i],
-                            sampling_params=SamplingParams(temperature=0.0, max_tokens=gens[i], ignore_eos=True))
-        for o in eng.step():
-            res.setdefault(o.request_id, []).extend(o.new_token_ids)
-        step += 1
-        eu.check_invariants(eng)
+    res = eu.run_staggered(eng, prompts, gens, 2)  # one arrival every other step while others decode
     for i, (p, n) in enumerate(zip(prompts, gens)):
         assert res[f"r{i}"] == reference_greedy(p, n), f"r{i}"
     st = eng.stats()
