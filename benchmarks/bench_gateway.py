@@ -150,18 +150,15 @@ def load_bench_client():
     return mod
 
 
-async def send_cost(mport: int | None, c: int, n: int, one) -> dict:
+async def level_sends(mport: int | None, c: int, n: int, one) -> dict:
     """`level(c, n, one)` with the server's send() time and responses per request over it (from its metrics port;
     the responder publishes its counters every 250 ms, so they are read 0.6 s after the level)."""
-    from bench_server import server_counters
+    from bench_server import send_cost, server_counters
     before = server_counters(mport, "m3") if mport else None
     lv = await level(c, n, one)
     if before is not None:
         await asyncio.sleep(0.6)
-        after = server_counters(mport, "m3")
-        sent = after["m3serve:responses_total"] - before["m3serve:responses_total"]
-        sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
-        lv["server_send_us_per_response"] = 1e6 * sec / sent if sent else None
+        sent, lv["server_send_us_per_response"] = send_cost(before, server_counters(mport, "m3"))
         lv["server_responses_per_request"] = sent / lv["requests"] if lv["requests"] else None
     return lv
 
@@ -214,9 +211,9 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
                 await level(c, c, direct)  # warm-up of this batch size, both paths
                 await level(c, c, gateway)
                 for run in range(a.repeats):
-                    d = await send_cost(mport, c, n, direct)
+                    d = await level_sends(mport, c, n, direct)
                     cpu0 = tree_cpu_seconds(gateway_pid)
-                    g = await send_cost(mport, c, n, gateway)
+                    g = await level_sends(mport, c, n, gateway)
                     g["cpu_us_per_token"] = cpu_per(cpu0, tree_cpu_seconds(gateway_pid), g["output_tokens"], 1e6)
                     out.append({"concurrency": c, "run": run + 1, "direct": d, "gateway": g,
                                 "tokens_per_s_ratio": g["tokens_per_s_total"] / d["tokens_per_s_total"]

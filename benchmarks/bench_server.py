@@ -376,6 +376,13 @@ def server_counters(mport, model) -> dict:
     return out
 
 
+def send_cost(before: dict, after: dict) -> tuple[float, float | None]:
+    """Between two `server_counters` readings: (responses sent, microseconds in send() per response)."""
+    n = after["m3serve:responses_total"] - before["m3serve:responses_total"]
+    sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
+    return n, (1e6 * sec / n if n else None)
+
+
 def run_server_levels(bench, url, mport, model, a, max_tokens, outputs=None) -> list[dict]:
     """`outputs`: as clients/bench.py's run_level (None: what its client asks for by default)."""
     kind, prompt = ("ids", a.prompt_ids) if "_ids" in model else ("text", PROMPT)
@@ -397,14 +404,11 @@ def run_server_levels(bench, url, mport, model, a, max_tokens, outputs=None) -> 
                                      "device_wait_seconds": x["m3serve:engine_device_wait_seconds_total"],
                                      "num_prompt_steps": x["m3serve:engine_prompt_steps_total"]}
                                     for x in (before, after)), lv["wall_s"]))
-            n = after["m3serve:responses_total"] - before["m3serve:responses_total"]
-            sec = after["m3serve:response_send_seconds_total"] - before["m3serve:response_send_seconds_total"]
-            lv["server_responses"] = n
+            lv["server_responses"], lv["server_send_us_per_response"] = send_cost(before, after)
             steps = after["vllm:spec_decode_num_drafts_total"] - before["vllm:spec_decode_num_drafts_total"]
             if steps:  # speculation on: drafts accepted per speculative step of a sequence
                 lv["accepted_per_draft"] = (after["vllm:spec_decode_num_accepted_tokens_total"]
                                             - before["vllm:spec_decode_num_accepted_tokens_total"]) / steps
-            lv["server_send_us_per_response"] = 1e6 * sec / n if n else None
             out.append(lv)
             print(f"[{model}] c={c}: {lv['tokens_per_s_total']:.0f} tok/s, {lv['errors']} errors, "
                   f"{lv['server_send_us_per_response'] or 0:.0f} us/response in send", file=sys.stderr, flush=True)
