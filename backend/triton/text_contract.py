@@ -57,7 +57,7 @@ class TextContract(Contract):
         return [GenRequest(sampling=sampling_params(merged, sources), prompt=prompt, messages=messages,
                            chat_template_kwargs=ctk, stream=stream, prepend_input=prepend,
                            returns=frozenset(returns), reasoning_parser=parser, sources=sources,
-                           returns_on_final_only=bool(stream and bool_scalar(tensors, "returns_on_final_only")),
+                           returns_on_final_only=bool(bool_scalar(tensors, "returns_on_final_only")) and stream,
                            text_options=options)]
 
     def _prompt(self, tensors) -> tuple[str | None, list | None, dict | None]:
