@@ -208,9 +208,9 @@ def prefill_flops(cfg, prompt: int) -> float:
     return total
 
 
-def swapped_tl(table: tuple) -> tuple:
-    """A dispatch table with its portable ("tl") rows' configs computing the transposed product (``swap``)."""
-    return tuple((r[0], r[1], *(dict(c, swap=True) for c in r[2:])) if r[1] == "tl" else r for r in table)
+def tl_swap(table: tuple, swap: bool) -> tuple:
+    """A dispatch table with its portable ("tl") rows' configs computing the transposed product (``swap``) or not."""
+    return tuple((r[0], r[1], *(dict(c, swap=swap) for c in r[2:])) if r[1] == "tl" else r for r in table)
 
 
 def profile_ttft(engine, device, prompt: int, g, top: int = 15) -> dict:
@@ -243,10 +243,11 @@ def bench_ttft(args, dev, res):
     cfg, model, engine = build(args.layers, 1, torch.device(dev), ns, max(args.ttft))
     g = torch.Generator().manual_seed(0)
     kernels_only = dict(moe_table=without_dense(dispatch.MOE_TABLE), linear_table=without_dense(dispatch.LINEAR_TABLE))
-    swapped = dict(moe_table=swapped_tl(kernels_only["moe_table"]), linear_table=swapped_tl(kernels_only["linear_table"]))
+    # the default tables' tl rows compute the transposed product (NOTES-moe, Version 4): the same rows without it
+    unswapped = {k: tl_swap(getattr(dispatch.tuning(), k), False) for k in ("moe_table", "linear_table")}
     rows, profiles = [], []
     for tables, name in ((kernels_only, "decode kernels only"), ({}, "default dispatch"),
-                         (dict(dense_prefill=True), "dense rows on"), (swapped, "tl rows swapped")):
+                         (dict(dense_prefill=True), "dense rows on"), (unswapped, "tl rows unswapped")):
         with tuned(**tables), recorded({}):
             for n in args.ttft:  # warm-up: compiles the prefill kernels of every chunk size
                 time_ttft(engine, torch.device(dev), n, g)
