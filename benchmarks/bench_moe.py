@@ -61,15 +61,17 @@ def timed(fn, graph: bool, rep: int) -> float:
     return float(triton.testing.do_bench(run, warmup=max(5, rep // 5), rep=rep, return_mode="median"))
 
 
-def timed_variant(table: str, v: tuple, chosen, fn, rep: int) -> dict:
+def timed_variant(table: str, v: tuple, chosen, fn, rep: int, ref: torch.Tensor | None = None) -> dict:
     """fn timed with ``v`` = (path, configs...) as the only row of the dispatch table ``table`` (a `Tuning` field);
-    ``chosen()`` = what dispatch picks then: a variant it does not pick (shapes, device) is recorded, not timed."""
+    ``chosen()`` = what dispatch picks then: a variant it does not pick (shapes, device) is recorded, not timed.
+    With ``ref`` (the default dispatch's output) the variant's output is compared with it (``err``)."""
     with tuned(**{table: ((None, *v),)}):
         got = chosen()
         if got != v:
             return dict(config=repr(v), error=f"not selectable here: dispatch picks {got!r}")
         try:
-            return dict(config=repr(v), ms=timed(fn, True, rep))
+            err = {} if ref is None else dict(err=rel_err(fn(), ref))
+            return dict(config=repr(v), ms=timed(fn, True, rep), **err)
         except Exception as exc:  # noqa: BLE001  (a variant the kernels refuse: recorded, not fatal)
             return dict(config=repr(v), error=str(exc)[:200])
 
@@ -133,9 +135,11 @@ class TorchLayer:
 def variants(T: int) -> list[tuple]:
     """Configs timed besides the default (the sweep that sets `dispatch.MOE_TABLE`): (path, gate_up, down)."""
     m = lambda g, d: ("mma", dict(p=g[0], nt=g[1], unroll=g[2]), dict(p=d[0], nt=d[1], unroll=d[2]))
-    t = lambda g, d, swap=False: ("tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3, swap=swap),
-                                  dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3, swap=swap))
+    t = lambda g, d, swap=False, x16=False: (
+        "tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3, swap=swap, x16=x16),
+        dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3, swap=swap, x16=x16))
     sw = lambda g, d: t(g, d, True)  # the transposed product: decoded weights as the wgmma's register operand
+    sw16 = lambda g, d: t(g, d, True, True)  # and fp16 activations in the x16 order, the words decoders
     if T <= 4:
         return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 8, 3), (2, 8, 3)), m((2, 8, 2), (2, 8, 2))]
     if T <= 64:
@@ -143,9 +147,11 @@ def variants(T: int) -> list[tuple]:
     if T <= 512:
         return [m((1, 16, 2), (2, 16, 2)), m((1, 32, 2), (2, 32, 2)), t((64, 64, 4), (64, 128, 8)),
                 t((32, 64, 4), (32, 128, 4)), sw((64, 128, 8), (64, 128, 8)), sw((32, 64, 4), (32, 64, 4))]
-    return [t((128, 64, 8), (128, 128, 8)), t((64, 64, 4), (64, 128, 8)), t((128, 128, 8), (64, 128, 8)),
-            sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 4), (128, 64, 4)),
-            sw((256, 128, 8), (256, 128, 8))]
+    # gate_up's two accumulators at 128 x 128 on 8 warps spill (sm_90 SASS, 2026-12-07: 255 registers, a 328-byte
+    # stack): the same tiles on 16 warps, or 64 gate / up rows, beside the x16 tiles
+    return [sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 8), (128, 128, 8)),
+            sw((128, 128, 16), (128, 128, 16)), sw16((128, 128, 8), (128, 128, 8)), sw16((64, 128, 8), (64, 128, 8)),
+            sw16((128, 64, 8), (128, 128, 8))]
 
 
 STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
@@ -165,7 +171,8 @@ def swap_variants(M: int) -> list[tuple]:
     """Portable-kernel configs with ``swap`` for a linear of M rows: (path, config); bm = rows per tile (the
     wgmma's N side), bn = weight rows (its M side: 64 per warp group)."""
     bms = sorted({min(max(16, triton.next_power_of_2(M)), 128), min(max(16, triton.next_power_of_2(M)), 256)})
-    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True)) for bm in bms for bn in (64, 128)]
+    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, x16=x16)) for bm in bms
+            for bn in (64, 128) for x16 in (False, True)]
 
 
 def bench_layer(args, dev, bw, res):

@@ -126,7 +126,7 @@ def bench_moe_layer(args, dev, res):
         for v in (variants(T) if T >= args.variants_from and dev == "cuda" else []):
             if tuple(v) != dispatch.moe_config(T, w, x.device):  # the default's own tiles are timed above
                 row["tl_variants"].append(timed_variant("moe_table", v, lambda: dispatch.moe_config(T, w, x.device),
-                                                        layer, args.rep))
+                                                        layer, args.rep, ref=y_k))
         a1 = torch.randn(T * (k + 1), H, device=dev, dtype=dtype)
         b1 = torch.randn(H, 2 * inter, device=dev, dtype=dtype)
         a2 = torch.randn(T * (k + 1), inter, device=dev, dtype=dtype)
@@ -174,7 +174,7 @@ def bench_linears(args, dev, res):
             row["best_speedup_vs_bf16"] = row["bf16_ms"] / min(row["kernels_ms"], row["dense_ms"])
             row["tl_variants"] = [  # the portable kernel with the transposed product (`grouped_gemm._tile_gemm`)
                 timed_variant("linear_table", v, lambda: dispatch.linear_config(M, ql.packed, x.device),
-                              lambda: quant_linear(x, ql), args.rep)
+                              lambda: quant_linear(x, ql), args.rep, ref=y_k)
                 for v in (swap_variants(M) if dev == "cuda" and M >= args.variants_from_rows else [])]
             mine.append(row)
             print(json.dumps(row), flush=True)
@@ -328,7 +328,7 @@ def report(res):
         if "dense_error" in r:
             print(f"|   dense path failed: {r['dense_error']} |")
         for v in r["tl_variants"]:
-            print(f"|   tl variant {v['config']} | {v.get('ms', v.get('error'))} |")
+            print(f"|   tl variant {v['config']} | {v.get('ms', v.get('error'))} | err {v.get('err')} |")
     print(f"MoE crossover (dense path wins from): {res['moe_crossover_tokens']} tokens "
           f"(dispatch.MOE_DENSE_FROM = {dispatch.MOE_DENSE_FROM})")
     print("\nQuantized linears (graph replay)")
@@ -337,7 +337,7 @@ def report(res):
         print(f"| {r['fmt']} | {r['M']} | {r['default']} | {r['kernels_path']} | {r['kernels_ms']:.4f} | "
               f"{r['dense_ms']:.4f} | {r['bf16_ms']:.4f} | {r['best_speedup_vs_bf16']:.2f}x | {r['err']:.1e} |")
         for v in r.get("tl_variants", []):
-            print(f"|   tl variant {v['config']} | {v.get('ms', v.get('error'))} |")
+            print(f"|   tl variant {v['config']} | {v.get('ms', v.get('error'))} | err {v.get('err')} |")
     print(f"linear crossover rows (dense path wins from): {res['linear_crossover_rows']} "
           f"(dispatch.LINEAR_DENSE_FROM = {dispatch.LINEAR_DENSE_FROM})")
 

@@ -354,22 +354,3 @@ def grouped_gemm_mma(x16: torch.Tensor, out: torch.Tensor, mode: int, *, routed:
         LACT=lay["act"], MMA=lay["mma"], LA=lay["a"], LB=lay["b"], LE=lay["e"], num_warps=NUM_WARPS,
     )
     return out
-
-
-@triton.jit
-def _to_x16_kernel(x_ptr, sx, out_ptr, so, K, K_PAD, BK: tl.constexpr):
-    """One row of x -> fp16 (saturated at +-65504) in the activation order of these kernels; zeros past K."""
-    row = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1) * BK + tl.arange(0, BK)
-    v = tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32)
-    v = tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16)
-    tl.store(out_ptr + row * so + (k & -8) + 2 * (k & 3) + ((k >> 2) & 1), v, mask=k < K_PAD)
-
-
-def to_x16(x: torch.Tensor, k_pad: int) -> torch.Tensor:
-    """x [M, K] -> fp16 [M, k_pad] in the kernels' activation order (`moe_router.x16_position`)."""
-    out = torch.empty(x.shape[0], k_pad, dtype=torch.float16, device=x.device)
-    if x.shape[0]:
-        _to_x16_kernel[(x.shape[0], triton.cdiv(k_pad, 1024))](x, x.stride(0), out, out.stride(0), x.shape[1], k_pad,
-                                                              BK=1024, num_warps=4)
-    return out

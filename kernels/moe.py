@@ -43,7 +43,7 @@ import triton.language as tl
 from . import dispatch
 from .dequant_gemm import dense_grouped_gemm
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, work_dtype
-from .moe_router import Routing, route, route_ref
+from .moe_router import Routing, route, route_ref, to_x16
 from .codecs import cast_to
 from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
 
@@ -181,6 +181,12 @@ def _side_stream(device: torch.device):
     return _SIDE_STREAMS[key]
 
 
+def _takes_x16(path: str, cfg: dict) -> bool:
+    """Whether a launch of this path and gate_up config takes fp16 activations in the x16 order (and writes the
+    intermediate in it): the mma kernels always, the portable one with ``x16``."""
+    return path == "mma" or (path == "tl" and bool(cfg.get("x16")))
+
+
 class MoEStep:
     """One layer call split into its launches, buffers allocated up front: `fused_moe` runs them (`run`), benchmarks
     time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`) when it has the
@@ -212,10 +218,11 @@ class MoEStep:
         self.A = T * top_k
         dev = x.device
         self.x16 = None
-        if self.path == "mma":
+        if _takes_x16(self.path, self.gu_cfg):
             self.x16 = torch.empty(T, weights.gate_up.k_pad, dtype=torch.float16, device=dev)
         rows = self.A + (T if self.shared and not self.apart else 0)
-        self.inter = torch.empty(rows, weights.inter_pad, dtype=self._inter_dtype(self.path), device=dev)
+        self.inter = torch.empty(rows, weights.inter_pad, dtype=self._inter_dtype(self.path, self.gu_cfg),
+                                 device=dev)
         self.inter_s = None  # the shared expert's intermediate in its own launches (made on first use otherwise)
         if self.shared:
             self.s_path, self.s_gu_cfg, self.s_dn_cfg = dispatch.moe_shared_config(T, weights, dev)
@@ -225,12 +232,13 @@ class MoEStep:
         self.routing: Routing | None = None
         self.local: Routing | None = None  # the routing of the experts this rank holds (all of them without EP)
 
-    def _inter_dtype(self, path: str) -> torch.dtype:
-        return torch.float16 if path == "mma" else _torch_dtype(work_dtype(self.x))
+    def _inter_dtype(self, path: str, cfg: dict) -> torch.dtype:
+        return torch.float16 if _takes_x16(path, cfg) else _torch_dtype(work_dtype(self.x))
 
     def _shared_buffer(self) -> torch.Tensor:
         if self.inter_s is None:
-            self.inter_s = torch.empty(self.T, self.w.shared_inter_pad, dtype=self._inter_dtype(self.s_path),
+            self.inter_s = torch.empty(self.T, self.w.shared_inter_pad, dtype=self._inter_dtype(self.s_path,
+                                                                                                self.s_gu_cfg),
                                        device=self.x.device)
         return self.inter_s
 
@@ -247,7 +255,7 @@ class MoEStep:
 
     def gate_up(self):
         w, rides = self.w, self.shared and not self.apart
-        self._gemm(self.path, MODE_GATE_UP, self.x16 if self.path == "mma" else self.x, self.inter,
+        self._gemm(self.path, MODE_GATE_UP, self.x if self.x16 is None else self.x16, self.inter,
                    routed=w.gate_up, plain=w.shared_gate_up if rides else None, x_div=self.top_k, out_off=self.A,
                    ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha, limit=self.limit, **self.gu_cfg)
 
@@ -257,15 +265,16 @@ class MoEStep:
                    plain=self.w.shared_down if rides else None, x_off=self.A, out_off=self.A, **self.dn_cfg)
 
     def shared_expert(self):
-        """The shared expert alone, into rows [A, A + T) of y. Its fp16 activations on the mma path: the router's
-        when it runs after it on that path, else its own copy (overlapped: no wait for the router)."""
+        """The shared expert alone, into rows [A, A + T) of y. Its fp16 activations where its launch takes the x16
+        order: the router's when it runs after it and wrote them, else its own copy (overlapped: no wait for the
+        router)."""
         w = self.w
-        if self.s_path != "mma":
+        if not _takes_x16(self.s_path, self.s_gu_cfg):
             src = self.x
-        elif self.path == "mma" and not self.overlap:
+        elif self.x16 is not None and not self.overlap:
             src = self.x16
         else:
-            src = dispatch.gemm_mma_kernels().to_x16(self.x, w.shared_gate_up.k_pad)
+            src = to_x16(self.x, w.shared_gate_up.k_pad)
         inter = self._shared_buffer()
         self._gemm(self.s_path, MODE_GATE_UP, src, inter, plain=w.shared_gate_up, ng=w.shared_inter_pad,
                    alpha=self.alpha, limit=self.limit, **self.s_gu_cfg)

@@ -56,6 +56,27 @@ def x16_position(k):
     return (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1)
 
 
+@triton.jit
+def _to_x16_kernel(x_ptr, sx, out_ptr, so, K, K_PAD, BK: tl.constexpr):
+    """One row of x -> fp16 (saturated at +-65504) in the x16 order; zeros past K."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    v = tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(v, -F16_MAX), F16_MAX).to(tl.float16)
+    tl.store(out_ptr + row * so + x16_position(k), v, mask=k < K_PAD)
+
+
+def to_x16(x: torch.Tensor, k_pad: int) -> torch.Tensor:
+    """x [M, K] -> fp16 [M, k_pad] in the x16 order (`x16_position`), what the route writes beside the logits: the
+    activations of the mma kernels and of the portable kernel's ``x16`` tiles, for callers without a route (the
+    quantized linears, a shared expert in its own launches)."""
+    out = torch.empty(x.shape[0], k_pad, dtype=torch.float16, device=x.device)
+    if x.shape[0]:
+        _to_x16_kernel[(x.shape[0], triton.cdiv(k_pad, 1024))](x, x.stride(0), out, out.stride(0), x.shape[1], k_pad,
+                                                              BK=1024, num_warps=4)
+    return out
+
+
 @triton.jit(do_not_specialize=["T"])
 def _router_logits_kernel(
     x_ptr, sx, w_ptr, part_ptr, counts_ptr, x16_ptr, sx16,

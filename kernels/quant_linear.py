@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from . import dispatch
 from .dequant_gemm import dense_linear
 from .grouped_gemm import MODE_LINEAR, grouped_gemm
+from .moe_router import to_x16
 from .weight_layout import PackedWeight, pack_quant_weight, unpack
 
 
@@ -61,10 +62,9 @@ def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     if path == "dense":
         dense_linear(x2, pw, out)
     elif path == "mma":
-        mma = dispatch.gemm_mma_kernels()
-        mma.grouped_gemm_mma(mma.to_x16(x2, pw.k_pad), out, MODE_LINEAR, plain=pw, T=M, **cfg)
+        dispatch.gemm_mma_kernels().grouped_gemm_mma(to_x16(x2, pw.k_pad), out, MODE_LINEAR, plain=pw, T=M, **cfg)
     else:
-        grouped_gemm(x2, out, MODE_LINEAR, plain=pw, T=M, **cfg)
+        grouped_gemm(to_x16(x2, pw.k_pad) if cfg.get("x16") else x2, out, MODE_LINEAR, plain=pw, T=M, **cfg)
     return out.reshape(*lead, w.n)
 
 

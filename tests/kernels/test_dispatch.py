@@ -249,6 +249,7 @@ def test_tuned_overrides_the_moe_and_linear_tables_inside_its_block(monkeypatch,
     """The choices come from `Tuning`'s tables: a benchmark's one-row table is taken inside the block only, and the
     layer launches what dispatch picks."""
     from m3serve.kernels import grouped_gemm_mma
+    from m3serve.kernels import quant_linear as quant_linear_module
     from m3serve.kernels.quant_linear import QuantLinear, quant_linear
     moe, lin = gemm_weights
     _nvidia(monkeypatch)
@@ -267,7 +268,7 @@ def test_tuned_overrides_the_moe_and_linear_tables_inside_its_block(monkeypatch,
             assert dispatch.linear_config(8, lin, CUDA) == ("mma", dict(p=2, nt=32, unroll=1))
             assert dispatch.linear_config(9, lin, CUDA) == tl_v
             seen = []
-            monkeypatch.setattr(grouped_gemm_mma, "to_x16", lambda x, k_pad: x)
+            monkeypatch.setattr(quant_linear_module, "to_x16", lambda x, k_pad: x)
             monkeypatch.setattr(grouped_gemm_mma, "grouped_gemm_mma", lambda *a, **kw: seen.append(kw))
             quant_linear(torch.randn(3, 1024), QuantLinear(256, 1024, packed=lin))  # the override is launched
             assert seen and {k: seen[0][k] for k in ("p", "nt", "unroll")} == dict(p=2, nt=32, unroll=1)

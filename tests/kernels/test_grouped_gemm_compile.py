@@ -1,0 +1,57 @@
+"""The portable kernel's x16 tiles compile for sm_90 with the inline-PTX NVFP4 decoder, which the interpreter cannot
+run (it runs the portable words decoder, tests/kernels/test_moe.py): the launch's signature as the runtime builds it,
+the SASS has the wgmma and the e4m3 -> f16x2 converts of the decoder, and nothing spills at the 64 x 128 tiles.
+Numbers: tests/gpu/test_moe_gpu.py on the GPU."""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from m3serve.kernels.codecs import FMT_MXFP8, FMT_NVFP4
+from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP
+from support.compiled import run_uninterpreted
+
+
+def _compile(mode: int, bm: int, bn: int, cubin: str) -> None:
+    """In a child process without TRITON_INTERPRET (see support.compiled)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from m3serve.kernels import grouped_gemm as G
+
+    I, F = "i32", "fp32"
+    sig = {"x_ptr": "*fp16", "sx": I, "w_data": "*u8", "w_scale": "*u8", "w_rows": "*fp32", "s_data": "*u8",
+           "s_scale": "*fp16", "s_rows": "*fp32", "counts_ptr": "*i32", "bucket_ptr": "*i32", "cap": I,
+           "tw_ptr": "*fp32", "out_ptr": "*fp16" if mode == MODE_GATE_UP else "*fp32", "so": I, "T": I, "K": I,
+           "N_OUT": I, "NG": I, "n_plain_tiles": I, "x_off": I, "out_off": I, "scaling": F, "alpha": F, "limit": F,
+           "E": I, "NT16": I, "KC": I, "N_PAD": I, "K_PAD": I, "S_NT16": I, "S_N_PAD": I}
+    cx = dict(MODE=mode, FMT=FMT_NVFP4, SFMT=FMT_MXFP8, ROUTED=True, X_DIV=4 if mode == MODE_GATE_UP else 1,
+              E_PAD=128, BM=bm, BN=bn, WDT=tl.float16, SWAP=True, X16=True, ASM=True)
+    names = list(G._grouped_gemm_kernel.arg_names)
+    full = dict(sig, **{k: "constexpr" for k in cx})
+    aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
+    src = ASTSource(G._grouped_gemm_kernel, signature={n: full[n] for n in names},
+                    constexprs={(names.index(k),): v for k, v in cx.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    Path(cubin).write_bytes(compiled.asm["cubin"])
+
+
+def _cuobjdump(flag: str, cubin: Path) -> str:
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("mode,bm,bn", [(MODE_GATE_UP, 128, 64), (MODE_DOWN, 128, 128)])
+def test_x16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, tmp_path):
+    cubin = tmp_path / "k.cubin"
+    run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {str(cubin)!r})")
+    sass = _cuobjdump("--dump-sass", cubin)
+    assert "HGMMA" in sass  # the dots are wgmma
+    assert re.search(r"F2FP\.F16\.E4M3", sass)  # the PTX decoder's cvt.rn.f16x2.e4m3x2
+    usage = _cuobjdump("--dump-resource-usage", cubin).replace(" ", "")
+    assert "STACK:0" in usage and "LOCAL:0" in usage  # no spills
