@@ -135,11 +135,11 @@ class TorchLayer:
 def variants(T: int) -> list[tuple]:
     """Configs timed besides the default (the sweep that sets `dispatch.MOE_TABLE`): (path, gate_up, down)."""
     m = lambda g, d: ("mma", dict(p=g[0], nt=g[1], unroll=g[2]), dict(p=d[0], nt=d[1], unroll=d[2]))
-    t = lambda g, d, swap=False, x16=False: (
-        "tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3, swap=swap, x16=x16),
-        dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3, swap=swap, x16=x16))
+    t = lambda g, d, swap=False, wg16=False: (
+        "tl", dict(bm=g[0], bn=g[1], num_warps=g[2], num_stages=3, swap=swap, wg16=wg16),
+        dict(bm=d[0], bn=d[1], num_warps=d[2], num_stages=3, swap=swap, wg16=wg16))
     sw = lambda g, d: t(g, d, True)  # the transposed product: decoded weights as the wgmma's register operand
-    sw16 = lambda g, d: t(g, d, True, True)  # and fp16 activations in the x16 order, the words decoders
+    sw16 = lambda g, d: t(g, d, True, True)  # and fp16 activations in the wg16 order, the words decoders
     if T <= 4:
         return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 8, 3), (2, 8, 3)), m((2, 8, 2), (2, 8, 2))]
     if T <= 64:
@@ -148,10 +148,11 @@ def variants(T: int) -> list[tuple]:
         return [m((1, 16, 2), (2, 16, 2)), m((1, 32, 2), (2, 32, 2)), t((64, 64, 4), (64, 128, 8)),
                 t((32, 64, 4), (32, 128, 4)), sw((64, 128, 8), (64, 128, 8)), sw((32, 64, 4), (32, 64, 4))]
     # gate_up's two accumulators at 128 x 128 on 8 warps spill (sm_90 SASS, 2026-12-07: 255 registers, a 328-byte
-    # stack): the same tiles on 16 warps, or 64 gate / up rows, beside the x16 tiles
+    # stack): the same tiles on 16 warps, or 64 gate / up rows; the wg16 tiles (their 64-row weight tiles on 8 warps
+    # would decode each tile twice, once per warp group: 128 rows)
     return [sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 8), (128, 128, 8)),
             sw((128, 128, 16), (128, 128, 16)), sw16((128, 128, 8), (128, 128, 8)), sw16((64, 128, 8), (64, 128, 8)),
-            sw16((128, 64, 8), (128, 128, 8))]
+            sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16))]
 
 
 STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
@@ -171,8 +172,8 @@ def swap_variants(M: int) -> list[tuple]:
     """Portable-kernel configs with ``swap`` for a linear of M rows: (path, config); bm = rows per tile (the
     wgmma's N side), bn = weight rows (its M side: 64 per warp group)."""
     bms = sorted({min(max(16, triton.next_power_of_2(M)), 128), min(max(16, triton.next_power_of_2(M)), 256)})
-    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, x16=x16)) for bm in bms
-            for bn in (64, 128) for x16 in (False, True)]
+    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16)) for bm in bms
+            for bn in (64, 128) for wg16 in (False, True)]
 
 
 def bench_layer(args, dev, bw, res):

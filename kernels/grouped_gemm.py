@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .codecs import (DENSE, FMT_NVFP4, MXFP8, NVFP4, cast_to, e2m1_to_f16, e4m3_bits_to_f32, fp8_words_f16,
                      nvfp4_asm_ok, nvfp4_words_f16, nvfp4_words_f16_asm)
-from .moe_router import x16_position
+from .moe_router import wg16_position
 from .platform import interpreting
 from .weight_layout import CHUNK_K, TILE_N, PackedWeight, unpack
 
@@ -100,26 +100,39 @@ def load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.co
 
 
 @triton.jit
-def x16_element(p):
-    """Element index held at position p of the x16 order (the inverse of `moe_router.x16_position`)."""
-    return (p & ~7) + ((p >> 1) & 3) + 4 * (p & 1)
+def wg16_element(p):
+    """Element index held at position p of the wg16 order (the inverse of `moe_router.wg16_position`)."""
+    c = p & 127
+    return (p & ~127) + 8 * (4 * ((c >> 1) & 3) + (c >> 5)) + ((c >> 3) & 3) + 4 * (c & 1)
 
 
 @triton.jit
-def load_weight_tile_x16(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr, BN: tl.constexpr,
-                         WDT: tl.constexpr, ASM: tl.constexpr):
-    """As `load_weight_tile`, columns in the x16 order (`moe_router.x16_position`: 0 4 1 5 2 6 3 7 in each group of
-    8), the order the words decoders give without any shuffle: each 32-bit op of `nvfp4_words_f16` (``ASM``: its
-    inline-PTX twin) yields the codes j and j + 4 of a word, `fp8_words_f16` the bytes 0 and 2 / 1 and 3 of a word,
-    which the fp8 layout fills with elements 8i + (0 1 4 5) / (2 3 6 7). Values: nvfp4 E2M1 * S * 2^-7, mxfp8 / fp8
-    e4m3 * 2^-8 (times the block multiplier): the caller's ``UNS`` restores them."""
+def _wg16_tile(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr):
+    """The 8 decoded values of 16 words (fp16 [BN, 16] each: element 8w + j of the chunk in ``ej``) -> [BN, 128] in
+    the wg16 order (column 32b + 8j + 2a + h holds element 8(4a + b) + j + 4h). Built so that nothing moves
+    between threads: the pairs (j, j + 4) that one 32-bit op decodes stay in one register, and a thread that loaded
+    words 4a .. 4a + 3 holds exactly its wgmma fragment columns (a = its lane % 4; the sm_90 SASS has no shared-memory
+    round trip of the tile, tests/kernels/test_grouped_gemm_compile.py). tl.join's new axis is the last one."""
+    t = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+    t = tl.permute(tl.reshape(t, (BN, 4, 4, 2, 2, 2)), (0, 2, 4, 5, 1, 3))  # (a, b, h, j/2, j%2) -> (b, j, a, h)
+    return tl.reshape(t, (BN, 128))
+
+
+@triton.jit
+def load_weight_tile_wg16(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr, BN: tl.constexpr,
+                          WDT: tl.constexpr, ASM: tl.constexpr):
+    """As `load_weight_tile`, columns in the wg16 order (`_wg16_tile`), decoded by the words decoders: each 32-bit
+    op of `nvfp4_words_f16` (``ASM``: its inline-PTX twin) yields the codes j and j + 4 of a word; `fp8_words_f16`
+    the bytes 0 and 2 / 1 and 3 of a word, which the fp8 layout fills with elements 8i + (0 1 4 5) / (2 3 6 7), so
+    a pair of fp8 words plays the part of one NVFP4 word. Values: nvfp4 E2M1 * S * 2^-7, mxfp8 / fp8 e4m3 * 2^-8
+    (times the block multiplier): the caller's ``UNS`` restores them."""
     if FMT == DENSE:  # the weight's own order: gathered (dense weights take this path in tests only)
-        k = c * 128 + x16_element(tl.arange(0, 128))
+        k = c * 128 + wg16_element(tl.arange(0, 128))
         w = tl.load(data + (g * N_PAD + rows.to(tl.int64))[:, None] * K_PAD + k[None, :])
         return w.to(WDT)
     else:
         rc = ((g * NT16 + rows // 16).to(tl.int64) * KC + c) * 16 + rows % 16  # tile row index [BN]
-        if FMT == NVFP4:  # 16 words + 8 e4m3 scales per tile row; scale j covers words 2j and 2j + 1
+        if FMT == NVFP4:  # 16 words + 8 e4m3 scales per tile row; scale i covers words 2i and 2i + 1
             w = tl.load(data.to(tl.pointer_type(tl.int32)) + rc[:, None] * 16 + tl.arange(0, 16)[None, :])
             sb = tl.load(scale + rc[:, None] * 8 + tl.arange(0, 8)[None, :])
             if ASM:
@@ -129,30 +142,29 @@ def load_weight_tile_x16(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: t
                 s = e4m3_bits_to_f32(sb).to(tl.float16) * 128.0
                 e0, e1, e2, e3, e4, e5, e6, e7 = nvfp4_words_f16(w)
             s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 8, 2)), (BN, 16))
-            # tl.join's new axis is the last: the innermost join gives the column's highest bit, the outermost the
-            # lowest (column 4a + 2b + j holds element 4j + 2a + b)
-            t = tl.join(tl.join(tl.join(e0 * s, e2 * s), tl.join(e1 * s, e3 * s)),
-                        tl.join(tl.join(e4 * s, e6 * s), tl.join(e5 * s, e7 * s)))
-        else:  # mxfp8 / fp8: 32 words per tile row
+        else:  # mxfp8 / fp8: 32 words per tile row, words 2i and 2i + 1 hold elements 8i .. 8i + 7
             w = tl.load(data.to(tl.pointer_type(tl.int32)) + rc[:, None] * 32 + tl.arange(0, 32)[None, :])
-            b0, b1, b2, b3 = fp8_words_f16(w)
-            if FMT == MXFP8:  # one multiplier per 32 elements = 8 words
+            w_lo, w_hi = tl.split(tl.reshape(w, (BN, 16, 2)))
+            e0, e1, e4, e5 = fp8_words_f16(w_lo)
+            e2, e3, e6, e7 = fp8_words_f16(w_hi)
+            if FMT == MXFP8:  # one multiplier per 32 elements = 4 word pairs
                 s = tl.load(scale + rc[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.float16)
-                s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 4, 8)), (BN, 32))
-                b0, b1, b2, b3 = b0 * s, b1 * s, b2 * s, b3 * s
-            t = tl.join(tl.join(b0, b1), tl.join(b2, b3))  # per word: bytes 0 2 1 3
-        return tl.reshape(t, (BN, 128)).to(WDT)
+                s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, 4, 4)), (BN, 16))
+            else:
+                s = tl.full((BN, 16), 1.0, tl.float16)
+        t = _wg16_tile(e0 * s, e1 * s, e2 * s, e3 * s, e4 * s, e5 * s, e6 * s, e7 * s, BN)
+        return t.to(WDT)
 
 
 @triton.jit
 def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
                TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
-               X16: tl.constexpr, ASM: tl.constexpr):
+               WG16: tl.constexpr, ASM: tl.constexpr):
     """acc [BM, BN] over all K chunks, and a second one for rows ``wrows2`` when TWO (gate / up share x's tile).
     SWAP computes the transposed product ``W x^T`` [BN, BM] and transposes it once at the end: the decoded weight
     tile is then the dot's first operand, which a Hopper wgmma reads from registers, where the activation tile (the
     second) is loaded into shared memory by cp.async; unswapped, every decoded tile is written to shared memory
-    before its wgmma. X16: x and the weight tiles in the x16 order (`load_weight_tile_x16`)."""
+    before its wgmma. WG16: x and the weight tiles in the wg16 order (`load_weight_tile_wg16`)."""
     if SWAP:
         acc = tl.zeros((BN, BM), tl.float32)
         acc2 = tl.zeros((BN, BM), tl.float32)
@@ -164,14 +176,14 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
         k = c * 128 + kk
         xt = tl.load(x_ptr + xrow[:, None] * sx + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
         xt = xt.to(WDT)
-        if X16:
-            w = load_weight_tile_x16(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, ASM)
+        if WG16:
+            w = load_weight_tile_wg16(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, ASM)
         else:
             w = load_weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
         acc = tl.dot(w, tl.trans(xt), acc) if SWAP else tl.dot(xt, tl.trans(w), acc)
         if TWO:
-            if X16:
-                w2 = load_weight_tile_x16(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, ASM)
+            if WG16:
+                w2 = load_weight_tile_wg16(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, ASM)
             else:
                 w2 = load_weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
             acc2 = tl.dot(w2, tl.trans(xt), acc2) if SWAP else tl.dot(xt, tl.trans(w2), acc2)
@@ -184,21 +196,21 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
 @triton.jit
 def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG,
                out_ptr, so, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr, X16: tl.constexpr, ASM: tl.constexpr):
-    """One output tile: the GEMM over all K chunks, the mode's epilogue, the store (X16: GATE_UP stores its columns
-    in the x16 order, the down launch's activations). The weight rows read are clamped
+               BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr, WG16: tl.constexpr, ASM: tl.constexpr):
+    """One output tile: the GEMM over all K chunks, the mode's epilogue, the store (WG16: GATE_UP stores its columns
+    in the wg16 order, the down launch's activations). The weight rows read are clamped
     to the group's padded rows: a tile of BN columns may reach past N_PAD (N_PAD is a multiple of 16 only, BN of 64
     or 128), and those columns are never stored, but an unclamped read would run past the weight (the last group's
     rows, the shared expert's: an illegal memory access on the GPU)."""
     cols = n0 + tl.arange(0, BN)
     wcols = tl.minimum(cols, N_PAD - 1)
     wcols2 = tl.minimum(cols + NG, N_PAD - 1)
-    if X16:
+    if WG16:
         UNS: tl.constexpr = 128.0 if FMT == NVFP4 else (1.0 if FMT == DENSE else 256.0)  # the decoders' units
     else:
         UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
     y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
-                       MODE == 0, BM, BN, WDT, SWAP, X16, ASM)
+                       MODE == 0, BM, BN, WDT, SWAP, WG16, ASM)
     if FMT != DENSE:
         y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
     if MODE == 0:
@@ -206,7 +218,7 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
             up = up * (tl.load(rsc + g * N_PAD + wcols2) * UNS)[None, :]
         y = swiglu_oai_f32(y, up, alpha, limit) * wt[:, None]
         omask = rmask[:, None] & (cols < NG)[None, :]
-        ocols = x16_position(cols) if X16 else cols
+        ocols = wg16_position(cols) if WG16 else cols
     else:
         omask = rmask[:, None] & (cols < N_OUT)[None, :]
         ocols = cols
@@ -224,7 +236,7 @@ def _grouped_gemm_kernel(
     E, NT16, KC, N_PAD, K_PAD, S_NT16, S_N_PAD,
     MODE: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, ROUTED: tl.constexpr, X_DIV: tl.constexpr,
     E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
-    X16: tl.constexpr, ASM: tl.constexpr,
+    WG16: tl.constexpr, ASM: tl.constexpr,
 ):
     tile = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -233,7 +245,7 @@ def _grouped_gemm_kernel(
         t = tile * BM + i
         _tile_body(x_ptr, sx, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
                    tl.full((BM,), 1.0, tl.float32), K, s_data, s_scale, s_rows, 0, S_NT16, KC, S_N_PAD, K_PAD, n0,
-                   N_OUT, NG, out_ptr, so, alpha, limit, MODE, SFMT, BM, BN, WDT, SWAP, X16, ASM)
+                   N_OUT, NG, out_ptr, so, alpha, limit, MODE, SFMT, BM, BN, WDT, SWAP, WG16, ASM)
     elif ROUTED:
         e, first, nrows = routed_tile(counts_ptr, tile - n_plain_tiles, E, E_PAD, BM)
         if nrows > 0:
@@ -245,7 +257,7 @@ def _grouped_gemm_kernel(
                 wt = tl.full((BM,), 1.0, tl.float32)
             _tile_body(x_ptr, sx, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale, w_rows,
                        e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, alpha, limit, MODE, FMT, BM, BN, WDT,
-                       SWAP, X16, ASM)
+                       SWAP, WG16, ASM)
 
 
 def work_dtype(x: torch.Tensor):
@@ -279,15 +291,15 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
                  plain: PackedWeight | None = None, routing=None, T: int, x_div: int = 1, x_off: int = 0,
                  out_off: int = 0, ng: int = 0, scaling: float = 1.0, alpha: float = 1.702, limit: float = 7.0,
                  bm: int = 16, bn: int = 64, num_warps: int = 4, num_stages: int = 2, swap: bool = False,
-                 x16: bool = False) -> torch.Tensor:
+                 wg16: bool = False) -> torch.Tensor:
     """Launch the portable kernel (see the module doc). ``routing`` = `moe_router.Routing` (counts, bucket,
     weights) for routed tiles; ``plain`` = the shared-expert / linear weight for ``T`` plain rows; ``ng`` = the
-    gate rows (GATE_UP); ``swap``: the transposed product in the K loop (`_tile_gemm`); ``x16``: x is fp16 [rows,
-    k_pad] in the x16 order (`moe_router.to_x16`, or the route's copy), the weights are decoded into that order
-    and GATE_UP writes ``out`` in it (`load_weight_tile_x16`). ``out`` rows / columns as the mode says; it is
+    gate rows (GATE_UP); ``swap``: the transposed product in the K loop (`_tile_gemm`); ``wg16``: x is fp16
+    [rows, k_pad] in the wg16 order (`moe_router.to_x16(..., wg16=True)`), the weights are decoded into that order
+    and GATE_UP writes ``out`` in it (`load_weight_tile_wg16`). ``out`` rows / columns as the mode says; it is
     written, never read."""
-    if x16 and (x.dtype != torch.float16 or x.shape[1] != (routed if routed is not None else plain).k_pad):
-        raise ValueError(f"x16 activations must be fp16 [rows, k_pad], got {x.dtype} {tuple(x.shape)}")
+    if wg16 and (x.dtype != torch.float16 or x.shape[1] != (routed if routed is not None else plain).k_pad):
+        raise ValueError(f"wg16 activations must be fp16 [rows, k_pad], got {x.dtype} {tuple(x.shape)}")
     k = x.shape[1]
     n_out = ng if mode == MODE_GATE_UP else (routed if routed is not None else plain).n
     grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, bm, n_out, bn)
@@ -306,7 +318,7 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
         rr.groups, rr.n_pad // TILE_N, rr.k_pad // CHUNK_K, rr.n_pad, rr.k_pad, pr.n_pad // TILE_N, pr.n_pad,
         MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,
         E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn, WDT=work_dtype(x), SWAP=swap,
-        X16=x16, ASM=x16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), num_warps=num_warps,
+        WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), num_warps=num_warps,
         num_stages=num_stages,
     )
     return out

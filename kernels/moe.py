@@ -181,10 +181,10 @@ def _side_stream(device: torch.device):
     return _SIDE_STREAMS[key]
 
 
-def _takes_x16(path: str, cfg: dict) -> bool:
-    """Whether a launch of this path and gate_up config takes fp16 activations in the x16 order (and writes the
-    intermediate in it): the mma kernels always, the portable one with ``x16``."""
-    return path == "mma" or (path == "tl" and bool(cfg.get("x16")))
+def _wg16(path: str, cfg: dict) -> bool:
+    """Whether a launch of this path and gate_up config takes fp16 activations in the wg16 order (and writes the
+    intermediate in it): the portable kernel's ``wg16`` tiles."""
+    return path == "tl" and bool(cfg.get("wg16"))
 
 
 class MoEStep:
@@ -217,9 +217,10 @@ class MoEStep:
         self.apart = self.shared and (self.overlap or not weights.shared_rides)  # its own launches
         self.A = T * top_k
         dev = x.device
-        self.x16 = None
-        if _takes_x16(self.path, self.gu_cfg):
+        self.x16 = None  # the route's fp16 copy of x for the mma kernels
+        if self.path == "mma":
             self.x16 = torch.empty(T, weights.gate_up.k_pad, dtype=torch.float16, device=dev)
+        self.xwg = None  # x in the wg16 order for the portable kernel's wg16 tiles (made by `gate_up`)
         rows = self.A + (T if self.shared and not self.apart else 0)
         self.inter = torch.empty(rows, weights.inter_pad, dtype=self._inter_dtype(self.path, self.gu_cfg),
                                  device=dev)
@@ -233,7 +234,7 @@ class MoEStep:
         self.local: Routing | None = None  # the routing of the experts this rank holds (all of them without EP)
 
     def _inter_dtype(self, path: str, cfg: dict) -> torch.dtype:
-        return torch.float16 if _takes_x16(path, cfg) else _torch_dtype(work_dtype(self.x))
+        return torch.float16 if path == "mma" or _wg16(path, cfg) else _torch_dtype(work_dtype(self.x))
 
     def _shared_buffer(self) -> torch.Tensor:
         if self.inter_s is None:
@@ -255,7 +256,11 @@ class MoEStep:
 
     def gate_up(self):
         w, rides = self.w, self.shared and not self.apart
-        self._gemm(self.path, MODE_GATE_UP, self.x if self.x16 is None else self.x16, self.inter,
+        if _wg16(self.path, self.gu_cfg):
+            self.xwg = src = to_x16(self.x, w.gate_up.k_pad, wg16=True)
+        else:
+            src = self.x if self.x16 is None else self.x16
+        self._gemm(self.path, MODE_GATE_UP, src, self.inter,
                    routed=w.gate_up, plain=w.shared_gate_up if rides else None, x_div=self.top_k, out_off=self.A,
                    ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha, limit=self.limit, **self.gu_cfg)
 
@@ -265,16 +270,17 @@ class MoEStep:
                    plain=self.w.shared_down if rides else None, x_off=self.A, out_off=self.A, **self.dn_cfg)
 
     def shared_expert(self):
-        """The shared expert alone, into rows [A, A + T) of y. Its fp16 activations where its launch takes the x16
-        order: the router's when it runs after it and wrote them, else its own copy (overlapped: no wait for the
-        router)."""
+        """The shared expert alone, into rows [A, A + T) of y. Its fp16 activations on the mma path or in wg16 tiles:
+        the routed launches' copy when it runs after them and they made one in that order, else its own
+        (overlapped: no wait for the router)."""
         w = self.w
-        if not _takes_x16(self.s_path, self.s_gu_cfg):
+        wg16 = _wg16(self.s_path, self.s_gu_cfg)
+        if self.s_path != "mma" and not wg16:
             src = self.x
-        elif self.x16 is not None and not self.overlap:
-            src = self.x16
+        elif not self.overlap and (self.xwg if wg16 else self.x16) is not None:
+            src = self.xwg if wg16 else self.x16
         else:
-            src = to_x16(self.x, w.shared_gate_up.k_pad)
+            src = to_x16(self.x, w.shared_gate_up.k_pad, wg16=wg16)
         inter = self._shared_buffer()
         self._gemm(self.s_path, MODE_GATE_UP, src, inter, plain=w.shared_gate_up, ng=w.shared_inter_pad,
                    alpha=self.alpha, limit=self.limit, **self.s_gu_cfg)

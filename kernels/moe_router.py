@@ -50,6 +50,17 @@ class Routing:
 
 
 @triton.jit
+def wg16_position(k):
+    """Position of element k in the portable kernel's wg16 activation order (`grouped_gemm.load_weight_tile_wg16`):
+    inside each chunk of 128, element 8w + j + 4h (w = 4a + b a decoded word, j < 4 its code pair, h the pair's
+    half) sits at 32b + 8j + 2a + h, so that the four words a thread of a Hopper wgmma loads (16 bytes of NVFP4)
+    hold exactly the columns of its register fragment (2q, 2q + 1, 2q + 8, 2q + 9 of each 16, q = a)."""
+    e = k & 127
+    w = e >> 3
+    return (k & ~127) + 32 * (w & 3) + 8 * (e & 3) + 2 * (w >> 2) + ((e >> 2) & 1)
+
+
+@triton.jit
 def x16_position(k):
     """Position of element k in the mma kernels' fp16 activation layout: inside each group of 8 the elements are
     stored in the order 0 4 1 5 2 6 3 7 (an f16x2 register then pairs elements j and j + 4, as the decoders do)."""
@@ -57,23 +68,23 @@ def x16_position(k):
 
 
 @triton.jit
-def _to_x16_kernel(x_ptr, sx, out_ptr, so, K, K_PAD, BK: tl.constexpr):
-    """One row of x -> fp16 (saturated at +-65504) in the x16 order; zeros past K."""
+def _to_x16_kernel(x_ptr, sx, out_ptr, so, K, K_PAD, BK: tl.constexpr, WG16: tl.constexpr):
+    """One row of x -> fp16 (saturated at +-65504) in the x16 (WG16: wg16) order; zeros past K."""
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     v = tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32)
     v = tl.minimum(tl.maximum(v, -F16_MAX), F16_MAX).to(tl.float16)
-    tl.store(out_ptr + row * so + x16_position(k), v, mask=k < K_PAD)
+    tl.store(out_ptr + row * so + (wg16_position(k) if WG16 else x16_position(k)), v, mask=k < K_PAD)
 
 
-def to_x16(x: torch.Tensor, k_pad: int) -> torch.Tensor:
-    """x [M, K] -> fp16 [M, k_pad] in the x16 order (`x16_position`), what the route writes beside the logits: the
-    activations of the mma kernels and of the portable kernel's ``x16`` tiles, for callers without a route (the
-    quantized linears, a shared expert in its own launches)."""
+def to_x16(x: torch.Tensor, k_pad: int, wg16: bool = False) -> torch.Tensor:
+    """x [M, K] -> fp16 [M, k_pad] (k_pad a multiple of 128) in the x16 order (`x16_position`: what the route writes
+    beside the logits, the mma kernels' activations), or with ``wg16`` in the portable kernel's wg16 order
+    (`wg16_position`)."""
     out = torch.empty(x.shape[0], k_pad, dtype=torch.float16, device=x.device)
     if x.shape[0]:
         _to_x16_kernel[(x.shape[0], triton.cdiv(k_pad, 1024))](x, x.stride(0), out, out.stride(0), x.shape[1], k_pad,
-                                                              BK=1024, num_warps=4)
+                                                              BK=1024, WG16=wg16, num_warps=4)
     return out
 
 

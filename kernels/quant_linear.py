@@ -64,7 +64,8 @@ def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     elif path == "mma":
         dispatch.gemm_mma_kernels().grouped_gemm_mma(to_x16(x2, pw.k_pad), out, MODE_LINEAR, plain=pw, T=M, **cfg)
     else:
-        grouped_gemm(to_x16(x2, pw.k_pad) if cfg.get("x16") else x2, out, MODE_LINEAR, plain=pw, T=M, **cfg)
+        grouped_gemm(to_x16(x2, pw.k_pad, wg16=True) if cfg.get("wg16") else x2, out, MODE_LINEAR, plain=pw, T=M,
+                     **cfg)
     return out.reshape(*lead, w.n)
 
 

@@ -215,33 +215,33 @@ def test_config_table_picks_the_mma_path_for_decode():
         assert moe_config(dispatch.MOE_DENSE_FROM, w, torch.device(DEV))[0] == "dense"  # decode once, then cuBLAS
 
 
-@pytest.mark.parametrize("x16", [False, True])
+@pytest.mark.parametrize("wg16", [False, True])
 @pytest.mark.parametrize("expert_fmt", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("T,bm,bn", [(37, 64, 128), (520, 128, 128), (1500, 128, 128), (700, 128, 64)])
-def test_portable_tiles_with_the_transposed_product(expert_fmt, T, bm, bn, x16):
+def test_portable_tiles_with_the_transposed_product(expert_fmt, T, bm, bn, wg16):
     """The portable kernel with ``swap`` (decoded weights as the dot's first operand; `grouped_gemm._tile_gemm`) at
     odd token counts and each tile shape the prefill tables may pick, both expert formats (the MXFP8 shared expert
-    rides in the same launches), with and without the x16 tiles (fp16 activations, the words decoders: the inline
+    rides in the same launches), with and without the wg16 tiles (fp16 activations, the words decoders: the inline
     PTX one for NVFP4 here), against the fp32 reference."""
     cfg, moe, w = _layer(expert_fmt)
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
-    tl_cfg = dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, x16=x16)
+    tl_cfg = dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16)
     y, r = _run_with(("tl", tl_cfg, tl_cfg), cfg, moe, w, x)
     assert not torch.isnan(y).any()
     assert rel_err(y, _ref(cfg, moe, w, x, r)) < 1e-2
 
 
-@pytest.mark.parametrize("x16", [False, True])
+@pytest.mark.parametrize("wg16", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
 @pytest.mark.parametrize("M,bm,bn", [(33, 64, 64), (600, 128, 128), (1100, 128, 64)])
-def test_quant_linear_with_the_transposed_product(fmt, M, bm, bn, x16):
+def test_quant_linear_with_the_transposed_product(fmt, M, bm, bn, wg16):
     g = torch.Generator(device=DEV).manual_seed(M)
     with torch.device(DEV):
         qw = QuantWeight(6144 + 16, 3072, fmt, torch.bfloat16)  # a last row block past the weight's rows
     fill_random(qw, g)
     ql = quant_linear_prepare(qw)
     x = torch.randn(M, 3072, device=DEV, dtype=torch.bfloat16)
-    cfg = ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, x16=x16))
+    cfg = ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16))
     with tuned(linear_table=((None, *cfg),)):
         assert dispatch.linear_config(M, ql.packed, x.device) == cfg
         assert rel_err(quant_linear(x, ql), quant_linear_ref(x, ql)) < 1e-2

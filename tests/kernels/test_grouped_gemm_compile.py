@@ -1,6 +1,7 @@
-"""The portable kernel's x16 tiles compile for sm_90 with the inline-PTX NVFP4 decoder, which the interpreter cannot
+"""The portable kernel's wg16 tiles compile for sm_90 with the inline-PTX NVFP4 decoder, which the interpreter cannot
 run (it runs the portable words decoder, tests/kernels/test_moe.py): the launch's signature as the runtime builds it,
-the SASS has the wgmma and the e4m3 -> f16x2 converts of the decoder, and nothing spills at the 64 x 128 tiles.
+the SASS has the wgmma and the e4m3 -> f16x2 converts of the decoder, the decoded tiles reach the wgmma without
+passing through shared memory, and nothing spills at these tiles.
 Numbers: tests/gpu/test_moe_gpu.py on the GPU."""
 import re
 import subprocess
@@ -29,7 +30,7 @@ def _compile(mode: int, bm: int, bn: int, cubin: str) -> None:
            "N_OUT": I, "NG": I, "n_plain_tiles": I, "x_off": I, "out_off": I, "scaling": F, "alpha": F, "limit": F,
            "E": I, "NT16": I, "KC": I, "N_PAD": I, "K_PAD": I, "S_NT16": I, "S_N_PAD": I}
     cx = dict(MODE=mode, FMT=FMT_NVFP4, SFMT=FMT_MXFP8, ROUTED=True, X_DIV=4 if mode == MODE_GATE_UP else 1,
-              E_PAD=128, BM=bm, BN=bn, WDT=tl.float16, SWAP=True, X16=True, ASM=True)
+              E_PAD=128, BM=bm, BN=bn, WDT=tl.float16, SWAP=True, WG16=True, ASM=True)
     names = list(G._grouped_gemm_kernel.arg_names)
     full = dict(sig, **{k: "constexpr" for k in cx})
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
@@ -47,11 +48,14 @@ def _cuobjdump(flag: str, cubin: Path) -> str:
 
 
 @pytest.mark.parametrize("mode,bm,bn", [(MODE_GATE_UP, 128, 64), (MODE_DOWN, 128, 128)])
-def test_x16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, tmp_path):
+def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, tmp_path):
     cubin = tmp_path / "k.cubin"
     run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {str(cubin)!r})")
     sass = _cuobjdump("--dump-sass", cubin)
     assert "HGMMA" in sass  # the dots are wgmma
     assert re.search(r"F2FP\.F16\.E4M3", sass)  # the PTX decoder's cvt.rn.f16x2.e4m3x2
+    # the decoded tiles are the wgmma's register fragments as they stand: no trip through shared memory (a tile in
+    # another order, the mma kernels' x16 one, compiled to 16-32 LDSM here, 2026-12-07)
+    assert "LDSM" not in sass
     usage = _cuobjdump("--dump-resource-usage", cubin).replace(" ", "")
     assert "STACK:0" in usage and "LOCAL:0" in usage  # no spills

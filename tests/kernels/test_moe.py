@@ -111,20 +111,31 @@ def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, sw
                                            torch.zeros(T, dtype=torch.long), MODE_DOWN)) < 1e-5
 
 
-X16_ORDER = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+def _wg16_order() -> torch.Tensor:
+    """Element held at each column of a 128-chunk in the wg16 order, from its definition: element 8w + j + 4h of
+    the chunk (w = 4a + b) at column 32b + 8j + 2a + h."""
+    order = torch.empty(128, dtype=torch.long)
+    for a in range(4):
+        for b in range(4):
+            for j in range(4):
+                for h in range(2):
+                    order[32 * b + 8 * j + 2 * a + h] = 8 * (4 * a + b) + j + 4 * h
+    return order
 
 
-def _from_x16(t: torch.Tensor) -> torch.Tensor:
-    """Columns in the x16 order -> element order (the inverse of `moe_router.x16_position`)."""
-    return t.float().reshape(t.shape[0], -1, 8)[:, :, torch.argsort(X16_ORDER)].reshape(t.shape)
+def _from_wg16(t: torch.Tensor) -> torch.Tensor:
+    """Columns in the wg16 order -> element order."""
+    out = torch.empty(t.shape, dtype=torch.float32)
+    out.view(t.shape[0], -1, 128)[:, :, _wg16_order()] = t.float().view(t.shape[0], -1, 128)
+    return out
 
 
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("routed_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("fp8", "dense"), ("mxfp8", "nvfp4")])
-def test_grouped_gemm_x16_tiles(routed_fmt, shared_fmt, swap, gen):
-    """The portable kernel's ``x16`` tiles: fp16 activations in the x16 order (`to_x16`), the weights decoded by the
-    words decoders straight into that order, gate_up's intermediate written in it (what the down launch reads, as
-    for the mma kernels), routed and shared rows in one launch, every format. Each output against the reference on
+def test_grouped_gemm_wg16_tiles(routed_fmt, shared_fmt, swap, gen):
+    """The portable kernel's ``wg16`` tiles: fp16 activations in the wg16 order (`to_x16(..., wg16=True)`), the
+    weights decoded by the words decoders straight into that order, gate_up's intermediate written in it (what the
+    down launch reads), routed and shared rows in one launch, every format. Each output against the reference on
     the same fp16 activations; the padded intermediate columns exact zeros."""
     from m3serve.kernels.moe_router import to_x16
 
@@ -137,27 +148,27 @@ def test_grouped_gemm_x16_tiles(routed_fmt, shared_fmt, swap, gen):
     bias[1], bias[4] = 5.0, -9.0
     r = route(x, moe.gate.weight, bias, k)
     A = T * k
-    x16 = to_x16(x, w.gate_up.k_pad)
-    assert torch.equal(_from_x16(x16)[:, :96], x.half().float()) and not x16[:, 96:].any()
+    x16 = to_x16(x, w.gate_up.k_pad, wg16=True)
+    assert torch.equal(_from_wg16(x16)[:, :96], x.half().float()) and not _from_wg16(x16)[:, 96:].any()
     xh = x.half().float()
     inter = torch.full((A + T, ip), float("nan"), dtype=torch.float16)
     grouped_gemm(x16, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
-                 out_off=A, ng=ip, scaling=2.0, swap=swap, x16=True)
+                 out_off=A, ng=ip, scaling=2.0, swap=swap, wg16=True)
     rows = torch.cat([torch.arange(A) // k, torch.arange(T)])
     ref_r = grouped_gemm_ref(xh, w.gate_up, rows[:A], r.ids.reshape(-1).long(), MODE_GATE_UP, ng=ip,
                              row_weight=r.weights.reshape(-1) * 2.0)
     ref_s = grouped_gemm_ref(xh, w.shared_gate_up, rows[A:], torch.zeros(T, dtype=torch.long), MODE_GATE_UP, ng=ip)
-    plain = _from_x16(inter)
+    plain = _from_wg16(inter)
     assert rel_err(plain[:A], ref_r) < 2e-3 and rel_err(plain[A:], ref_s) < 2e-3
     assert not plain[:, 32:].any()
     y = torch.full((A + T, 96), float("nan"))
     grouped_gemm(inter, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A,
-                 swap=swap, x16=True)
+                 swap=swap, wg16=True)
     assert rel_err(y[:A], grouped_gemm_ref(plain, w.down, torch.arange(A), r.ids.reshape(-1).long(), MODE_DOWN)) < 1e-5
     assert rel_err(y[A:], grouped_gemm_ref(plain, w.shared_down, torch.arange(A, A + T),
                                            torch.zeros(T, dtype=torch.long), MODE_DOWN)) < 1e-5
-    with pytest.raises(ValueError, match="x16 activations"):  # element-order or bf16 activations are refused
-        grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, routing=r, T=T, x_div=k, ng=ip, x16=True)
+    with pytest.raises(ValueError, match="wg16 activations"):  # element-order or bf16 activations are refused
+        grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, routing=r, T=T, x_div=k, ng=ip, wg16=True)
 
 
 def _layer(moe, cfg, w, x, **kw):
@@ -210,35 +221,37 @@ def test_shared_expert_of_another_width_runs_in_its_own_launches(inter, shared_i
                    moe(x)) < 1e-5
 
 
-@pytest.mark.parametrize("inter,shared_inter,routed_x16,shared_x16", [(64, 64, True, True), (64, 160, True, True),
-                                                                       (64, 160, False, True), (64, 160, True, False)])
-def test_layer_with_x16_tiles(monkeypatch, inter, shared_inter, routed_x16, shared_x16, gen):
-    """The layer on tables whose tl rows take the x16 order (as a GPU table would; here the dispatch would give the
+@pytest.mark.parametrize("inter,shared_inter,routed_wg16,shared_wg16", [
+    (64, 64, True, True), (64, 160, True, True), (64, 160, False, True), (64, 160, True, False)])
+def test_layer_with_wg16_tiles(monkeypatch, inter, shared_inter, routed_wg16, shared_wg16, gen):
+    """The layer on tables whose tl rows take the wg16 order (as a GPU table would; here the dispatch would give the
     interpreter's portable row): the shared expert riding in the routed launches, or in its own launches with the
-    route's fp16 copy, a copy of its own, or element-order activations beside x16 routed launches."""
+    routed launches' fp16 copy, a copy of its own, or element-order activations beside wg16 routed launches."""
     from m3serve.kernels import dispatch
     from m3serve.kernels.moe import MoEStep
 
     cfg = tiny_moe_config(hidden=128, inter=inter, experts=8, top_k=2, shared_inter=shared_inter)
     moe = random_moe(cfg, "nvfp4", "mxfp8", gen)
     w = moe_prepare_module(moe)
-    tl_cfg = lambda on: dict(bm=16, bn=64, num_warps=4, num_stages=2, swap=True, x16=on)
-    monkeypatch.setattr(dispatch, "moe_config", lambda T, w, d: ("tl", tl_cfg(routed_x16), tl_cfg(routed_x16)))
-    monkeypatch.setattr(dispatch, "moe_shared_config", lambda T, w, d: ("tl", tl_cfg(shared_x16), tl_cfg(shared_x16)))
+    tl_cfg = lambda on: dict(bm=16, bn=64, num_warps=4, num_stages=2, swap=True, wg16=on)
+    monkeypatch.setattr(dispatch, "moe_config", lambda T, w, d: ("tl", tl_cfg(routed_wg16), tl_cfg(routed_wg16)))
+    monkeypatch.setattr(dispatch, "moe_shared_config", lambda T, w, d: ("tl", tl_cfg(shared_wg16),
+                                                                        tl_cfg(shared_wg16)))
     x = torch.randn(9, cfg.hidden_size, generator=gen)
     kw = dict(top_k=2, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
     step = MoEStep(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, out=torch.full_like(x, float("nan")),
                    **kw)
-    assert step.apart == (inter != shared_inter) and (step.x16 is not None) == routed_x16
-    assert step.inter.dtype == (torch.float16 if routed_x16 else torch.float32)
+    assert step.apart == (inter != shared_inter) and step.x16 is None
+    assert step.inter.dtype == (torch.float16 if routed_wg16 else torch.float32)
     y = step.run()
+    assert (step.xwg is not None) == routed_wg16
     assert rel_err(y, moe(x.half().float())) < 3e-3
 
 
-def test_quant_linear_x16_tiles(monkeypatch, gen):
+def test_quant_linear_wg16_tiles(monkeypatch, gen):
     from m3serve.kernels import dispatch
 
-    monkeypatch.setattr(dispatch, "linear_config", lambda M, w, d: ("tl", dict(bm=16, bn=64, swap=True, x16=True)))
+    monkeypatch.setattr(dispatch, "linear_config", lambda M, w, d: ("tl", dict(bm=16, bn=64, swap=True, wg16=True)))
     qw = QuantWeight(40, 208, "nvfp4")
     fill_random(qw, gen)
     ql = quant_linear_prepare(qw)
