@@ -22,6 +22,10 @@ Modes (``MODE``):
 Row indices: a routed row ``a`` reads activation row ``a // X_DIV`` (``X_DIV`` = top_k for gate_up: the token;
 1 for down: the intermediate row) and writes output row ``a``; a plain row ``t`` reads ``t + x_off`` and writes
 ``t + out_off``.
+
+Activations: x's own dtype and element order, the weights decoded element by element (`load_weight_tile`); or, with
+``wg16``, fp16 in the wg16 order (`moe_router.wg16_position`), the weights decoded a 32-bit word at a time straight
+into the wgmma's register fragments (`load_weight_tile_wg16`), gate_up's intermediate written in that order.
 """
 from __future__ import annotations
 
