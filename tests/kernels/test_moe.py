@@ -82,35 +82,6 @@ def test_router_skewed_and_x16_copy(gen):
     assert torch.equal(x16, expect.half())
 
 
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("routed_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("fp8", "dense")])
-def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, swap, gen):
-    cfg = tiny_moe_config(hidden=96, inter=32, experts=6, top_k=2)
-    moe = random_moe(cfg, routed_fmt, shared_fmt, gen)
-    w = moe_prepare_module(moe)
-    T, k, ip = 11, 2, w.inter_pad
-    x = torch.randn(T, 96, generator=gen)
-    bias = torch.zeros(6)
-    bias[1], bias[4] = 5.0, -9.0  # expert 1 in every token's top 2 (one tile of 16 rows), expert 4 in none
-    r = route(x, moe.gate.weight, bias, k)
-    A = T * k
-    inter = torch.full((A + T, ip), float("nan"))
-    grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
-                 out_off=A, ng=ip, scaling=2.0, swap=swap)
-    rows = torch.cat([torch.arange(A) // k, torch.arange(T)])
-    ref_r = grouped_gemm_ref(x, w.gate_up, rows[:A], r.ids.reshape(-1).long(), MODE_GATE_UP, ng=ip,
-                             row_weight=r.weights.reshape(-1) * 2.0)
-    ref_s = grouped_gemm_ref(x, w.shared_gate_up, rows[A:], torch.zeros(T, dtype=torch.long), MODE_GATE_UP, ng=ip)
-    assert rel_err(inter[:A], ref_r) < 1e-5 and rel_err(inter[A:], ref_s) < 1e-5
-    assert not inter[:, 32:].any()  # padded intermediate columns are exact zeros
-    y = torch.full((A + T, 96), float("nan"))
-    grouped_gemm(inter, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A,
-                 swap=swap)
-    assert rel_err(y[:A], grouped_gemm_ref(inter, w.down, torch.arange(A), r.ids.reshape(-1).long(), MODE_DOWN)) < 1e-5
-    assert rel_err(y[A:], grouped_gemm_ref(inter, w.shared_down, torch.arange(A, A + T),
-                                           torch.zeros(T, dtype=torch.long), MODE_DOWN)) < 1e-5
-
-
 def _wg16_order() -> torch.Tensor:
     """Element held at each column of a 128-chunk in the wg16 order, from its definition: element 8w + j + 4h of
     the chunk (w = 4a + b) at column 32b + 8j + 2a + h."""
@@ -130,13 +101,14 @@ def _from_wg16(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("wg16", [False, True])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("routed_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("fp8", "dense"), ("mxfp8", "nvfp4")])
-def test_grouped_gemm_wg16_tiles(routed_fmt, shared_fmt, swap, gen):
-    """The portable kernel's ``wg16`` tiles: fp16 activations in the wg16 order (`to_x16(..., wg16=True)`), the
-    weights decoded by the words decoders straight into that order, gate_up's intermediate written in it (what the
-    down launch reads), routed and shared rows in one launch, every format. Each output against the reference on
-    the same fp16 activations; the padded intermediate columns exact zeros."""
+def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, swap, wg16, gen):
+    """gate_up then down, routed and shared rows in one launch each, every format, against the references. With
+    ``wg16``: fp16 activations in the wg16 order (`to_x16(..., wg16=True)`), the weights decoded by the words
+    decoders straight into that order, gate_up's intermediate written in it (what the down launch reads); the
+    references then take the same fp16 activations. The padded intermediate columns are exact zeros."""
     from m3serve.kernels.moe_router import to_x16
 
     cfg = tiny_moe_config(hidden=96, inter=32, experts=6, top_k=2)
@@ -145,30 +117,34 @@ def test_grouped_gemm_wg16_tiles(routed_fmt, shared_fmt, swap, gen):
     T, k, ip = 11, 2, w.inter_pad
     x = torch.randn(T, 96, generator=gen)
     bias = torch.zeros(6)
-    bias[1], bias[4] = 5.0, -9.0
+    bias[1], bias[4] = 5.0, -9.0  # expert 1 in every token's top 2 (one tile of 16 rows), expert 4 in none
     r = route(x, moe.gate.weight, bias, k)
     A = T * k
-    x16 = to_x16(x, w.gate_up.k_pad, wg16=True)
-    assert torch.equal(_from_wg16(x16)[:, :96], x.half().float()) and not _from_wg16(x16)[:, 96:].any()
-    xh = x.half().float()
-    inter = torch.full((A + T, ip), float("nan"), dtype=torch.float16)
-    grouped_gemm(x16, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
-                 out_off=A, ng=ip, scaling=2.0, swap=swap, wg16=True)
+    if wg16:
+        xin = to_x16(x, w.gate_up.k_pad, wg16=True)
+        assert torch.equal(_from_wg16(xin)[:, :96], x.half().float()) and not _from_wg16(xin)[:, 96:].any()
+        x, tol, unorder = x.half().float(), 2e-3, _from_wg16
+    else:
+        xin, tol, unorder = x, 1e-5, lambda t: t
+    inter = torch.full((A + T, ip), float("nan"), dtype=torch.float16 if wg16 else torch.float32)
+    grouped_gemm(xin, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
+                 out_off=A, ng=ip, scaling=2.0, swap=swap, wg16=wg16)
     rows = torch.cat([torch.arange(A) // k, torch.arange(T)])
-    ref_r = grouped_gemm_ref(xh, w.gate_up, rows[:A], r.ids.reshape(-1).long(), MODE_GATE_UP, ng=ip,
+    ref_r = grouped_gemm_ref(x, w.gate_up, rows[:A], r.ids.reshape(-1).long(), MODE_GATE_UP, ng=ip,
                              row_weight=r.weights.reshape(-1) * 2.0)
-    ref_s = grouped_gemm_ref(xh, w.shared_gate_up, rows[A:], torch.zeros(T, dtype=torch.long), MODE_GATE_UP, ng=ip)
-    plain = _from_wg16(inter)
-    assert rel_err(plain[:A], ref_r) < 2e-3 and rel_err(plain[A:], ref_s) < 2e-3
+    ref_s = grouped_gemm_ref(x, w.shared_gate_up, rows[A:], torch.zeros(T, dtype=torch.long), MODE_GATE_UP, ng=ip)
+    plain = unorder(inter)
+    assert rel_err(plain[:A], ref_r) < tol and rel_err(plain[A:], ref_s) < tol
     assert not plain[:, 32:].any()
     y = torch.full((A + T, 96), float("nan"))
     grouped_gemm(inter, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A,
-                 swap=swap, wg16=True)
+                 swap=swap, wg16=wg16)
     assert rel_err(y[:A], grouped_gemm_ref(plain, w.down, torch.arange(A), r.ids.reshape(-1).long(), MODE_DOWN)) < 1e-5
     assert rel_err(y[A:], grouped_gemm_ref(plain, w.shared_down, torch.arange(A, A + T),
                                            torch.zeros(T, dtype=torch.long), MODE_DOWN)) < 1e-5
-    with pytest.raises(ValueError, match="wg16 activations"):  # element-order or bf16 activations are refused
-        grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, routing=r, T=T, x_div=k, ng=ip, wg16=True)
+    if wg16:  # element-order or bf16 activations are refused
+        with pytest.raises(ValueError, match="wg16 activations"):
+            grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, routing=r, T=T, x_div=k, ng=ip, wg16=True)
 
 
 def _layer(moe, cfg, w, x, **kw):
