@@ -124,6 +124,8 @@ def bench_moe_layer(args, dev, res):
             row["err"] = rel_err(y_d, y_k)
         row["tl_variants"] = []  # larger portable tiles (more rows per decoded weight tile): bench_moe's sweep
         for v in (variants(T) if T >= args.variants_from and dev == "cuda" else []):
+            if args.variant_filter not in repr(v):
+                continue
             if tuple(v) != dispatch.moe_config(T, w, x.device):  # the default's own tiles are timed above
                 row["tl_variants"].append(timed_variant("moe_table", v, lambda: dispatch.moe_config(T, w, x.device),
                                                         layer, args.rep, ref=y_k))
@@ -175,7 +177,8 @@ def bench_linears(args, dev, res):
             row["tl_variants"] = [  # the portable kernel with the transposed product (`grouped_gemm._tile_gemm`)
                 timed_variant("linear_table", v, lambda: dispatch.linear_config(M, ql.packed, x.device),
                               lambda: quant_linear(x, ql), args.rep, ref=y_k)
-                for v in (swap_variants(M) if dev == "cuda" and M >= args.variants_from_rows else [])]
+                for v in (swap_variants(M) if dev == "cuda" and M >= args.variants_from_rows else [])
+                if args.variant_filter in repr(v)]
             mine.append(row)
             print(json.dumps(row), flush=True)
         res["linear_crossover_rows"][fmt] = crossover(mine, "M")
@@ -278,6 +281,7 @@ def main():
     ap.add_argument("--rep", type=int, default=25)
     ap.add_argument("--variants-from", type=int, default=4096, help="time bench_moe's tl tile variants from here")
     ap.add_argument("--variants-from-rows", type=int, default=16, help="time the linears' swap variants from here")
+    ap.add_argument("--variant-filter", default="", help="time only the variants whose repr contains this")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
