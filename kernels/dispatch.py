@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import codecs, platform
-from .codecs import FMT_NVFP4, FMT_PLAIN, MODE_INT, cache_format
+from .codecs import FMT_DENSE, FMT_NVFP4, FMT_PLAIN, MODE_INT, cache_format
 from .dequant_gemm import dense_path_ok
 from .weight_layout import CHUNK_K, PackedWeight
 
@@ -358,6 +358,8 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
             return portable
         if path == "tl" and not _tl_fits(cfgs, device):
             continue
+        if path == "tl" and any(p.fmt == FMT_DENSE for p in weights):  # wg16 would gather dense weights' columns
+            cfgs = [dict(c, wg16=False) if c.get("wg16") else c for c in cfgs]
         return (path, *cfgs)
     return portable
 

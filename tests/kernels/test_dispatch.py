@@ -212,6 +212,22 @@ def test_tl_rows_need_tiles_that_fit_the_shared_memory(monkeypatch, gemm_weights
         assert dispatch.moe_config(4095, moe, CUDA) == ("tl", dispatch.PORTABLE_GEMM, dispatch.PORTABLE_GEMM)
 
 
+def test_wg16_tiles_are_not_taken_for_dense_weights(monkeypatch, gemm_weights):
+    """A tl row with ``wg16`` keeps it for quantized weights and drops it where a weight of the launch is dense (the
+    wg16 tile would gather a dense weight's columns one by one); the row's other keys stay."""
+    from m3serve.kernels.moe import moe_prepare_module
+    from support.moe import random_moe, tiny_moe_config
+    moe, _ = gemm_weights
+    _nvidia(monkeypatch)
+    _mma_available(monkeypatch, False)
+    cfg = dict(bm=64, bn=128, num_warps=8, num_stages=3, swap=True, wg16=True)
+    dense = moe_prepare_module(random_moe(tiny_moe_config(hidden=256, inter=128, experts=2, top_k=1), "nvfp4",
+                                          "dense", torch.Generator().manual_seed(0)))
+    with tuned(moe_table=((None, "tl", cfg, cfg),)):
+        assert dispatch.moe_config(500, moe, CUDA) == ("tl", cfg, cfg)
+        assert dispatch.moe_config(500, dense, CUDA) == ("tl", dict(cfg, wg16=False), dict(cfg, wg16=False))
+
+
 def test_rocm_takes_the_portable_choices(monkeypatch, gemm_weights):
     """A ROCm device reports type "cuda": with a HIP torch (faked here) every NVIDIA-only choice is off: no mma or
     PTX kernels, the portable GEMM tiles instead of the H200's tl rows, the portable decode key tile."""
