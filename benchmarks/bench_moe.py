@@ -170,10 +170,11 @@ def linear_variants(M: int) -> list[tuple]:
 
 def swap_variants(M: int) -> list[tuple]:
     """Portable-kernel configs with ``swap`` for a linear of M rows: (path, config); bm = rows per tile (the
-    wgmma's N side), bn = weight rows (its M side: 64 per warp group)."""
+    wgmma's N side), bn = weight rows (its M side: 64 per warp group); wg16 tiles, and split K for few rows."""
     bms = sorted({min(max(16, triton.next_power_of_2(M)), 128), min(max(16, triton.next_power_of_2(M)), 256)})
-    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16)) for bm in bms
-            for bn in (64, 128) for wg16 in (False, True)]
+    splits = (1, 4) if M <= 256 else (1,)  # few rows: 6144 / bn tiles alone leave most of the SMs idle
+    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16, split=k))
+            for bm in bms for bn in (64, 128) for wg16 in (False, True) for k in splits]
 
 
 def bench_layer(args, dev, bw, res):

@@ -45,8 +45,8 @@ from .weight_layout import CHUNK_K, PackedWeight
 # mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
 # tl: bm x bn output tiles of the portable kernels (swap: the transposed product, the decoded weights as the dot's
 # register operand; wg16: fp16 activations in the order of the wgmma register fragments, the weights decoded into
-# it by the words decoders, not yet timed, off in every row; a row whose tiles need more shared memory than the
-# device has is skipped, `_tl_fits`);
+# it by the words decoders; split (linears): K shared out over that many programs per tile; wg16 and split not yet
+# timed, off in every row; a row whose tiles need more shared memory than the device has is skipped, `_tl_fits`);
 # dense: the weights decoded once to bf16, then cuBLAS (`dequant_gemm`; scratch_mb bounds the decoded experts held
 # at once), from MOE_DENSE_FROM tokens where `Tuning.dense_prefill` turns it on: off on CUDA by default, where it
 # was slower than the kernels at every count measured (19.8 vs 14.1 ms at 4096 tokens, level with the default

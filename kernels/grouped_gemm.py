@@ -163,8 +163,9 @@ def load_weight_tile_wg16(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: 
 @triton.jit
 def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
                TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
-               WG16: tl.constexpr, ASM: tl.constexpr):
-    """acc [BM, BN] over all K chunks, and a second one for rows ``wrows2`` when TWO (gate / up share x's tile).
+               WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr):
+    """acc [BM, BN] over all K chunks (SPLIT > 1: this program's share of them, `_tile_body`), and a second one for
+    rows ``wrows2`` when TWO (gate / up share x's tile).
     SWAP computes the transposed product ``W x^T`` [BN, BM] and transposes it once at the end: the decoded weight
     tile is then the dot's first operand, which a Hopper wgmma reads from registers, where the activation tile (the
     second) is loaded into shared memory by cp.async; unswapped, every decoded tile is written to shared memory
@@ -176,7 +177,11 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
         acc = tl.zeros((BM, BN), tl.float32)
         acc2 = tl.zeros((BM, BN), tl.float32)
     kk = tl.arange(0, 128)
-    for c in range(0, KC):
+    c_lo, c_hi = 0, KC
+    if SPLIT > 1:
+        c_lo = tl.program_id(2) * tl.cdiv(KC, SPLIT)
+        c_hi = tl.minimum(c_lo + tl.cdiv(KC, SPLIT), KC)
+    for c in range(c_lo, c_hi):
         k = c * 128 + kk
         xt = tl.load(x_ptr + xrow[:, None] * sx + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
         xt = xt.to(WDT)
@@ -199,13 +204,16 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
 
 @triton.jit
 def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG,
-               out_ptr, so, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr, WG16: tl.constexpr, ASM: tl.constexpr):
-    """One output tile: the GEMM over all K chunks, the mode's epilogue, the store (WG16: GATE_UP stores its columns
-    in the wg16 order, the down launch's activations). The weight rows read are clamped
-    to the group's padded rows: a tile of BN columns may reach past N_PAD (N_PAD is a multiple of 16 only, BN of 64
-    or 128), and those columns are never stored, but an unclamped read would run past the weight (the last group's
-    rows, the shared expert's: an illegal memory access on the GPU)."""
+               out_ptr, so, ss, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr, WG16: tl.constexpr, ASM: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """One output tile: the GEMM over all K chunks (SPLIT > 1, LINEAR: over this program's share of them, its
+    partial product stored at ``out_ptr + split * ss``, ss = the rows times their stride, summed by
+    `_split_sum_kernel`), the mode's epilogue, the store (WG16: GATE_UP stores its columns in the wg16 order, the
+    down launch's activations). The weight rows read are clamped to the group's padded rows: a tile of BN columns
+    may reach past N_PAD (N_PAD is a multiple of 16 only, BN of 64 or 128), and those columns are never stored, but
+    an unclamped read would run past the weight (the last group's rows, the shared expert's: an illegal memory
+    access on the GPU)."""
     cols = n0 + tl.arange(0, BN)
     wcols = tl.minimum(cols, N_PAD - 1)
     wcols2 = tl.minimum(cols + NG, N_PAD - 1)
@@ -214,7 +222,7 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
     else:
         UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
     y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
-                       MODE == 0, BM, BN, WDT, SWAP, WG16, ASM)
+                       MODE == 0, BM, BN, WDT, SWAP, WG16, ASM, SPLIT)
     if FMT != DENSE:
         y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
     if MODE == 0:
@@ -226,7 +234,21 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
     else:
         omask = rmask[:, None] & (cols < N_OUT)[None, :]
         ocols = cols
+    if SPLIT > 1:
+        out_ptr += tl.program_id(2).to(tl.int64) * ss
     tl.store(out_ptr + orow[:, None] * so + ocols[None, :], cast_to(y, out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, ss, out_ptr, so, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[row] = the sum of the SPLIT partial rows ``part[s * ss + row]`` (fixed order: the same bits every run),
+    in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * ss + row * N + n, mask=n < N, other=0.0)
+    tl.store(out_ptr + row * so + n, cast_to(acc, out_ptr.dtype.element_ty), mask=n < N)
 
 
 @triton.jit(do_not_specialize=["T", "cap", "n_plain_tiles", "x_off", "out_off"])
@@ -240,7 +262,7 @@ def _grouped_gemm_kernel(
     E, NT16, KC, N_PAD, K_PAD, S_NT16, S_N_PAD,
     MODE: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, ROUTED: tl.constexpr, X_DIV: tl.constexpr,
     E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
-    WG16: tl.constexpr, ASM: tl.constexpr,
+    WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -249,7 +271,8 @@ def _grouped_gemm_kernel(
         t = tile * BM + i
         _tile_body(x_ptr, sx, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
                    tl.full((BM,), 1.0, tl.float32), K, s_data, s_scale, s_rows, 0, S_NT16, KC, S_N_PAD, K_PAD, n0,
-                   N_OUT, NG, out_ptr, so, alpha, limit, MODE, SFMT, BM, BN, WDT, SWAP, WG16, ASM)
+                   N_OUT, NG, out_ptr, so, (T + out_off).to(tl.int64) * so, alpha, limit, MODE, SFMT, BM, BN, WDT,
+                   SWAP, WG16, ASM, SPLIT)
     elif ROUTED:
         e, first, nrows = routed_tile(counts_ptr, tile - n_plain_tiles, E, E_PAD, BM)
         if nrows > 0:
@@ -260,8 +283,8 @@ def _grouped_gemm_kernel(
             else:
                 wt = tl.full((BM,), 1.0, tl.float32)
             _tile_body(x_ptr, sx, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale, w_rows,
-                       e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, alpha, limit, MODE, FMT, BM, BN, WDT,
-                       SWAP, WG16, ASM)
+                       e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, 0, alpha, limit, MODE, FMT, BM, BN,
+                       WDT, SWAP, WG16, ASM, SPLIT)
 
 
 def work_dtype(x: torch.Tensor):
@@ -295,13 +318,16 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
                  plain: PackedWeight | None = None, routing=None, T: int, x_div: int = 1, x_off: int = 0,
                  out_off: int = 0, ng: int = 0, scaling: float = 1.0, alpha: float = 1.702, limit: float = 7.0,
                  bm: int = 16, bn: int = 64, num_warps: int = 4, num_stages: int = 2, swap: bool = False,
-                 wg16: bool = False) -> torch.Tensor:
+                 wg16: bool = False, split: int = 1) -> torch.Tensor:
     """Launch the portable kernel (see the module doc). ``routing`` = `moe_router.Routing` (counts, bucket,
     weights) for routed tiles; ``plain`` = the shared-expert / linear weight for ``T`` plain rows; ``ng`` = the
     gate rows (GATE_UP); ``swap``: the transposed product in the K loop (`_tile_gemm`); ``wg16``: x is fp16
     [rows, k_pad] in the wg16 order (`moe_router.to_x16(..., wg16=True)`), the weights are decoded into that order
-    and GATE_UP writes ``out`` in it (`load_weight_tile_wg16`). ``out`` rows / columns as the mode says; it is
-    written, never read."""
+    and GATE_UP writes ``out`` in it (`load_weight_tile_wg16`); ``split`` (LINEAR): the K chunks shared out over
+    that many programs per tile (more programs where the tiles alone do not fill the GPU), their fp32 partial
+    products summed by a second launch. ``out`` rows / columns as the mode says; it is written, never read."""
+    if split > 1 and (mode != MODE_LINEAR or routed is not None):
+        raise ValueError("split K serves plain LINEAR launches only")
     if wg16 and (x.dtype != torch.float16 or x.shape[1] != (routed if routed is not None else plain).k_pad):
         raise ValueError(f"wg16 activations must be fp16 [rows, k_pad], got {x.dtype} {tuple(x.shape)}")
     k = x.shape[1]
@@ -311,20 +337,27 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
         return out
     if pr.k_pad != rr.k_pad:  # one K loop serves both weights
         raise ValueError(f"routed and plain weights must share their padded K ({rr.k_pad} vs {pr.k_pad})")
-    _grouped_gemm_kernel[grid](
+    split = max(1, min(split, rr.k_pad // CHUNK_K))
+    dest = out if split == 1 else torch.empty(split, T + out_off, n_out, dtype=torch.float32, device=out.device)
+    _grouped_gemm_kernel[grid + (split,)](
         x, x.stride(0),
         rr.data, _dummy(rr.scale, rr.data), _dummy(rr.rowscale, x),
         pr.data, _dummy(pr.scale, pr.data), _dummy(pr.rowscale, x),
         routing.counts if routing is not None else out, routing.bucket if routing is not None else out,
         routing.cap if routing is not None else 0, routing.weights if routing is not None else x,
-        out, out.stride(0),
+        dest, dest.stride(-2),
         T, k, n_out, ng, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),
         rr.groups, rr.n_pad // TILE_N, rr.k_pad // CHUNK_K, rr.n_pad, rr.k_pad, pr.n_pad // TILE_N, pr.n_pad,
         MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,
         E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn, WDT=work_dtype(x), SWAP=swap,
-        WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), num_warps=num_warps,
-        num_stages=num_stages,
+        WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), SPLIT=split,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n_out))
+        _split_sum_kernel[(T, triton.cdiv(n_out, block))](dest[:, out_off:], dest.stride(0), out[out_off:],
+                                                           out.stride(0), n_out, SPLIT=split, BLOCK=block,
+                                                           num_warps=4)
     return out
 
 

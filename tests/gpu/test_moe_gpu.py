@@ -231,17 +231,17 @@ def test_portable_tiles_with_the_transposed_product(expert_fmt, T, bm, bn, wg16)
     assert rel_err(y, _ref(cfg, moe, w, x, r)) < 1e-2
 
 
-@pytest.mark.parametrize("wg16", [False, True])
+@pytest.mark.parametrize("wg16,split", [(False, 1), (True, 1), (False, 4), (True, 3)])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
 @pytest.mark.parametrize("M,bm,bn", [(33, 64, 64), (600, 128, 128), (1100, 128, 64)])
-def test_quant_linear_with_the_transposed_product(fmt, M, bm, bn, wg16):
+def test_quant_linear_with_the_transposed_product(fmt, M, bm, bn, wg16, split):
     g = torch.Generator(device=DEV).manual_seed(M)
     with torch.device(DEV):
         qw = QuantWeight(6144 + 16, 3072, fmt, torch.bfloat16)  # a last row block past the weight's rows
     fill_random(qw, g)
     ql = quant_linear_prepare(qw)
     x = torch.randn(M, 3072, device=DEV, dtype=torch.bfloat16)
-    cfg = ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16))
+    cfg = ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16, split=split))
     with tuned(linear_table=((None, *cfg),)):
         assert dispatch.linear_config(M, ql.packed, x.device) == cfg
         assert rel_err(quant_linear(x, ql), quant_linear_ref(x, ql)) < 1e-2

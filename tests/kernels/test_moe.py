@@ -273,6 +273,27 @@ def test_quant_linear(fmt, gen):
     assert quant_linear(torch.randn(2, 3, 96, generator=gen), ql).shape == (2, 3, 40)
 
 
+@pytest.mark.parametrize("split,wg16", [(2, False), (3, False), (3, True), (8, False)])
+def test_quant_linear_split_k(monkeypatch, split, wg16, gen):
+    """K shared out over ``split`` programs per tile, their partial products summed in a second launch: the same
+    values as one program per tile (K = 400: 4 chunks, so 3 splits of 2 chunks leave the last with none and 8 are
+    cut to 4); refused where the epilogue is not linear."""
+    from m3serve.kernels import dispatch
+
+    qw = QuantWeight(40, 400, "nvfp4")
+    fill_random(qw, gen)
+    ql = quant_linear_prepare(qw)
+    x = torch.randn(7, 400, generator=gen)
+    cfg = dict(bm=16, bn=64, swap=True, wg16=wg16)
+    monkeypatch.setattr(dispatch, "linear_config", lambda M, w, d: ("tl", cfg))
+    one = quant_linear(x, ql)
+    monkeypatch.setattr(dispatch, "linear_config", lambda M, w, d: ("tl", dict(cfg, split=split)))
+    parts = quant_linear(x, ql)
+    assert rel_err(parts, one) < 1e-6 and rel_err(parts, quant_linear_ref(x.half().float() if wg16 else x, ql)) < 1e-5
+    with pytest.raises(ValueError, match="split K"):
+        grouped_gemm(x, torch.empty(7, 40), MODE_GATE_UP, plain=ql.packed, T=7, ng=20, split=2)
+
+
 def _dense_linear_check(qw, gen, monkeypatch):
     """A dense (bf16 / fp32) weight is not converted, at prepare or per call: the linear reads the checkpoint's own
     tensor through cuBLAS (no Triton kernel launch) and matches an fp64 product of it."""
