@@ -354,12 +354,13 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
             if ((device.type != "cuda" or dense_on_cuda) if on is None else on) and dense_path_ok(device, host_sync):
                 return (path, *cfgs)
             continue
-        if path == "tl" and not platform.compiled_cuda(device):  # the tl rows' tiles were measured on Hopper
-            return portable
-        if path == "tl" and not _tl_fits(cfgs, device):
-            continue
-        if path == "tl" and any(p.fmt == FMT_DENSE for p in weights):  # wg16 would gather dense weights' columns
-            cfgs = [dict(c, wg16=False) if c.get("wg16") else c for c in cfgs]
+        if path == "tl":
+            if not platform.compiled_cuda(device):  # the tl rows' tiles were measured on Hopper
+                return portable
+            if not _tl_fits(cfgs, device):
+                continue
+            if any(p.fmt == FMT_DENSE for p in weights):  # wg16 would gather dense weights' columns
+                cfgs = [dict(c, wg16=False) if c.get("wg16") else c for c in cfgs]
         return (path, *cfgs)
     return portable
 
