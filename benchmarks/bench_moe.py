@@ -143,16 +143,20 @@ def variants(T: int) -> list[tuple]:
     if T <= 4:
         return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 8, 3), (2, 8, 3)), m((2, 8, 2), (2, 8, 2))]
     if T <= 64:
-        return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 16, 2), (2, 16, 2))]
+        return [m((1, 8, 2), (2, 8, 2)), m((1, 8, 2), (4, 8, 1)), m((1, 16, 2), (2, 16, 2)),
+                sw16((16, 64, 4), (16, 64, 4))]
     if T <= 512:
         return [m((1, 16, 2), (2, 16, 2)), m((1, 32, 2), (2, 32, 2)), t((64, 64, 4), (64, 128, 8)),
-                t((32, 64, 4), (32, 128, 4)), sw((64, 128, 8), (64, 128, 8)), sw((32, 64, 4), (32, 64, 4))]
+                t((32, 64, 4), (32, 128, 4)), sw((64, 128, 8), (64, 128, 8)), sw((32, 64, 4), (32, 64, 4)),
+                sw16((16, 64, 4), (16, 64, 4)), sw16((32, 64, 4), (32, 64, 4)), sw16((32, 128, 8), (32, 128, 8)),
+                sw16((64, 128, 8), (64, 128, 8))]
     # gate_up's two accumulators at 128 x 128 on 8 warps spill (sm_90 SASS, 2026-12-07: 255 registers, a 328-byte
     # stack): the same tiles on 16 warps, or 64 gate / up rows; the wg16 tiles (their 64-row weight tiles on 8 warps
     # would decode each tile twice, once per warp group: 128 rows)
+    few = [sw16((32, 64, 4), (32, 64, 4)), sw16((32, 128, 8), (32, 128, 8))] if T <= 2048 else []
     return [sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 8), (128, 128, 8)),
             sw((128, 128, 16), (128, 128, 16)), sw16((128, 128, 8), (128, 128, 8)), sw16((64, 128, 8), (64, 128, 8)),
-            sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16))]
+            sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16)), *few]
 
 
 STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
@@ -161,7 +165,7 @@ STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
 def linear_variants(M: int) -> list[tuple]:
     """Configs timed besides the default (the sweep that sets `dispatch.LINEAR_TABLE`): (path, config)."""
     if M <= 16:
-        return [("mma", dict(p=1, nt=16, unroll=2))]
+        return [("mma", dict(p=1, nt=8, unroll=2)), ("mma", dict(p=1, nt=16, unroll=2))]
     if M <= 64:
         return [("mma", dict(p=1, nt=64, unroll=2)), ("mma", dict(p=1, nt=32, unroll=2))]
     return [("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3)), ("mma", dict(p=1, nt=64, unroll=2)),

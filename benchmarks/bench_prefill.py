@@ -45,7 +45,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/support: random layers
 
-from bench_moe import swap_variants, timed, timed_variant, variants  # noqa: E402
+from bench_moe import linear_variants, swap_variants, timed, timed_variant, variants  # noqa: E402
 from ceilings import copy_bandwidth  # noqa: E402
 from m3serve.config import SPARSE  # noqa: E402
 from m3serve.kernels import dispatch  # noqa: E402
@@ -174,10 +174,11 @@ def bench_linears(args, dev, res):
                 row["dense_ms"] = timed(lambda: quant_linear(x, ql), True, args.rep)
             row["bf16_ms"] = timed(lambda: F.linear(x, wd), True, args.rep)
             row["best_speedup_vs_bf16"] = row["bf16_ms"] / min(row["kernels_ms"], row["dense_ms"])
-            row["tl_variants"] = [  # the portable kernel with the transposed product (`grouped_gemm._tile_gemm`)
+            row["tl_variants"] = [  # the other mma rows, the portable kernel's (swapped, wg16, split K) tiles
                 timed_variant("linear_table", v, lambda: dispatch.linear_config(M, ql.packed, x.device),
                               lambda: quant_linear(x, ql), args.rep, ref=y_k)
-                for v in (swap_variants(M) if dev == "cuda" and M >= args.variants_from_rows else [])
+                for v in (linear_variants(M) + (swap_variants(M) if M <= 64 else [])
+                          if dev == "cuda" and M >= args.variants_from_rows else [])
                 if args.variant_filter in repr(v)]
             mine.append(row)
             print(json.dumps(row), flush=True)

@@ -45,21 +45,23 @@ from .weight_layout import CHUNK_K, PackedWeight
 # mma: p = 16-row tiles per program, nt = rows (assignments) per tile, unroll = K chunks in flight per warp;
 # tl: bm x bn output tiles of the portable kernels (swap: the transposed product, the decoded weights as the dot's
 # register operand; wg16: fp16 activations in the order of the wgmma register fragments, the weights decoded into
-# it by the words decoders; split (linears): K shared out over that many programs per tile; wg16 and split not yet
-# timed, off in every row; a row whose tiles need more shared memory than the device has is skipped, `_tl_fits`);
+# it by the words decoders, dropped for dense weights; split (linears): K shared out over that many programs per
+# tile; a row whose tiles need more shared memory than the device has is skipped, `_tl_fits`);
 # dense: the weights decoded once to bf16, then cuBLAS (`dequant_gemm`; scratch_mb bounds the decoded experts held
 # at once), from MOE_DENSE_FROM tokens where `Tuning.dense_prefill` turns it on: off on CUDA by default, where it
-# was slower than the kernels at every count measured (19.8 vs 14.1 ms at 4096 tokens, level with the default
-# tiles and 13% behind the swapped 128 x 128 tiles at 8192; H100, 2026-12-07).
+# was slower than the kernels at every count measured (20.5 / 26.7 ms at 4096 / 8192 tokens vs the wg16 tiles'
+# 8.2 / 15.5; H100, 2026-12-07).
 MOE_DENSE_FROM = 4096
-_MOE_TL_MID = dict(bm=64, bn=128, num_warps=8, num_stages=3, swap=True)  # 1024 tokens: 5.24 ms vs mma 6.10
-_MOE_TL = dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True)  # 4096 / 8192: 12.70 / 22.74 ms vs 14.09 / 26.08
+_MOE_TL_FEW = dict(bm=32, bn=64, num_warps=4, num_stages=3, swap=True, wg16=True)  # 512 / 1024 tokens: 2.33 / 3.56 ms
+#   vs mma 3.24 at 512 (H100, 2026-12-07; 129-256 tokens not measured: the mma rows stay)
+_MOE_TL = dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True, wg16=True)  # 2048 / 4096 / 8192: 4.98 / 8.48 /
+#   15.18 ms (12.71 / 22.53 at 4096 / 8192 without wg16)
 _TL_SMALL_SMEM = dict(bm=64, bn=64, num_warps=4, num_stages=3)  # where the tiles above do not fit (sm_89: 99 KB)
 MOE_TABLE = (
     (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
     (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
-    (512, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
-    (2048, "tl", _MOE_TL_MID, _MOE_TL_MID),
+    (256, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
+    (1024, "tl", _MOE_TL_FEW, _MOE_TL_FEW),
     (MOE_DENSE_FROM - 1, "tl", _MOE_TL, _MOE_TL),
     (None, "dense", dict(scratch_mb=2048), dict(scratch_mb=2048)),
     (None, "tl", _MOE_TL, _MOE_TL),
@@ -67,19 +69,30 @@ MOE_TABLE = (
 )
 # The quantized linears (`linear_config`): rows (most rows M or None, path, config), read as `MOE_TABLE`. Measured
 # on the H100 (bench_prefill, 2026-12-07, x [M, 8192] -> [M, 6144], NVFP4 / MXFP8 / FP8 alike): the mma rows to
-# 16 rows (0.032 ms, 1.6x bf16), whose cost grows with each 16-row tile (64 rows 0.078 ms); the swapped 64 x 64
-# tiles at 64 rows (0.058-0.070 ms); the decode-once-then-cuBLAS path from LINEAR_DENSE_FROM rows, 2.4-3.2x the
-# kernels at 256-8192 rows (on by default, `Tuning.dense_prefill`). A "dense" row is skipped where that path cannot
-# run (`dequant_gemm.dense_path_ok`: ROCm), so each "dense" row is followed by the row to use then.
-LINEAR_MMA_MAX_ROWS = 32
-LINEAR_DENSE_FROM = 256
-_LINEAR_TL = dict(bm=64, bn=64, num_warps=4, num_stages=3, swap=True)
+# 8 rows (level with the wg16 tiles there: 0.027-0.035 ms); the swapped wg16 tiles with K split 4 ways to 128 rows
+# (64 rows: 0.033-0.038 ms, 1.3-1.5x bf16; 0.057-0.070 ms without wg16 and split), whole-K 128 x 128 wg16 tiles at
+# 256 rows (0.076-0.083 ms vs the dense path's 0.104-0.111); the decode-once-then-cuBLAS path from
+# LINEAR_DENSE_FROM rows (512: 0.125-0.131 ms vs the tiles' 0.145-0.159; on by default, `Tuning.dense_prefill`).
+# A "dense" row is skipped where that path cannot run (`dequant_gemm.dense_path_ok`: ROCm), so each "dense" row is
+# followed by the row to use then.
+LINEAR_MMA_MAX_ROWS = 8
+LINEAR_DENSE_FROM = 512
+
+
+def _lin_wg16(bm: int, bn: int, split: int) -> dict:
+    """Swapped wg16 tiles of a linear: bm rows x bn weight rows (a warp group per 64), K shared ``split`` ways."""
+    return dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=True, split=split)
+
+
 LINEAR_TABLE = (
-    (16, "mma", dict(p=1, nt=8, unroll=2)),
-    (LINEAR_MMA_MAX_ROWS, "mma", dict(p=1, nt=16, unroll=2)),
-    (LINEAR_DENSE_FROM - 1, "tl", _LINEAR_TL),
+    (LINEAR_MMA_MAX_ROWS, "mma", dict(p=1, nt=8, unroll=2)),
+    (16, "tl", _lin_wg16(16, 64, 4)),
+    (32, "tl", _lin_wg16(32, 64, 4)),
+    (64, "tl", _lin_wg16(64, 64, 4)),
+    (128, "tl", _lin_wg16(128, 128, 4)),
+    (LINEAR_DENSE_FROM - 1, "tl", _lin_wg16(128, 128, 1)),
     (None, "dense", dict()),
-    (None, "tl", dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True)),
+    (None, "tl", _lin_wg16(128, 128, 1)),
     (None, "tl", _TL_SMALL_SMEM),
 )
 PORTABLE_GEMM = dict(bm=16, bn=64, num_warps=4, num_stages=2)  # interpreter / ROCm / formats without an mma decoder

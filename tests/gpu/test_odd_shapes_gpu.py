@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3serve.kernels.dispatch import LINEAR_DENSE_FROM, MOE_DENSE_FROM, linear_config, moe_config, tuned
+from m3serve.kernels.dispatch import (LINEAR_DENSE_FROM, LINEAR_MMA_MAX_ROWS, MOE_DENSE_FROM, linear_config, moe_config,
+                                      tuned)
 from m3serve.kernels.moe import moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear_prepare
 from m3serve.model.weights import QuantWeight
@@ -39,11 +40,12 @@ def test_odd_linear_shapes_reach_both_paths(gen):
         a, b = QuantWeight(200, 992, "nvfp4", torch.bfloat16), QuantWeight(200, 1056, "nvfp4", torch.bfloat16)
     pa, pb = quant_linear_prepare(a).packed, quant_linear_prepare(b).packed
     dev = torch.device(DEV)
-    assert linear_config(16, pa, dev)[0] == "mma" and linear_config(LINEAR_DENSE_FROM - 1, pa, dev)[0] == "tl"
+    assert linear_config(LINEAR_MMA_MAX_ROWS, pa, dev)[0] == "mma"
+    assert linear_config(LINEAR_MMA_MAX_ROWS + 1, pa, dev)[0] == linear_config(LINEAR_DENSE_FROM - 1, pa, dev)[0] == "tl"
     assert linear_config(LINEAR_DENSE_FROM, pa, dev)[0] == "dense"  # decode once, then cuBLAS (on by default)
     with tuned(dense_prefill=False):
         assert linear_config(LINEAR_DENSE_FROM, pa, dev)[0] == "tl"
-    assert linear_config(16, pb, dev)[0] == "tl"
+    assert linear_config(LINEAR_MMA_MAX_ROWS, pb, dev)[0] == "tl"
 
 
 @pytest.mark.parametrize("expert_fmt", FORMATS)
