@@ -51,16 +51,18 @@ from .weight_layout import CHUNK_K, PackedWeight
 # at once), from MOE_DENSE_FROM tokens where `Tuning.dense_prefill` turns it on: off on CUDA by default, where it
 # was slower than the kernels at every count measured (20.5 / 26.7 ms at 4096 / 8192 tokens vs the wg16 tiles'
 # 8.2 / 15.5; H100, 2026-12-07).
+MOE_MMA_MAX_TOKENS = 128  # the last mma row
 MOE_DENSE_FROM = 4096
+_MOE_TL_16 = dict(bm=16, bn=64, num_warps=4, num_stages=3, swap=True, wg16=True)  # 256 tokens: 2.02 ms vs mma 2.31
+#   (64 tokens: 1.48 vs mma 1.35; H100, 2026-12-07; 65-255 not measured: the mma row to 128)
 _MOE_TL_FEW = dict(bm=32, bn=64, num_warps=4, num_stages=3, swap=True, wg16=True)  # 512 / 1024 tokens: 2.33 / 3.56 ms
-#   vs mma 3.24 at 512 (H100, 2026-12-07; 129-256 tokens not measured: the mma rows stay)
+#   vs mma 3.24 at 512
 _MOE_TL = dict(bm=128, bn=128, num_warps=8, num_stages=3, swap=True, wg16=True)  # 2048 / 4096 / 8192: 4.98 / 8.48 /
 #   15.18 ms (12.71 / 22.53 at 4096 / 8192 without wg16)
 _TL_SMALL_SMEM = dict(bm=64, bn=64, num_warps=4, num_stages=3)  # where the tiles above do not fit (sm_89: 99 KB)
 MOE_TABLE = (
-    (16, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
-    (128, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
-    (256, "mma", dict(p=1, nt=16, unroll=2), dict(p=2, nt=16, unroll=2)),
+    (MOE_MMA_MAX_TOKENS, "mma", dict(p=1, nt=8, unroll=2), dict(p=1, nt=8, unroll=2)),
+    (256, "tl", _MOE_TL_16, _MOE_TL_16),
     (1024, "tl", _MOE_TL_FEW, _MOE_TL_FEW),
     (MOE_DENSE_FROM - 1, "tl", _MOE_TL, _MOE_TL),
     (None, "dense", dict(scratch_mb=2048), dict(scratch_mb=2048)),

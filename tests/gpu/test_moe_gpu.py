@@ -132,7 +132,7 @@ def test_shared_expert_of_its_own_width(T):
     w = moe_prepare_module(moe)
     assert (w.inter_pad, w.shared_inter_pad, w.shared_rides) == (3072, 1024, False)
     dev = torch.device(DEV)
-    if T <= 512 and gemm_mma_kernels() is not None and gemm_mma_kernels().available(dev):
+    if T <= dispatch.MOE_MMA_MAX_TOKENS and gemm_mma_kernels() is not None and gemm_mma_kernels().available(dev):
         assert moe_config(T, w, dev)[0] == "mma" and moe_shared_config(T, w, dev)[0] == "mma"
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
     y, routing = _run(cfg, moe, w, x)

@@ -2,16 +2,16 @@
 tokens, every expert / shared-expert format pair, against the fp32 torch references on the same packed weights
 (bf16 activations): the shapes whose N tails made the portable kernel read past a weight (the 64-wide shared expert's
 illegal memory access on the H200), now clamped, so no torch fallback is left. Every path: the portable kernel (K not
-a multiple of 1,024, or many tokens), the mma kernel (K padded to 1,024, N odd, up to 512 tokens) and the
-decode-once-then-cuBLAS path (linears from 256 rows, the MoE at 4,096 tokens). Run it under
+a multiple of 1,024, or many tokens), the mma kernel (K padded to 1,024, N odd, up to its table rows' counts) and the
+decode-once-then-cuBLAS path (linears from `LINEAR_DENSE_FROM` rows, the MoE at 4,096 tokens). Run it under
 compute-sanitizer memcheck too (docs/performance.md). The CPU twin: tests/kernels/test_odd_shapes.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from m3serve.kernels.dispatch import (LINEAR_DENSE_FROM, LINEAR_MMA_MAX_ROWS, MOE_DENSE_FROM, linear_config, moe_config,
-                                      tuned)
+from m3serve.kernels.dispatch import (LINEAR_DENSE_FROM, LINEAR_MMA_MAX_ROWS, MOE_DENSE_FROM, MOE_MMA_MAX_TOKENS,
+                                      linear_config, moe_config, tuned)
 from m3serve.kernels.moe import moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear_prepare
 from m3serve.model.weights import QuantWeight
@@ -41,7 +41,8 @@ def test_odd_linear_shapes_reach_both_paths(gen):
     pa, pb = quant_linear_prepare(a).packed, quant_linear_prepare(b).packed
     dev = torch.device(DEV)
     assert linear_config(LINEAR_MMA_MAX_ROWS, pa, dev)[0] == "mma"
-    assert linear_config(LINEAR_MMA_MAX_ROWS + 1, pa, dev)[0] == linear_config(LINEAR_DENSE_FROM - 1, pa, dev)[0] == "tl"
+    assert linear_config(LINEAR_MMA_MAX_ROWS + 1, pa, dev)[0] == "tl"
+    assert linear_config(LINEAR_DENSE_FROM - 1, pa, dev)[0] == "tl"
     assert linear_config(LINEAR_DENSE_FROM, pa, dev)[0] == "dense"  # decode once, then cuBLAS (on by default)
     with tuned(dense_prefill=False):
         assert linear_config(LINEAR_DENSE_FROM, pa, dev)[0] == "tl"
@@ -58,7 +59,7 @@ def test_moe_every_format_pair_portable_odd_shapes(expert_fmt, shared_fmt, gen):
 @pytest.mark.parametrize("expert_fmt", FORMATS[:3])
 @pytest.mark.parametrize("shared_fmt", FORMATS[:3])
 def test_moe_every_quantized_pair_mma_odd_shapes(expert_fmt, shared_fmt, gen):
-    """hidden 992 and FFNs 992 / 960 pad to 8 chunks of 128: the mma kernels up to 512 tokens, N not a multiple
+    """hidden 992 and FFNs 992 / 960 pad to 8 chunks of 128: the mma kernels' token counts, N not a multiple
     of 64; the tiny model's widths (64) too."""
     check_moe(expert_fmt, shared_fmt, 992, 992, 960, TOKENS, DEV, gen, experts=16, top_k=4)
     check_moe(expert_fmt, shared_fmt, 64, 64, 64, TOKENS, DEV, gen)
@@ -68,7 +69,8 @@ def test_odd_moe_shapes_reach_the_mma_path(gen):
     cfg = tiny_moe_config(hidden=992, inter=992, experts=16, top_k=4, shared_inter=960)
     w = moe_prepare_module(random_moe(cfg, "mxfp8", "nvfp4", gen, device=DEV, dtype=torch.bfloat16))
     dev = torch.device(DEV)
-    assert moe_config(1, w, dev)[0] == "mma" and moe_config(512, w, dev)[0] == "mma"
+    assert moe_config(1, w, dev)[0] == "mma" and moe_config(MOE_MMA_MAX_TOKENS, w, dev)[0] == "mma"
+    assert moe_config(MOE_MMA_MAX_TOKENS + 1, w, dev)[0] == "tl"
     assert moe_config(MOE_DENSE_FROM - 1, w, dev)[0] == "tl" and moe_config(MOE_DENSE_FROM, w, dev)[0] == "tl"
     with tuned(dense_prefill=True):
         assert moe_config(MOE_DENSE_FROM, w, dev)[0] == "dense"
