@@ -239,8 +239,14 @@ def bench_insert(dtype, T, device, timer):
             "speedup": unfused / fused, "bytes": nbytes, "fused_TBps": nbytes / (fused * 1e-3) / 1e12}
 
 
-def bench_prefill(pool, ctx, chunk, device, timer):
-    """One sequence: a `chunk`-token prefill chunk at the end of a `ctx`-token context (keys in pages)."""
+# prefill attention variants (`--prefill-variants`): 8-token tiles (128 rows of 16 heads) on 8 warps, the word decoders
+PREFILL_VARIANTS = {"t8w8": dict(prefill_block_t=8, prefill_num_warps=8), "words": dict(prefill_words=True),
+                    "t8w8_words": dict(prefill_block_t=8, prefill_num_warps=8, prefill_words=True)}
+
+
+def bench_prefill(pool, ctx, chunk, device, timer, variants=()):
+    """One sequence: a `chunk`-token prefill chunk at the end of a `ctx`-token context (keys in pages); ``variants``:
+    names of `PREFILL_VARIANTS` timed beside the default, each output compared with the default's."""
     nb = ctx // B
     bt = torch.randperm(pool.P, device=device)[:nb].view(1, nb).to(torch.int32)
     qsl = [0, chunk]
@@ -264,6 +270,13 @@ def bench_prefill(pool, ctx, chunk, device, timer):
             lambda: F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale))
     flops = 4 * chunk * H_Q * D * (ctx - chunk / 2)
     row["msa_prefill_dense_TFLOPs"] = flops / (row["msa_prefill_dense_ms"] * 1e-3) / 1e12
+    base = {m: msa_prefill(q, c, bt, qsl, pos, scale, b).float() for m, b in (("sparse", bids), ("dense", None))}
+    for name in variants:
+        with tuned(**PREFILL_VARIANTS[name]):
+            for mode, b in (("sparse", bids), ("dense", None)):
+                got = msa_prefill(q, c, bt, qsl, pos, scale, b).float()
+                row[f"{name}_{mode}_err"] = float((got - base[mode]).norm() / base[mode].norm())
+                row[f"{name}_{mode}_ms"] = timer(lambda b=b: msa_prefill(q, c, bt, qsl, pos, scale, b))
     return row
 
 
@@ -399,11 +412,13 @@ def main():
     ap.add_argument("--dtypes", default="nvfp4,fp8,bfloat16")
     ap.add_argument("--insert-tokens", default="512,2048,8192")
     ap.add_argument("--prefill", default="8192:2048,32768:2048")
+    ap.add_argument("--prefill-variants", default="", help=f"of {','.join(PREFILL_VARIANTS)}: timed beside the default")
     ap.add_argument("--mem-gb", type=float, default=100.0, help="skip combos whose pool exceeds this")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also time kernel variants at the large shapes")
     ap.add_argument("--tune-decoders", action="store_true", help="time the NVFP4/FP8 decoder variants only")
     args = ap.parse_args()
+    prefill_variants = [v for v in args.prefill_variants.split(",") if v]
     if args.smoke:  # CPU interpreter: tiny everything, only checks that the script runs end to end
         device = "cpu"
         contexts, batches = [512], [1, 2]
@@ -469,7 +484,7 @@ def main():
         for ctx, chunk in prefill:
             if ctx // B <= pool.P:
                 try:
-                    prefill_rows.append(bench_prefill(pool, ctx, chunk, device, timer))
+                    prefill_rows.append(bench_prefill(pool, ctx, chunk, device, timer, prefill_variants))
                     print("prefill", prefill_rows[-1], flush=True)
                 except Exception as e:  # noqa: BLE001
                     print(f"FAILED prefill {dtype} ctx={ctx}: {type(e).__name__}: {e}", flush=True)
@@ -515,6 +530,10 @@ def main():
                                    ("indexer_prefill_ms", "{:.3f}"), ("msa_prefill_sparse_ms", "{:.3f}"),
                                    ("msa_prefill_dense_ms", "{:.3f}"), ("msa_prefill_dense_TFLOPs", "{:.0f}"),
                                    ("sdpa_dense_prefill_bf16_ms", "{:.3f}")]))
+    if prefill_variants:
+        print(fmt_table(prefill_rows, [("kv_dtype", "{}"), ("context", "{}")] + [
+            (f"{v}_{m}_{x}", "{:.3f}" if x == "ms" else "{:.1e}")
+            for v in prefill_variants for m in ("sparse", "dense") for x in ("ms", "err")]))
 
 
 if __name__ == "__main__":

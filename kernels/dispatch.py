@@ -124,6 +124,8 @@ class Tuning:
     prefill_block_t: int | None = None  # query tokens per tile; None: 64 rows (interpreter 32) / next_pow2(G)
     prefill_block_n: int | None = None  # tokens per key tile; None: 64 (interpreter 32)
     prefill_num_warps: int = 4
+    prefill_words: bool | str = False  # the prefill attention's decoder, as `decode_words` (False: nvfp4 bytes, fp8
+    #   native cast, as measured on the H200; True / "split" not yet timed)
     # indexer block scores (indexer_block_scores, indexer_decode, indexer_prefill)
     index_chunks: int | None = None  # block chunks per query tile; None: 4 programs per SM
     index_block_t: int | None = None  # prefill query tokens per tile; None: 64 rows (interpreter 16) / next_pow2(H)

@@ -510,15 +510,16 @@ def _msa_prefill_kernel(
     qk_scale, v_scale,
     G, B,
     G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr,
-    SPARSE: tl.constexpr, FMT: tl.constexpr, DOT_DT: tl.constexpr,
+    SPARSE: tl.constexpr, FMT: tl.constexpr, NS_K: tl.constexpr, NS_V: tl.constexpr, DOT_DT: tl.constexpr,
+    PERM: tl.constexpr, ASM: tl.constexpr,
 ):
     """One tile of BLOCK_T consecutive query tokens of one sequence x the G query heads of one KV head
     (rows = token-major (token, head)); causal by position; sparse: a key block counts for the rows whose
-    token selected it (blocks nobody in the tile selected are skipped)."""
+    token selected it (blocks nobody in the tile selected are skipped). K / V decoded as NS_K / NS_V sub-tiles
+    (PERM: the joined nvfp4 word tile's column order), as in the decode kernel (`_slots`)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     R: tl.constexpr = BLOCK_T * G_PAD
-    NS: tl.constexpr = 2 if FMT == NVFP4 else 1  # K / V tiles: nvfp4 bytes (even, odd elements), else whole rows
     seq = tl.load(tiles_ptr + tile * 3)
     t0 = tl.load(tiles_ptr + tile * 3 + 1)
     t1 = tl.load(tiles_ptr + tile * 3 + 2)
@@ -529,8 +530,8 @@ def _msa_prefill_kernel(
     qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
     n_blk = tl.max(qpos, axis=0) // B + 1
     qrow = q_ptr + tok.to(tl.int64)[:, None] * sq_t + (h * G + g)[:, None] * sq_h
-    qs = _q_slots(qrow, NS, D, row_ok, DOT_DT)
-    acc = _zero_slots(R, D, NS)
+    qs = _q_slots(qrow, NS_K, D, row_ok, DOT_DT, PERM)
+    acc = _zero_slots(R, D, NS_V)
     if SPARSE:
         tt = t0 + tl.arange(0, BLOCK_T)
         kk = tl.arange(0, TOPK)
@@ -555,14 +556,14 @@ def _msa_prefill_kernel(
                 kpos = blk * B + t_off
                 kv_ok = kpos <= tl.max(qpos, axis=0)
                 sc = _tile_scores(qs, k_ptr, ks_ptr, page, h, t_off, kv_ok, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t,
-                                  BN, D, FMT, NS, DOT_DT)
+                                  BN, D, FMT, NS_K, DOT_DT, ASM)
                 keep = (kpos[None, :] <= qpos[:, None]) & row_sel[:, None]
                 sc = tl.where(keep, sc * qk_scale, float("-inf"))
                 acc, m_i, l_i = _tile_accumulate(sc, acc, m_i, l_i, v_ptr, vs_ptr, page, h, t_off, kv_ok, sd_p, sd_h,
-                                                 sd_t, ss_p, ss_h, ss_t, BN, D, FMT, NS, DOT_DT)
+                                                 sd_t, ss_p, ss_h, ss_t, BN, D, FMT, NS_V, DOT_DT, ASM)
     inv = v_scale / tl.where(l_i == 0.0, 1.0, l_i)
     orow = out_ptr + tok.to(tl.int64)[:, None] * so_t + (h * G + g)[:, None] * so_h
-    _store_slots(orow, acc, inv[:, None], NS, D, row_ok, False)
+    _store_slots(orow, acc, inv[:, None], NS_V, D, row_ok, False, PERM)
 
 
 def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, scale: float, block_ids=None,
@@ -585,7 +586,7 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
     fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
     sparse = block_ids is not None
     bid = block_ids if sparse else positions
-    un = NVFP4_UNSCALE if fmt == FMT_NVFP4 else 1.0
+    ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.tuning().prefill_words)
     _msa_prefill_kernel[(tiles.shape[0], H_kv)](
         q, q.stride(0), q.stride(1),
         k_data, cache.v, k_data.stride(0), k_data.stride(1), k_data.stride(2),
@@ -594,10 +595,11 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
         tiles, positions,
         bid, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
         out, out.stride(0), out.stride(1),
-        float(scale * k_scale * LOG2E * un), float(v_scale * un),
+        float(scale * k_scale * LOG2E * qk_s), float(v_scale * v_s),
         G, B,
         G_PAD=dispatch.next_pow2(G), BLOCK_T=block_t, D=D, BN=dispatch.prefill_block_n(B),
-        TOPK=block_ids.shape[-1] if sparse else 1, SPARSE=sparse, FMT=fmt, DOT_DT=dot_dtype(fmt, k_data.dtype),
+        TOPK=block_ids.shape[-1] if sparse else 1, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
+        DOT_DT=dot_dtype(fmt, k_data.dtype), PERM=perm, ASM=perm and dispatch.asm(q.device),
         num_warps=dispatch.tuning().prefill_num_warps,
     )
     return out

@@ -4,14 +4,13 @@ the SASS has the wgmma and the e4m3 -> f16x2 converts of the decoder, the decode
 passing through shared memory, and nothing spills at these tiles.
 Numbers: tests/gpu/test_moe_gpu.py on the GPU."""
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from m3serve.kernels.codecs import FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
-from support.compiled import run_uninterpreted
+from support.compiled import cuobjdump, run_uninterpreted
 
 
 def _compile(mode: int, bm: int, bn: int, split: int, cubin: str) -> None:
@@ -44,22 +43,16 @@ def _compile(mode: int, bm: int, bn: int, split: int, cubin: str) -> None:
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 
-def _cuobjdump(flag: str, cubin: Path) -> str:
-    import triton
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
-
-
 @pytest.mark.parametrize("mode,bm,bn,split", [(MODE_GATE_UP, 128, 64, 1), (MODE_DOWN, 128, 128, 1),
                                               (MODE_LINEAR, 64, 64, 4)])
 def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, tmp_path):
     cubin = tmp_path / "k.cubin"
     run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {split}, {str(cubin)!r})")
-    sass = _cuobjdump("--dump-sass", cubin)
+    sass = cuobjdump("--dump-sass", cubin)
     assert "HGMMA" in sass  # the dots are wgmma
     assert re.search(r"F2FP\.F16\.E4M3", sass)  # the PTX decoder's cvt.rn.f16x2.e4m3x2
     # the decoded tiles are the wgmma's register fragments as they stand: no trip through shared memory (a tile in
     # another order, the mma kernels' x16 one, compiled to 16-32 LDSM here, 2026-12-07)
     assert "LDSM" not in sass
-    usage = _cuobjdump("--dump-resource-usage", cubin).replace(" ", "")
+    usage = cuobjdump("--dump-resource-usage", cubin).replace(" ", "")
     assert "STACK:0" in usage and "LOCAL:0" in usage  # no spills

@@ -4,7 +4,6 @@ the decoded weights and the activations are the mma fragments as they stand; the
 no byte shuffles or spills; and the dispatch glue (grids, configs, the activation copy) is right, with the launches
 recorded. Their numbers are checked on the H200 (tests/gpu/test_moe_gpu.py)."""
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from m3serve.kernels.moe import fused_moe, moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare
 from m3serve.kernels.codecs import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.model.weights import QuantWeight
-from support.compiled import run_uninterpreted
+from support.compiled import cuobjdump, run_uninterpreted
 from support.moe import fill_random, random_moe, tiny_moe_config
 from test_nvfp4_mma_compile import _Launch
 
@@ -52,18 +51,12 @@ def _compile(mode: int, fmt: int, sfmt: int, p: int, nt: int, unroll: int, cubin
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 
-def _cuobjdump(flag: str, cubin: Path) -> str:
-    import triton
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
-
-
 def _sass(tmp_path, *args):
     """(SASS opcodes, resource usage) of the kernel compiled by `_compile` in a child process."""
     cubin = tmp_path / "k.cubin"
     run_uninterpreted(__file__, f"t._compile(*{args!r}, {str(cubin)!r})")
     opcode = r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)"
-    return re.findall(opcode, _cuobjdump("--dump-sass", cubin)), _cuobjdump("--dump-resource-usage", cubin)
+    return re.findall(opcode, cuobjdump("--dump-sass", cubin)), cuobjdump("--dump-resource-usage", cubin)
 
 
 @pytest.mark.parametrize("mode,fmt,sfmt", [(MODE_GATE_UP, FMT_NVFP4, FMT_MXFP8), (MODE_DOWN, FMT_MXFP8, FMT_FP8)])

@@ -110,3 +110,26 @@ def test_msa_decode_word_decoders(kv_dtype):
             with tuned(decode_splits=2, decode_words=words):
                 msa_decode(q, st.cache, st.bt, st.seq_lens, 128 ** -0.5, b, out=out)
             assert rel_err(out, ref) < 1e-2, (words, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8"])
+def test_msa_prefill_word_decoders(kv_dtype):
+    """D = 128, 16 query heads per KV head: the prefill attention with K / V decoded from int32 words (nvfp4: the
+    joined tile and its permuted columns, or 8 sub-tiles; fp8: V in 4 sub-tiles) and with 8-token tiles (128 rows)
+    == the reference, sparse and dense-mode."""
+    g = torch.Generator().manual_seed(23)
+    seq_lens = [70, 33]
+    st = build(seq_lens, 1, 128, 16, kv_dtype, "bfloat16", DI, gen=g)
+    qsl, pos = chunk_positions(seq_lens, [19, 33])
+    T = qsl[-1]
+    q = torch.randn(T, 16, 128, generator=g).to(torch.bfloat16)
+    iq = torch.randn(T, 1, DI, generator=g).to(torch.bfloat16)
+    bids = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, 2)
+    for b in (bids, None):
+        ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, 128 ** -0.5, b)
+        for words in ((True, "split", False) if kv_dtype == "nvfp4" else (True, False)):
+            for block_t in (None, 8):
+                out = torch.full_like(q, float("nan"))
+                with tuned(prefill_words=words, prefill_block_t=block_t):
+                    msa_prefill(q, st.cache, st.bt, qsl, pos, 128 ** -0.5, b, out=out)
+                assert rel_err(out, ref) < 1e-2, (words, block_t, rel_err(out, ref))

@@ -16,3 +16,10 @@ def run_uninterpreted(test_file: str, call: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600, env=env)
+
+
+def cuobjdump(flag: str, cubin: Path) -> str:
+    """triton's bundled cuobjdump on a cubin (``--dump-sass``, ``--dump-resource-usage``)."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
