@@ -156,32 +156,56 @@ def time_ttft(engine, device, prompt_len, g) -> float:
     return time.perf_counter() - t0
 
 
-def profile_decode(engine, device, batch, context, top=12) -> dict:
+def kernel_rows(prof, device) -> tuple[list, str, float]:
+    """The profiled kernels, largest first, the time attribute read ("self_device_time_total"; on the CPU the ops'
+    own "self_cpu_time_total") and their total in us. On CUDA the kernels alone: an operator (aten::mm) carries its
+    kernels' device time too, so counting both counted the time of every torch op twice (2026-12-07: 731 ms "of
+    kernels" in a 644 ms prefill)."""
+    from torch.autograd import DeviceType
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = [e for e in prof.key_averages()
+            if getattr(e, key, 0) > 0 and (device.type != "cuda" or e.device_type != DeviceType.CPU)]
+    rows.sort(key=lambda e: -getattr(e, key))
+    return rows, key, sum(getattr(e, key) for e in rows)
+
+
+def profile_decode(engine, device, batch, context, top=12, prompt: int = 0, steps: int = 5) -> dict:
+    """``steps`` engine steps of ``batch`` sequences decoding at ``context`` tokens under torch.profiler: the wall
+    time per step against the kernel time per step (a step whose kernels take much less than its wall waits on the
+    host), and its largest kernels. ``prompt`` > 0: a prompt of that many tokens is admitted first (one step
+    outside the window), so the profiled steps are mixed ones (decodes beside a chunk of it, eager)."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(1)
-    rids = start_synthetic(engine, batch, context, 16, g)
+    rids = start_synthetic(engine, batch, context, steps + 12, g)
     try:
         for _ in range(3):
             engine.step()
+        if prompt:
+            rids.append("profile-prompt")
+            engine.add_request(rids[-1], prompt_token_ids=torch.randint(
+                0, engine.model_config.vocab_size, (prompt,), generator=g).tolist(),
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            engine.step()
         sync(device)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        mixed0 = engine.scheduler.num_mixed_steps
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
-            for _ in range(5):
+            for _ in range(steps):
                 engine.step()
             sync(device)
             wall = time.perf_counter() - t0
+        mixed = engine.scheduler.num_mixed_steps - mixed0
     finally:
         stop_synthetic(engine, rids)
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    rows = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    rows, key, total = kernel_rows(prof, device)
     if not rows:  # seen once on the H200 (2026-12-03, a profile of the fourth engine built in the process)
         print(f"profile b={batch} ctx={context}: the profiler recorded no {key}", flush=True)
-    total = sum(getattr(e, key) for e in rows) or 1.0
-    rows.sort(key=lambda e: -getattr(e, key))
-    return {"wall_us_per_step": 1e6 * wall / 5, "kernel_us_per_step": total / 5,  # under the profiler
-            "kernels": [{"name": e.key[:90], "us_per_step": getattr(e, key) / 5, "share": getattr(e, key) / total}
+    total = total or 1.0
+    return {"steps": steps, "mixed_steps": mixed,  # steps scheduled in the window with decodes and prompt tokens
+            "wall_us_per_step": 1e6 * wall / steps, "kernel_us_per_step": total / steps,  # under the profiler
+            "kernels": [{"name": e.key[:90], "us_per_step": getattr(e, key) / steps, "share": getattr(e, key) / total}
                         for e in rows[:top]]}
 
 

@@ -40,7 +40,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import geometry  # noqa: E402
-from bench_engine import build, release, start_synthetic, stop_synthetic, sync, time_ttft  # noqa: E402
+from bench_engine import (build, profile_decode, release, start_synthetic, stop_synthetic, sync,  # noqa: E402
+                          time_ttft)
 
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -132,6 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--idle-steps", type=int, default=256, help="recorded decode steps with nothing admitted")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (no step queued ahead)")
+    p.add_argument("--profile", action="store_true",
+                   help="then torch.profiler over idle decode steps and mixed steps at each cap: wall vs kernel time "
+                        "per step (a mixed step runs eagerly), the largest kernels")
     p.add_argument("--smoke", action="store_true", help="CPU, toy geometry (hidden 256, 8 experts, vocab 4K)")
     a = p.parse_args(argv)
     a.chunks = sorted(int(x) for x in a.chunks.split(","))
@@ -182,6 +186,9 @@ def main(argv=None) -> int:
               f"(alone {row['ttft_alone_s'] * 1e3:.1f} ms), {row['mixed_steps']} mixed steps, {row['compiles']} "
               "compiles", flush=True)
         save(res, a.out)
+    if a.profile:
+        res["profiles"] = profiles(engine, device, a)
+        save(res, a.out)
     sch.max_prefill_tokens_with_decodes = 0
     res["trade_off"] = trade_off(res)
     save(res, a.out)
@@ -191,6 +198,24 @@ def main(argv=None) -> int:
     del engine, model
     release()
     return 0
+
+
+def profiles(engine, device, a, steps: int = 8) -> list[dict]:
+    """torch.profiler over idle decode steps (graphs on CUDA), then over mixed steps at the largest chunk with each
+    cap (the first chunk's if no cap): is the step's wall its kernels' time, or does it wait on the host?"""
+    sch = engine.scheduler
+    out = [dict(kind="idle", prompt_tokens=0, **profile_decode(engine, device, a.streams, a.context, steps=steps))]
+    for cap in a.caps or [0]:
+        sch.max_num_batched_tokens, sch.max_prefill_tokens_with_decodes = (a.chunks[-1], cap) if cap else (
+            a.chunks[0], 0)
+        per = prompt_per_step(sch.max_num_batched_tokens, a.streams, cap)
+        out.append(dict(kind="mixed", prompt_tokens=per, **profile_decode(engine, device, a.streams, a.context,
+                                                                            prompt=a.long, steps=steps)))
+    for p in out:
+        print(f"profile, {p['kind']} steps ({p['prompt_tokens']} prompt tokens): wall {p['wall_us_per_step']:.0f} "
+              f"us/step, kernels {p['kernel_us_per_step']:.0f} us/step; largest: "
+              + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.0f}" for k in p["kernels"][:4]), flush=True)
+    return out
 
 
 def save(res: dict, out: str) -> None:

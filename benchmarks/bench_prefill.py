@@ -220,18 +220,13 @@ def tl_swap(table: tuple, swap: bool) -> tuple:
 def profile_ttft(engine, device, prompt: int, g, top: int = 15) -> dict:
     """One more prefill of ``prompt`` tokens under torch.profiler (after the timed ones): its kernels by device
     time (the largest ``top``), each with its share of the step's kernel time."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    from bench_engine import time_ttft
+    from bench_engine import kernel_rows, time_ttft
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = time_ttft(engine, device, prompt, g)
-    # the kernels alone: an operator (aten::mm) carries its kernels' device time too, so counting both counted the
-    # time of every torch op twice (2026-12-07: 731 ms "of kernels" in a 644 ms prefill)
-    rows = [e for e in prof.key_averages()
-            if e.device_type != DeviceType.CPU and getattr(e, "self_device_time_total", 0) > 0]
-    total = sum(e.self_device_time_total for e in rows) or 1.0
-    rows.sort(key=lambda e: -e.self_device_time_total)
+    rows, _, total = kernel_rows(prof, device)
+    total = total or 1.0
     return dict(prompt_tokens=prompt, wall_ms=wall * 1e3, kernel_ms=total / 1e3,
                 kernels=[dict(name=e.key[:90], ms=e.self_device_time_total / 1e3, calls=e.count,
                               share=e.self_device_time_total / total) for e in rows[:top]])

@@ -7,7 +7,7 @@ import json
 
 def test_bench_itl_smoke(tmp_path):
     bench = importlib.import_module("bench_itl")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
-    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "bench_itl.json").read_text())
     streams, long = res["streams"], res["long_prompt"]
     assert (streams, long) == (4, 300)
@@ -34,5 +34,12 @@ def test_bench_itl_smoke(tmp_path):
     assert capped["mixed_steps"] == steps and capped["chunked_prefills"] == steps - 1
     assert streams * steps <= capped["itl_count"] <= streams * (steps + 1)
     assert "From chunk 36 to 132" in res["trade_off"]
+    # --profile: idle decode steps, then mixed steps at the cap (16 prompt tokens beside the 4 decodes)
+    idle_p, mixed_p = res["profiles"]
+    assert (idle_p["kind"], idle_p["prompt_tokens"], idle_p["mixed_steps"]) == ("idle", 0, 0)
+    assert (mixed_p["kind"], mixed_p["prompt_tokens"]) == ("mixed", 16)
+    assert mixed_p["steps"] - 1 <= mixed_p["mixed_steps"] <= mixed_p["steps"] + 1
+    for p in (idle_p, mixed_p):
+        assert p["wall_us_per_step"] > 0 and p["kernel_us_per_step"] > 0 and p["kernels"]
     table = (tmp_path / "bench_itl.md").read_text()
     assert "| idle (no prompt) |" in table and "| 132 | 128 |" in table and "| 132 | 16 (capped) |" in table
