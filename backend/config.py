@@ -296,6 +296,9 @@ class EngineConfig:
     waiting_served_ratio: float = 1.2
     # prompt tokens a step that decodes may take (engine/scheduler.py): 0 the whole max_num_batched_tokens
     max_prefill_tokens_with_decodes: int = 0
+    # prefill and mixed steps of up to N tokens replay CUDA graphs captured piece by piece around the eager attention
+    # (executor/piecewise.py; CUDA, without speculative decoding): 0 runs them eagerly. Not yet measured: off
+    piecewise_graph_tokens: int = 0
     num_gpu_blocks_override: int | None = None  # fixes the page-pool size (tests, CPU)
     reasoning_parser: str | None = None
     disable_hybrid_kv_cache_manager: bool = False  # accepted for launch-line compatibility (one pool anyway)
@@ -343,7 +346,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("max_waiting_steps", "max_prefill_tokens_with_decodes"):
+        for name in ("max_waiting_steps", "max_prefill_tokens_with_decodes", "piecewise_graph_tokens"):
             w = getattr(self, name)
             if not isinstance(w, int) or isinstance(w, bool) or w < 0:
                 problems.append(f"{name}: must be an integer >= 0, got {w!r}")

@@ -220,7 +220,8 @@ def build(num_layers, dense_layers, device, args, max_context, room: int = 64):
     engine = make_engine(model, device=str(device), dtype="bfloat16", max_model_len=max_len,
                          max_num_seqs=max_batch, num_gpu_blocks_override=pages, enforce_eager=args.enforce_eager,
                          async_scheduling=not args.no_async_scheduling,
-                         max_num_batched_tokens=args.chunk)
+                         max_num_batched_tokens=args.chunk,
+                         piecewise_graph_tokens=getattr(args, "piecewise", 0))
     randomize_cache(engine)
     return cfg, model, engine
 

@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--idle-steps", type=int, default=256, help="recorded decode steps with nothing admitted")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (no step queued ahead)")
+    p.add_argument("--piecewise", type=int, default=0,
+                   help="piecewise_graph_tokens: prefill / mixed steps of up to N tokens replay piecewise CUDA graphs")
     p.add_argument("--profile", action="store_true",
                    help="then torch.profiler over idle decode steps and mixed steps at each cap: wall vs kernel time "
                         "per step (a mixed step runs eagerly), the largest kernels")
@@ -155,13 +157,15 @@ def main(argv=None) -> int:
            "commit": os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True,
                                                                 capture_output=True, cwd=HERE).stdout.strip(),
            "layers": a.layers, "streams": a.streams, "context": a.context, "long_prompt": a.long,
-           "cuda_graphs": device.type == "cuda" and not a.enforce_eager, "async_scheduling": not a.no_async_scheduling}
+           "cuda_graphs": device.type == "cuda" and not a.enforce_eager, "async_scheduling": not a.no_async_scheduling,
+           "piecewise_graph_tokens": a.piecewise}
     # the streams' room: every recorded step of the longest row, its untimed run, and slack
     smallest = min([prompt_per_step(a.chunks[0], a.streams)] + [prompt_per_step(a.chunks[-1], a.streams, c)
                                                                 for c in a.caps])
     longest = max(a.idle_steps, BEFORE_STEPS + window_steps(a.long, smallest) + 8) + WARM_STEPS + 8
     ns = SimpleNamespace(geometry_over=geometry.SMOKE if a.smoke else {}, batches=[a.streams + 1],
-                         enforce_eager=a.enforce_eager, no_async_scheduling=a.no_async_scheduling, chunk=a.chunks[-1])
+                         enforce_eager=a.enforce_eager, no_async_scheduling=a.no_async_scheduling, chunk=a.chunks[-1],
+                         piecewise=a.piecewise)
     _, model, engine = build(a.layers, 1, device, ns, max(a.context + longest, a.long + 1))
     run_streams(engine, device, a.streams, a.context, max(2, a.idle_steps // 4), 0, 1, 1)  # warm-up
     res["idle"] = run_streams(engine, device, a.streams, a.context, a.idle_steps, 0, 1, 2)

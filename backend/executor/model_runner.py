@@ -25,6 +25,7 @@ class ModelRunner:
         self.attention = model.attention_backends()  # this runner's binding (a model may be shared: tests)
         self.sampler = Sampler()
         self.graphs = None  # a CudaGraphRunner once `capture_graphs` ran
+        self.piecewise = None  # a PiecewiseGraphs once `capture_piecewise` ran: prefill and mixed steps replay it
         self.drafter = None  # a SpeculativeDecoder (executor/speculative/decoder.py) runs every step when set
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -33,6 +34,17 @@ class ModelRunner:
         graphs = CudaGraphRunner(self, max_num_seqs, -(-max_model_len // self.cache.block_size))
         graphs.capture()
         self.graphs = graphs
+
+    def capture_piecewise(self, max_tokens: int) -> None:
+        """Capture the piecewise graphs of prefill and mixed steps up to `max_tokens` tokens (CUDA only; a model whose
+        layers' projections are not fused keeps running those steps eagerly)."""
+        from m3serve.executor.piecewise import PiecewiseGraphs
+        pieces = PiecewiseGraphs(self.model, max_tokens, self.device)
+        if not pieces.ok:
+            log.warning("piecewise graphs: a layer's QKV projections are not fused (quantized); steps stay eager")
+            return
+        pieces.capture()
+        self.piecewise = pieces
 
     def bind_attention(self, backends) -> None:
         """Run the model's layers through `backends` (one per layer, each over that layer's cache: a test's shadow
@@ -50,6 +62,8 @@ class ModelRunner:
         over one model, in tests) is bound back to this runner's cache first: one identity check a step."""
         if self.model.attention_backends() is not self.attention:
             self.model.bind_attention(self.attention)
+        if self.piecewise is not None and self.piecewise.supports(step):
+            return self.piecewise.forward(step)
         return self.model(step)
 
     @torch.inference_mode()

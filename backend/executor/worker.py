@@ -12,6 +12,7 @@ from m3serve.config import EngineConfig, ModelConfig, normalize_kv_dtype
 from m3serve.distributed.parallel import Parallel
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.cuda_graph import graph_reserve_bytes
+from m3serve.executor.piecewise import piecewise_reserve_bytes
 from m3serve.model.kv_cache import PagedKVCache, determine_num_pages
 from m3serve.executor.model_runner import ModelRunner
 
@@ -77,12 +78,20 @@ class Worker:
         return self._graphs_allowed and self.drafter is not None and self.parallel.size == 1
 
     @property
+    def piecewise_tokens(self) -> int:
+        """The largest prefill / mixed step the piecewise graphs serve (executor/piecewise.py): CUDA graphs on,
+        no speculative decoding (its steps run the model their own way); 0: none."""
+        c = self.config
+        return min(c.piecewise_graph_tokens, c.max_num_batched_tokens) if self.use_cuda_graphs else 0
+
+    @property
     def _graphs_allowed(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager
 
     def determine_num_pages(self, max_model_len: int) -> int:
         c, m = self.config, self.model_config
         reserve = graph_reserve_bytes(c.max_num_seqs, m.hidden_size, m.vocab_size) if self.use_cuda_graphs else 0
+        reserve += piecewise_reserve_bytes(self.piecewise_tokens, m.hidden_size)
         draft_page = 0
         if self.drafter is not None:
             reserve += self.drafter.reserve_bytes(c.max_num_seqs)
@@ -111,6 +120,8 @@ class Worker:
             self.runner.capture_graphs(self.config.max_num_seqs, max_model_len)
         from m3serve.executor.warmup import warm_up  # every kernel a served step can reach, compiled now
         self.warmup = warm_up(self.runner, self.config, max_model_len, self.parallel.rank)
+        if self.piecewise_tokens:
+            self.runner.capture_piecewise(self.piecewise_tokens)
 
     def execute(self, step: StepInput, timeout_s: float | None = None) -> SamplerOutput | None:
         """The sampled tokens on the host (None when the step samples nothing, and on ranks other than 0). With
