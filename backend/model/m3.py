@@ -166,25 +166,25 @@ class Attention(nn.Module):
             iq, ik = self.indexer.finish(parts[3], parts[4], cos, sin)
         return q, k, v, iq, ik
 
+    def _bound(self):
+        if self.backend is None:
+            raise RuntimeError(f"attention layer {self.layer} has no KV cache: bind_kv_cache() binds one")
+        return self.backend
+
     def attend(self, qkv: torch.Tensor, cos, sin, step: StepInput) -> torch.Tensor:
         """The attention of the fused projection's output ``qkv`` [T, sum(qkv_sizes)] (`qkv_weight`), before
         o_proj: the backend norms, rotates and caches straight from it where it can (`packed_qkv`)."""
-        backend = self.backend
-        if backend is None:
-            raise RuntimeError(f"attention layer {self.layer} has no KV cache: bind_kv_cache() binds one")
+        backend = self._bound()
         if getattr(backend, "packed_qkv", False):
             return backend.forward_packed(qkv, self, cos, sin, step)
         return backend.forward(*self.finish(list(torch.split(qkv, self.qkv_sizes, dim=-1)), cos, sin), step)
 
     def forward(self, x: torch.Tensor, cos, sin, step: StepInput) -> torch.Tensor:
-        t = x.shape[0]
         if self.qkv_weight is not None:
             out = self.attend(F.linear(x, self.qkv_weight), cos, sin, step)
-        elif self.backend is None:
-            raise RuntimeError(f"attention layer {self.layer} has no KV cache: bind_kv_cache() binds one")
         else:
-            out = self.backend.forward(*self.finish(self.project(x), cos, sin), step)
-        return self.o_proj(out.reshape(t, -1))
+            out = self._bound().forward(*self.finish(self.project(x), cos, sin), step)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):
