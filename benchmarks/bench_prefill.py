@@ -146,6 +146,9 @@ def bench_moe_layer(args, dev, res):
     gc.collect()
 
 
+FP8_LINEAR = [("dense8", dict())]  # dequant_gemm.fp8_linear: e4m3 per row, cuBLAS's FP8 GEMM (lossy; `err` says)
+
+
 def bench_linears(args, dev, res):
     n, k = (6144, 8192) if not args.smoke else (96, 256)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -177,7 +180,7 @@ def bench_linears(args, dev, res):
             row["tl_variants"] = [  # the other mma rows, the portable kernel's (swapped, wg16, split K) tiles
                 timed_variant("linear_table", v, lambda: dispatch.linear_config(M, ql.packed, x.device),
                               lambda: quant_linear(x, ql), args.rep, ref=y_k)
-                for v in (linear_variants(M) + (swap_variants(M) if M <= 64 else [])
+                for v in (linear_variants(M) + (swap_variants(M) if M <= 64 else []) + FP8_LINEAR * (M >= 256)
                           if dev == "cuda" and M >= args.variants_from_rows else [])
                 if args.variant_filter in repr(v)]
             mine.append(row)

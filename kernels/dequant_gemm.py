@@ -172,6 +172,30 @@ def dense_linear(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor) -> torch
     return dense_grouped_gemm(x2, out, MODE_LINEAR, plain=pw, T=x2.shape[0])
 
 
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, K] -> (e4m3 [R, K], fp32 [R, 1] scales): each row scaled so that its largest magnitude is FP8_MAX (an
+    all-zero row keeps a tiny scale); t ~= e4m3 * scale."""
+    s = t.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
+    return (t.float() / s).to(torch.float8_e4m3fn), s
+
+
+def fp8_linear(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] @ W^T -> out [M, N] on FP8 tensor cores (path "dense8"): the weight decoded once (`dequant`), it and
+    the activations requantized to e4m3 with one scale per output channel / per row, then ``torch._scaled_mm``
+    (twice bf16's rate on Hopper). Lossy: e4m3 keeps 3 mantissa bits; an NVFP4 value times its block scale needs up
+    to 5. Decoding and requantizing cost what the dense path's decode does, plus a pass over x."""
+    k, n = x2.shape[1], out.shape[1]
+    group0 = torch.zeros(1, dtype=torch.int32, device=x2.device)
+    w8, sw = fp8_rows(dequant(pw, group0, x2.dtype)[0])  # [N_pad, K_pad]: K_pad a multiple of 128
+    x8, sx = fp8_rows(F.pad(x2, (0, pw.k_pad - k)) if pw.k_pad != k else x2)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+    out.copy_(y[:, :n])
+    return out
+
+
 def dense_path_ok(device: torch.device, host_sync: bool) -> bool:
     """The decode-then-cuBLAS path can run here: torch has ``_grouped_mm`` (not tried on ROCm), and, for a call that
     synchronises with the host (``host_sync``: the MoE chunking reads the routing's counts), no CUDA graph is being
@@ -182,4 +206,5 @@ def dense_path_ok(device: torch.device, host_sync: bool) -> bool:
     return not (host_sync and capturing)
 
 
-__all__ = ["dequant", "dense_grouped_gemm", "dense_linear", "dense_path_ok", "sorted_rows", "SCRATCH_MB"]
+__all__ = ["dequant", "dense_grouped_gemm", "dense_linear", "dense_path_ok", "fp8_linear", "fp8_rows", "sorted_rows",
+           "SCRATCH_MB"]

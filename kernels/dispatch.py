@@ -76,7 +76,10 @@ MOE_TABLE = (
 # 256 rows (0.076-0.083 ms vs the dense path's 0.104-0.111); the decode-once-then-cuBLAS path from
 # LINEAR_DENSE_FROM rows (512: 0.125-0.131 ms vs the tiles' 0.145-0.159; on by default, `Tuning.dense_prefill`).
 # A "dense" row is skipped where that path cannot run (`dequant_gemm.dense_path_ok`: ROCm), so each "dense" row is
-# followed by the row to use then.
+# followed by the row to use then. A "dense8" row (`dequant_gemm.fp8_linear`: the decoded weights and the activations
+# requantized to e4m3 per row, cuBLAS's FP8 GEMM; lossy: 3.6-3.9% relative error on random data against 0.2% for
+# the bf16 dense path, CPU, 2026-12-07) is in no default row: not yet timed, nor judged by the learned model's
+# accuracy table; bench_prefill times it from 256 rows (`fp8_gemm_ok` says where it runs).
 LINEAR_MMA_MAX_ROWS = 8
 LINEAR_DENSE_FROM = 512
 
@@ -336,6 +339,15 @@ def _mma_gemm_fits(cfg: dict, rows: tuple[int, ...], k_pads: tuple[int, ...]) ->
     return all(n % r == 0 for n in rows) and all((k // CHUNK_K) % per == 0 for k in k_pads)
 
 
+def fp8_gemm_ok(device: torch.device) -> bool:
+    """``torch._scaled_mm`` with a scale per row here (a "dense8" row of `LINEAR_TABLE`, `dequant_gemm.fp8_linear`):
+    NVIDIA sm_89+ (FP8 tensor cores; not ROCm's fnuz types) or the CPU (torch's own kernel: the tests)."""
+    if device.type != "cuda":
+        return device.type == "cpu"
+    return (torch.cuda.is_available() and not platform.rocm() and not platform.interpreting()
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 def _tl_fits(cfgs, device: torch.device) -> bool:
     """Do a tl row's tiles fit the device's shared memory? Per stage a [bm, CHUNK_K] bf16 activation tile and a
     [bn, CHUNK_K] tile of weight bytes (at most one per value), plus a tenth for the rest: 128 x 128 tiles in 3
@@ -365,6 +377,8 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
         if limit is not None and T > limit:
             continue
         if path == "mma" and not (fast and all(_mma_gemm_fits(c, rows, k_pads) for c in cfgs)):
+            continue
+        if path == "dense8" and not fp8_gemm_ok(device):
             continue
         if path == "dense":
             on = tuning().dense_prefill

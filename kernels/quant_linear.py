@@ -6,7 +6,8 @@ never converted per call.
 Paths: the mma kernel of `grouped_gemm_mma` (sm_89 / sm_90, up to `dispatch.LINEAR_MMA_MAX_ROWS` rows: weights as
 the mma's M side, the activations converted once to its fp16 layout by one small launch) or the portable kernel of
 `grouped_gemm` (interpreter, ROCm, larger M); both are the MoE kernels with one group and no routing. At large M
-`dequant_gemm` decodes the weight once per call into a bf16 scratch and calls cuBLAS. The path and tiles by M:
+`dequant_gemm` decodes the weight once per call into a bf16 scratch and calls cuBLAS (or, path "dense8", requantizes it
+and x to e4m3 per row for cuBLAS's FP8 GEMM: lossy, in no default row). The path and tiles by M:
 `dispatch.linear_config` (its table: `dispatch.LINEAR_TABLE`).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .dequant_gemm import dense_linear
+from .dequant_gemm import dense_linear, fp8_linear
 from .grouped_gemm import MODE_LINEAR, grouped_gemm
 from .moe_router import to_x16
 from .weight_layout import PackedWeight, pack_quant_weight, unpack
@@ -61,6 +62,8 @@ def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     path, cfg = dispatch.linear_config(M, pw, x.device)
     if path == "dense":
         dense_linear(x2, pw, out)
+    elif path == "dense8":
+        fp8_linear(x2, pw, out)
     elif path == "mma":
         dispatch.gemm_mma_kernels().grouped_gemm_mma(to_x16(x2, pw.k_pad), out, MODE_LINEAR, plain=pw, T=M, **cfg)
     else:
