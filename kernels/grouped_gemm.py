@@ -161,6 +161,16 @@ def load_weight_tile_wg16(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: 
 
 
 @triton.jit
+def _weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr, BN: tl.constexpr,
+                 WDT: tl.constexpr, WG16: tl.constexpr, ASM: tl.constexpr):
+    """The weight tile of K chunk c in the element order (`load_weight_tile`) or the wg16 one."""
+    if WG16:
+        return load_weight_tile_wg16(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, ASM)
+    else:
+        return load_weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
+
+
+@triton.jit
 def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
                TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
                WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr):
@@ -185,16 +195,10 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
         k = c * 128 + kk
         xt = tl.load(x_ptr + xrow[:, None] * sx + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
         xt = xt.to(WDT)
-        if WG16:
-            w = load_weight_tile_wg16(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, ASM)
-        else:
-            w = load_weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
+        w = _weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, WG16, ASM)
         acc = tl.dot(w, tl.trans(xt), acc) if SWAP else tl.dot(xt, tl.trans(w), acc)
         if TWO:
-            if WG16:
-                w2 = load_weight_tile_wg16(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, ASM)
-            else:
-                w2 = load_weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT)
+            w2 = _weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, WG16, ASM)
             acc2 = tl.dot(w2, tl.trans(xt), acc2) if SWAP else tl.dot(xt, tl.trans(w2), acc2)
     if SWAP:
         acc = tl.trans(acc)
