@@ -10,15 +10,12 @@ import pytest
 
 from m3serve.kernels.codecs import FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
-from support.compiled import cuobjdump, run_uninterpreted
+from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 
 
 def _compile(mode: int, bm: int, bn: int, split: int, cubin: str) -> None:
     """In a child process without TRITON_INTERPRET (see support.compiled)."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from m3serve.kernels import grouped_gemm as G
 
@@ -33,13 +30,8 @@ def _compile(mode: int, bm: int, bn: int, split: int, cubin: str) -> None:
     cx = dict(MODE=mode, FMT=FMT_NVFP4, SFMT=FMT_NVFP4 if linear else FMT_MXFP8, ROUTED=not linear,
               X_DIV=4 if mode == MODE_GATE_UP else 1, E_PAD=128 if not linear else 2, BM=bm, BN=bn, WDT=tl.float16,
               SWAP=True, WG16=True, ASM=True, SPLIT=split)
-    names = list(G._grouped_gemm_kernel.arg_names)
-    full = dict(sig, **{k: "constexpr" for k in cx})
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
-    src = ASTSource(G._grouped_gemm_kernel, signature={n: full[n] for n in names},
-                    constexprs={(names.index(k),): v for k, v in cx.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=8, num_stages=3)
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 

@@ -116,18 +116,12 @@ def test_bench_markov_smoke(tmp_path):
 def _compile_sm90(ptx_path: str) -> None:
     """Both kernels compiled for sm_90 as a bf16 draft launches them (run in a child process without
     TRITON_INTERPRET, which patches the language functions); stage 1's PTX (both modes) written to ``ptx_path``."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from m3serve.kernels import markov
+    from support.compiled import compile_sm90
 
     def build(kernel, sig, cx):
-        names = list(kernel.arg_names)
-        full = dict(sig, **{k: "constexpr" for k in cx})
-        src = ASTSource(kernel, signature={n: full[n] for n in names},
-                        constexprs={(names.index(k),): v for k, v in cx.items()})
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        return compile_sm90(kernel, sig, cx, num_warps=4).asm["ptx"]
 
     i = "i32"
     ptx = [build(markov._markov_tile_kernel,

@@ -16,7 +16,7 @@ from m3serve.kernels.moe import fused_moe, moe_prepare_module
 from m3serve.kernels.quant_linear import quant_linear, quant_linear_prepare
 from m3serve.kernels.codecs import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.model.weights import QuantWeight
-from support.compiled import cuobjdump, run_uninterpreted
+from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 from support.moe import fill_random, random_moe, tiny_moe_config
 from test_nvfp4_mma_compile import _Launch
 
@@ -25,10 +25,6 @@ _SCALE_PTR = {FMT_NVFP4: "*fp8e4nv", FMT_MXFP8: "*fp16", FMT_FP8: "*fp32"}
 
 def _compile(mode: int, fmt: int, sfmt: int, p: int, nt: int, unroll: int, cubin: str) -> None:
     """Run in a child process without TRITON_INTERPRET (the interpreter patches the language functions)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     I, F = "i32", "fp32"
     sig = {"x_ptr": "*fp16", "sx": I, "w_data": "*u8", "w_scale": _SCALE_PTR[fmt], "w_rows": "*fp32",
            "s_data": "*u8", "s_scale": _SCALE_PTR[sfmt], "s_rows": "*fp32", "counts_ptr": "*i32",
@@ -40,14 +36,9 @@ def _compile(mode: int, fmt: int, sfmt: int, p: int, nt: int, unroll: int, cubin
     cx = dict(MODE=mode, FMT=fmt, SFMT=sfmt, ROUTED=True, X_DIV=4 if mode == MODE_GATE_UP else 1, E_PAD=128,
               W=mma.NUM_WARPS, R=16 * p, NT=nt, UNROLL=unroll, LD_W=lw[0], LS_W=lw[1], L4_W=lw[2], LD_S=ls[0],
               LS_S=ls[1], L4_S=ls[2], LACT=lay["act"], MMA=lay["mma"], LA=lay["a"], LB=lay["b"], LE=lay["e"])
-    names = list(mma._grouped_gemm_mma_kernel.arg_names)
-    full = dict(sig, **{k: "constexpr" for k in cx})
     # pointers 16-byte aligned, row strides and sizes multiples of 16, as the runtime specializes them
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "NG", "N_OUT", "N_PAD"}
-    src = GluonASTSource(mma._grouped_gemm_mma_kernel, signature={n: full[n] for n in names},
-                         constexprs={(names.index(k),): v for k, v in cx.items()},
-                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mma.NUM_WARPS})
+    compiled = compile_sm90(mma._grouped_gemm_mma_kernel, sig, cx, aligned, gluon=True, num_warps=mma.NUM_WARPS)
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 

@@ -7,15 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from support.compiled import cuobjdump, run_uninterpreted
+from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 
 
 def _compile(block_t: int, warps: int, words: bool, sparse: bool, cubin: str) -> None:
     """In a child process without TRITON_INTERPRET (see support.compiled)."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from m3serve.kernels import msa_attention as M
     from m3serve.kernels.codecs import FMT_NVFP4, NVFP4
@@ -28,14 +25,8 @@ def _compile(block_t: int, warps: int, words: bool, sparse: bool, cubin: str) ->
     ns_k, ns_v, _, _, perm = M._slots(FMT_NVFP4, 128, words)
     cx = dict(G_PAD=16, BLOCK_T=block_t, D=128, BN=64, TOPK=16 if sparse else 1, SPARSE=sparse, FMT=NVFP4, NS_K=ns_k,
               NS_V=ns_v, DOT_DT=tl.float16, PERM=perm, ASM=perm)
-    kernel = M._msa_prefill_kernel
-    names = list(kernel.arg_names)
-    full = dict(sig, **{k: "constexpr" for k in cx})
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sq_t", "sd_p", "sd_h", "sd_t", "so_t"}
-    src = ASTSource(kernel, signature={n: full[n] for n in names},
-                    constexprs={(names.index(k),): v for k, v in cx.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    compiled = compile_sm90(M._msa_prefill_kernel, sig, cx, aligned, num_warps=warps)
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 

@@ -23,3 +23,23 @@ def cuobjdump(flag: str, cubin: Path) -> str:
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, aligned=(), gluon: bool = False, **options):
+    """``kernel`` (a Triton or, ``gluon``, a Gluon kernel) compiled for sm_90 as the runtime would launch it:
+    ``signature`` types every runtime argument, ``constexprs`` binds the rest, the ``aligned`` arguments are
+    specialized as multiples of 16 (the runtime does so for 16-byte aligned pointers and such strides / sizes);
+    ``options``: num_warps, num_stages. Triton's compiled kernel (``.asm["cubin"]``, ``["ptx"]``). Call it where
+    TRITON_INTERPRET is off (`run_uninterpreted`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        from triton.compiler import ASTSource as Source
+    names = list(kernel.arg_names)
+    full = dict(signature, **{k: "constexpr" for k in constexprs})
+    src = Source(kernel, signature={n: full[n] for n in names},
+                 constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
