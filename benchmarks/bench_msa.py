@@ -270,7 +270,8 @@ def bench_prefill(pool, ctx, chunk, device, timer, variants=()):
             lambda: F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale))
     flops = 4 * chunk * H_Q * D * (ctx - chunk / 2)
     row["msa_prefill_dense_TFLOPs"] = flops / (row["msa_prefill_dense_ms"] * 1e-3) / 1e12
-    base = {m: msa_prefill(q, c, bt, qsl, pos, scale, b).float() for m, b in (("sparse", bids), ("dense", None))}
+    base = {m: msa_prefill(q, c, bt, qsl, pos, scale, b).float()
+            for m, b in (("sparse", bids), ("dense", None))} if variants else {}
     for name in variants:
         with tuned(**PREFILL_VARIANTS[name]):
             for mode, b in (("sparse", bids), ("dense", None)):
@@ -419,6 +420,9 @@ def main():
     ap.add_argument("--tune-decoders", action="store_true", help="time the NVFP4/FP8 decoder variants only")
     args = ap.parse_args()
     prefill_variants = [v for v in args.prefill_variants.split(",") if v]
+    if set(prefill_variants) - set(PREFILL_VARIANTS):
+        ap.error(f"--prefill-variants: {sorted(set(prefill_variants) - set(PREFILL_VARIANTS))} not among "
+                 f"{list(PREFILL_VARIANTS)}")
     if args.smoke:  # CPU interpreter: tiny everything, only checks that the script runs end to end
         device = "cpu"
         contexts, batches = [512], [1, 2]
