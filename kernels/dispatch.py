@@ -46,7 +46,8 @@ from .weight_layout import CHUNK_K, PackedWeight
 # tl: bm x bn output tiles of the portable kernels (swap: the transposed product, the decoded weights as the dot's
 # register operand; wg16: fp16 activations in the order of the wgmma register fragments, the weights decoded into
 # it by the words decoders, dropped for dense weights; split (linears): K shared out over that many programs per
-# tile; a row whose tiles need more shared memory than the device has is skipped, `_tl_fits`);
+# tile; a row whose tiles need more shared memory than the device has is skipped, `_tl_fits`: bf16 experts take
+# the 64 x 64 row beyond 1,024 tokens on Hopper);
 # dense: the weights decoded once to bf16, then cuBLAS (`dequant_gemm`; scratch_mb bounds the decoded experts held
 # at once), from MOE_DENSE_FROM tokens where `Tuning.dense_prefill` turns it on: off on CUDA by default, where it
 # was slower than the kernels at every count measured (20.5 / 26.7 ms at 4096 / 8192 tokens vs the wg16 tiles'
@@ -348,12 +349,29 @@ def fp8_gemm_ok(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
-def _tl_fits(cfgs, device: torch.device) -> bool:
-    """Do a tl row's tiles fit the device's shared memory? Per stage a [bm, CHUNK_K] bf16 activation tile and a
-    [bn, CHUNK_K] tile of weight bytes (at most one per value), plus a tenth for the rest: 128 x 128 tiles in 3
-    stages need ~160 KB (Hopper: 227 KB; 256 x 128 did not fit on the H100, 2026-12-07), more than an sm_89's 99 KB."""
+def _tl_fits(cfgs, weights: tuple[PackedWeight, ...], tiles: tuple[int, ...], device: torch.device) -> bool:
+    """Do a tl row's tiles fit the device's shared memory (`tl_shared_bytes`)? Config i serves weights i,
+    i + len(cfgs) ... (the MoE's routed, then its shared expert's) with ``tiles[i]`` weight tiles per K chunk."""
     limit = _shared_memory(device.index)
-    return limit is None or all(1.1 * c["num_stages"] * CHUNK_K * (2 * c["bm"] + c["bn"]) <= limit for c in cfgs)
+    return limit is None or all(tl_shared_bytes(c, weights[i::len(cfgs)], tiles[i]) <= limit
+                                for i, c in enumerate(cfgs))
+
+
+def tl_shared_bytes(cfg: dict, weights: tuple[PackedWeight, ...], tiles: int) -> int:
+    """Shared memory of a tl config's pipelined loads, as Triton 3.6 lays them out for sm_90: ``num_stages``
+    buffers of the [bm, CHUNK_K] 16-bit activation tile, and of the ``tiles`` [bn, CHUNK_K] weight tiles (gate_up
+    loads a gate and an up tile) as stored: ``num_stages`` buffers of dense weights (2 bytes a value; they feed the
+    dot as loaded), one fewer of quantized ones (decoded in registers first), codes and block scales (NVFP4 0.5625
+    bytes a value, MXFP8 1.0625). The MoE's gate_up at 128 x 128 in 3 stages: 294,912 bytes with bf16 experts (the
+    learned model's warm-up on the H100, 2026-12-07, counted one byte a value and one tile, passed the row, and the
+    launch failed: Hopper's limit is 232,448), 135,168 with NVFP4, 167,936 with MXFP8, as the compiler counts
+    (tests/kernels/test_grouped_gemm_compile.py)."""
+    value = max((p.data.numel() * p.data.element_size() + (p.scale.numel() * p.scale.element_size()
+                                                            if p.scale is not None else 0))
+                / (p.groups * p.n_pad * p.k_pad) for p in weights)
+    dense = any(p.fmt == FMT_DENSE for p in weights)
+    stages = cfg["num_stages"]
+    return int(stages * cfg["bm"] * CHUNK_K * 2 + (stages - (0 if dense else 1)) * tiles * cfg["bn"] * CHUNK_K * value)
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,10 +383,12 @@ def _shared_memory(index: int | None) -> int | None:
 
 
 def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[PackedWeight, ...],
-                 rows: tuple[int, ...], k_pads: tuple[int, ...], host_sync: bool, dense_on_cuda: bool) -> tuple:
+                 rows: tuple[int, ...], k_pads: tuple[int, ...], host_sync: bool, dense_on_cuda: bool,
+                 tiles: tuple[int, ...]) -> tuple:
     """(path, configs...) of the first row of ``table`` that fits T tokens of these weights on this device
     (``host_sync``: the op's dense path synchronises with the host, see `dequant_gemm.dense_path_ok`;
-    ``dense_on_cuda``: its dense rows' default on CUDA, `Tuning.dense_prefill`)."""
+    ``dense_on_cuda``: its dense rows' default on CUDA, `Tuning.dense_prefill`; ``tiles``: weight tiles a stage
+    loads, per config, `_tl_fits`)."""
     mma = gemm_mma_kernels()
     fast = (tuning().mma and mma is not None and mma.available(device)
             and all(mma.supported(p) for p in weights))
@@ -388,7 +408,7 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
         if path == "tl":
             if not platform.compiled_cuda(device):  # the tl rows' tiles were measured on Hopper
                 return portable
-            if not _tl_fits(cfgs, device):
+            if not _tl_fits(cfgs, weights, tiles, device):
                 continue
             if any(p.fmt == FMT_DENSE for p in weights):  # wg16 would gather dense weights' columns
                 cfgs = [dict(c, wg16=False) if c.get("wg16") else c for c in cfgs]
@@ -401,17 +421,18 @@ def moe_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     device (`Tuning.moe_table`): the routed experts', with the shared expert's tiles when they ride along."""
     shared = (w.shared_gate_up, w.shared_down) if w.shared_rides else ()
     return _gemm_config(tuning().moe_table, T, device, (w.gate_up, w.down) + shared, (w.inter_pad, w.hidden),
-                        (w.gate_up.k_pad, w.down.k_pad), host_sync=True, dense_on_cuda=False)
+                        (w.gate_up.k_pad, w.down.k_pad), host_sync=True, dense_on_cuda=False,
+                        tiles=(2, 1))
 
 
 def moe_shared_config(T: int, w, device: torch.device) -> tuple[str, dict, dict]:
     """As `moe_config`, for the shared expert's own launches (`moe.MoEStep.shared_expert`)."""
     return _gemm_config(tuning().moe_table, T, device, (w.shared_gate_up, w.shared_down),
                         (w.shared_inter_pad, w.hidden), (w.shared_gate_up.k_pad, w.shared_down.k_pad), host_sync=True,
-                        dense_on_cuda=False)
+                        dense_on_cuda=False, tiles=(2, 1))
 
 
 def linear_config(M: int, w: PackedWeight, device: torch.device) -> tuple[str, dict]:
     """(path, config) of a quantized linear for M rows of ``w`` on this device (`Tuning.linear_table`)."""
     return _gemm_config(tuning().linear_table, M, device, (w,), (w.n_pad,), (w.k_pad,), host_sync=False,
-                        dense_on_cuda=True)
+                        dense_on_cuda=True, tiles=(1,))

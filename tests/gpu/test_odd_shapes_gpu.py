@@ -56,6 +56,14 @@ def test_moe_every_format_pair_portable_odd_shapes(expert_fmt, shared_fmt, gen):
     check_moe(expert_fmt, shared_fmt, 96, 96, 160, TOKENS, DEV, gen)
 
 
+@pytest.mark.parametrize("expert_fmt", FORMATS)
+def test_moe_aligned_shapes_every_table_row(expert_fmt, gen):
+    """The learned model's widths (hidden, FFNs 256: 16-byte aligned, so the tiles' loads are pipelined through
+    shared memory, where hidden 96 above is not) through every MoE row: bf16 experts at 2,000 tokens once asked
+    for 294,912 bytes of it and failed to launch (the learned model's warm-up, H100, 2026-12-07)."""
+    check_moe(expert_fmt, expert_fmt, 256, 256, 256, (1, 100, 200, 700, 2000, 4096), DEV, gen)
+
+
 @pytest.mark.parametrize("expert_fmt", FORMATS[:3])
 @pytest.mark.parametrize("shared_fmt", FORMATS[:3])
 def test_moe_every_quantized_pair_mma_odd_shapes(expert_fmt, shared_fmt, gen):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from m3serve.kernels.codecs import FMT_MXFP8, FMT_NVFP4
+from m3serve.kernels.codecs import FMT_DENSE, FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
 from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 
@@ -48,3 +48,72 @@ def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, tmp_path):
     assert "LDSM" not in sass
     usage = cuobjdump("--dump-resource-usage", cubin).replace(" ", "")
     assert "STACK:0" in usage and "LOCAL:0" in usage  # no spills
+
+
+def _shared(fmt: int, sfmt: int, out: str) -> None:
+    """The MoE's large gate_up tile (dispatch._MOE_TL) for ``fmt`` experts and a ``sfmt`` shared expert, compiled
+    for sm_90 as dispatch launches it (wg16 unless a weight is dense): Triton's count of its shared memory into
+    ``out``."""
+    import triton.language as tl
+
+    from m3serve.kernels import dispatch
+    from m3serve.kernels import grouped_gemm as G
+
+    wg16 = FMT_DENSE not in (fmt, sfmt)
+    act = "*fp16" if wg16 else "*bf16"
+    types = {FMT_DENSE: ("*bf16", "*bf16", act), FMT_NVFP4: ("*u8", "*u8", "*fp32"), FMT_MXFP8: ("*u8", "*fp16", "*fp32")}
+    data, scale, rows = types[fmt]
+    sdata, sscale, srows = types[sfmt]
+    I, F = "i32", "fp32"
+    sig = {"x_ptr": act, "sx": I, "w_data": data, "w_scale": scale, "w_rows": rows, "s_data": sdata,
+           "s_scale": sscale, "s_rows": srows, "counts_ptr": "*i32", "bucket_ptr": "*i32", "cap": I, "tw_ptr": "*fp32",
+           "out_ptr": act, "so": I, "T": I, "K": I, "N_OUT": I, "NG": I, "n_plain_tiles": I, "x_off": I,
+           "out_off": I, "scaling": F, "alpha": F, "limit": F, "E": I, "NT16": I, "KC": I, "N_PAD": I, "K_PAD": I,
+           "S_NT16": I, "S_N_PAD": I}
+    cfg = dispatch._MOE_TL
+    cx = dict(MODE=MODE_GATE_UP, FMT=fmt, SFMT=sfmt, ROUTED=True, X_DIV=4, E_PAD=128, BM=cfg["bm"], BN=cfg["bn"],
+              WDT=tl.float16 if wg16 else tl.bfloat16, SWAP=cfg["swap"], WG16=wg16, ASM=FMT_NVFP4 in (fmt, sfmt), SPLIT=1)
+    aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
+    compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=cfg["num_warps"],
+                            num_stages=cfg["num_stages"])
+    Path(out).write_text(str(compiled.metadata.shared))
+
+
+def _packed(fmt: int):
+    import torch
+
+    from m3serve.kernels import weight_layout as W
+    g, n, k = 2, 256, 256
+    if fmt == FMT_DENSE:
+        return W.pack_dense(torch.zeros(g, n, k, dtype=torch.bfloat16))
+    if fmt == FMT_NVFP4:
+        return W.pack_nvfp4(torch.zeros(g, n, k // 2, dtype=torch.uint8),
+                            torch.zeros(g, n, k // 16, dtype=torch.float8_e4m3fn), 1.0)
+    return W.pack_mxfp8(torch.zeros(g, n, k, dtype=torch.float8_e4m3fn), torch.full((g, n, k // 32), 127,
+                                                                                     dtype=torch.uint8))
+
+
+HOPPER_SHARED = 232448  # bytes a block may opt in to on the H100 / H200 (Triton's "Hardware limit")
+
+
+@pytest.mark.parametrize("fmt,sfmt", [(FMT_DENSE, FMT_DENSE), (FMT_NVFP4, FMT_NVFP4), (FMT_MXFP8, FMT_MXFP8),
+                                      (FMT_NVFP4, FMT_MXFP8), (FMT_NVFP4, FMT_DENSE)],
+                         ids=["dense", "nvfp4", "mxfp8", "nvfp4-mxfp8", "nvfp4-dense"])
+def test_tl_rows_skip_exactly_the_tiles_that_do_not_fit(fmt, sfmt, tmp_path, monkeypatch):
+    """dispatch's shared-memory count decides as the compiler does whether the MoE's 128 x 128 gate_up tile fits
+    Hopper. It once counted a byte per weight value and one weight tile: bf16 experts (the learned model) passed
+    and the launch failed at 294,912 bytes (H100, 2026-12-07)."""
+    import torch
+
+    from m3serve.kernels import dispatch
+    out = tmp_path / "shared"
+    run_uninterpreted(__file__, f"t._shared({fmt}, {sfmt}, {str(out)!r})")
+    actual = int(out.read_text())
+    w, s = _packed(fmt), _packed(sfmt)
+    estimate = dispatch.tl_shared_bytes(dispatch._MOE_TL, (w, s), tiles=2)
+    assert actual <= estimate <= 1.02 * actual, (estimate, actual)  # never under: a row it passes must launch
+    monkeypatch.setattr(dispatch, "_shared_memory", lambda index: HOPPER_SHARED)
+    cfgs = (dispatch._MOE_TL, dispatch._MOE_TL)
+    assert dispatch._tl_fits(cfgs, (w, w, s, s), (2, 1), torch.device("cuda", 0)) == (actual <= HOPPER_SHARED)
+    if fmt == FMT_DENSE:
+        assert actual > HOPPER_SHARED  # the case the old count let through
