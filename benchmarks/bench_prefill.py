@@ -248,14 +248,12 @@ def bench_ttft(args, dev, res):
     # the default tables' tl rows compute the transposed product (NOTES-moe, Version 4): the same rows without it
     unswapped = {k: tl_swap(getattr(dispatch.tuning(), k), False) for k in ("moe_table", "linear_table")}
     rows, profiles = [], []
-    # the MSA prefill attention (41% of the 32K prefill's kernel time on the H100, 2026-12-07): 8-token tiles (128
-    # rows of 16 heads) on 8 warps halve the K / V decode per row, the word decoders take a fifth of the instructions
-    # off (sm_90 SASS: 2448 -> 2016 / 1840 per warp, no spill; 8 tokens on 4 warps spill)
-    msa_tiles = dict(prefill_block_t=8, prefill_num_warps=8)
+    # the MSA prefill attention (45% of the 32K prefill's kernel time on the H100, 2026-12-07) with its byte decoder
+    # (the default before the word decoder measured 11% faster, bench_msa) and with 8-token tiles on 8 warps
     variants = ((kernels_only, "decode kernels only"), ({}, "default dispatch"),
                 (dict(dense_prefill=True), "dense rows on"), (unswapped, "tl rows unswapped"),
-                (msa_tiles, "msa prefill 8-token tiles"),
-                (dict(msa_tiles, prefill_words=True), "msa prefill 8-token tiles, words"))
+                (dict(prefill_words=False), "msa prefill bytes"),
+                (dict(prefill_block_t=8, prefill_num_warps=8), "msa prefill 8-token tiles"))
     for tables, name in (v for v in variants if args.ttft_filter in v[1]):
         with tuned(**tables), recorded({}):
             for n in args.ttft:  # warm-up: compiles the prefill kernels of every chunk size

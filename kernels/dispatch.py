@@ -128,8 +128,8 @@ class Tuning:
     prefill_block_t: int | None = None  # query tokens per tile; None: 64 rows (interpreter 32) / next_pow2(G)
     prefill_block_n: int | None = None  # tokens per key tile; None: 64 (interpreter 32)
     prefill_num_warps: int = 4
-    prefill_words: bool | str = False  # the prefill attention's decoder, as `decode_words` (False: nvfp4 bytes, fp8
-    #   native cast, as measured on the H200; True / "split" not yet timed)
+    prefill_words: bool | str | None = None  # the prefill attention's decoder, as `decode_words`; None:
+    #   `prefill_words`
     # indexer block scores (indexer_block_scores, indexer_decode, indexer_prefill)
     index_chunks: int | None = None  # block chunks per query tile; None: 4 programs per SM
     index_block_t: int | None = None  # prefill query tokens per tile; None: 64 rows (interpreter 16) / next_pow2(H)
@@ -284,6 +284,14 @@ def decode_words(fmt: int, sparse: bool):
     (docs/performance.md, decoder rows): nvfp4 sparse -> bytes, nvfp4 dense-mode and fp8 (V) -> int32 words."""
     t = tuning().decode_words
     return t if t is not None else (fmt != FMT_NVFP4 or not sparse)
+
+
+def prefill_words(fmt: int):
+    """The MSA prefill attention's decoder (see `Tuning.prefill_words`): nvfp4 -> int32 words, 11% / 9% faster than
+    bytes (sparse / dense-mode, 8K context, 2048-token chunk, H100, 2026-12-07, bench_msa --prefill-variants words);
+    fp8 keeps the native cast (words there not timed)."""
+    t = tuning().prefill_words
+    return t if t is not None else fmt == FMT_NVFP4
 
 
 def decode_splits(max_tiles: int, programs: int, sparse: bool, on_mma: bool, device: torch.device) -> tuple[int, int]:

@@ -586,7 +586,7 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
     fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
     sparse = block_ids is not None
     bid = block_ids if sparse else positions
-    ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.tuning().prefill_words)
+    ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.prefill_words(fmt))
     _msa_prefill_kernel[(tiles.shape[0], H_kv)](
         q, q.stride(0), q.stride(1),
         k_data, cache.v, k_data.stride(0), k_data.stride(1), k_data.stride(2),
