@@ -206,7 +206,26 @@ def profile_decode(engine, device, batch, context, top=12, prompt: int = 0, step
     return {"steps": steps, "mixed_steps": mixed,  # steps scheduled in the window with decodes and prompt tokens
             "wall_us_per_step": 1e6 * wall / steps, "kernel_us_per_step": total / steps,  # under the profiler
             "kernels": [{"name": e.key[:90], "us_per_step": getattr(e, key) / steps, "share": getattr(e, key) / total}
-                        for e in rows[:top]]}
+                        for e in rows[:top]],
+            **host_rows(prof, steps, top)}
+
+
+# CUDA runtime / driver calls that say where a step's host time goes: launches (eager work), graph replays, and
+# the calls that wait for the device
+RUNTIME_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
+                 "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
+def host_rows(prof, steps: int, top: int) -> dict:
+    """The host's side of a profile: the operators and runtime calls with the most CPU time of their own, per step
+    ("host_ops"), and per step the count and CPU time of each of `RUNTIME_CALLS` seen ("runtime")."""
+    from torch.autograd import DeviceType
+    cpu = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0]
+    cpu.sort(key=lambda e: -e.self_cpu_time_total)
+    return {"host_ops": [{"name": e.key[:90], "us_per_step": e.self_cpu_time_total / steps,
+                          "calls_per_step": e.count / steps} for e in cpu[:top]],
+            "runtime": {e.key: {"calls_per_step": e.count / steps, "us_per_step": e.self_cpu_time_total / steps}
+                        for e in cpu if e.key in RUNTIME_CALLS}}
 
 
 def build(num_layers, dense_layers, device, args, max_context, room: int = 64):

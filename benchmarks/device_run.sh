@@ -5,8 +5,8 @@
 # JSON go to $OUT (or ./device_out). `*_ARGS` are word-split: no spaces inside one argument.
 #
 # Kernels and the engine:
-#   tests      pytest $TESTS (default tests/gpu); $SANITIZER prefixes its python (e.g. "compute-sanitizer --tool
-#              memcheck --error-exitcode 9")
+#   tests      pytest $TESTS (default tests/gpu), -k "$TESTS_K" where set (one argument, spaces kept); $SANITIZER
+#              prefixes its python (e.g. "compute-sanitizer --tool memcheck --error-exitcode 9")
 #   memcheck   compute-sanitizer memcheck over each of $MEMCHECK_FILES (default: the kernel GPU test files), each in
 #              its own process, $MEMCHECK_JOBS at once, with PyTorch's caching allocator off
 #              (PYTORCH_NO_CUDA_MEMORY_CACHING=1: each tensor its own cudaMalloc, so an access past a tensor's end is
@@ -14,7 +14,9 @@
 #              `cuda_graph` tests (nothing can be allocated while capturing without that allocator) with it on; a
 #              line per pass (pytest's summary, memcheck's error count), the logs in $OUT/memcheck.tgz. Six files at
 #              once, and four, ran the sanitizer out of memory on an 80 GB H100 (2026-12-06): keep MEMCHECK_JOBS at 1.
-#              $MEMCHECK_OPTS (word-split) go to compute-sanitizer before the program (e.g. a --kernel-name filter)
+#              $MEMCHECK_OPTS (word-split) go to compute-sanitizer before the program (e.g. a --kernel-name filter);
+#              -k "$MEMCHECK_K" selects tests (test_nvfp4_mma_gpu's 17 kernel tests took 500 s, its engine test more:
+#              "not engine" then "engine", H100, 2026-12-07)
 #   msa, qkv, moe, markov   benchmarks/bench_{msa,qkv,moe,markov}.py $MSA_ARGS ... ("markov": DSpark's greedy Markov
 #              phase, fused kernels vs the torch loop, both in CUDA graphs)
 #   engine     benchmarks/bench_engine.py $ENGINE_ARGS; spec: benchmarks/bench_spec.py $SPEC_ARGS
@@ -109,7 +111,7 @@ for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
     tests) reference_site  # tests/gpu/test_learned_gpu.py trains transformers' model
            PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q \
-             -rfE -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+             -rfE -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     memcheck)  # $MEMCHECK_JOBS files at once (default 1); logs in /tmp/memcheck, packed into $OUT/memcheck.tgz
       mkdir -p /tmp/memcheck
       # the probe must make a CUDA call: under `true` the sanitizer fails whatever its options ("Target application
@@ -125,7 +127,8 @@ for step in ${STEPS:-tests msa qkv}; do
         local log="$1" label="$2"
         shift 2
         PYTHONPATH=/tmp/p timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --print-limit 20 \
-          ${MEMCHECK_OPTS:-} python3 -m pytest -q -rs -p no:cacheprovider "$@" > "$log" 2>&1
+          ${MEMCHECK_OPTS:-} python3 -m pytest -q -rs -p no:cacheprovider ${MEMCHECK_K:+-k "$MEMCHECK_K"} "$@" \
+          > "$log" 2>&1
         echo "$label: rc $? | $(grep -E ' in [0-9.]+s' "$log" | tail -1) | $(grep 'ERROR SUMMARY' "$log" | head -1)"
       }
       memcheck_file() {  # the file with the caching allocator off (its cuda_graph tests skip: nothing can be

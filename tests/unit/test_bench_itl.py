@@ -7,6 +7,7 @@ import json
 
 def test_bench_itl_smoke(tmp_path):
     bench = importlib.import_module("bench_itl")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
+    from bench_engine import RUNTIME_CALLS
     assert bench.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "bench_itl.json").read_text())
     streams, long = res["streams"], res["long_prompt"]
@@ -41,5 +42,10 @@ def test_bench_itl_smoke(tmp_path):
     assert mixed_p["steps"] - 1 <= mixed_p["mixed_steps"] <= mixed_p["steps"] + 1
     for p in (idle_p, mixed_p):
         assert p["wall_us_per_step"] > 0 and p["kernel_us_per_step"] > 0 and p["kernels"]
+        # the host's side: its operators by their own CPU time, largest first, each called at least once a window
+        host = [h["us_per_step"] for h in p["host_ops"]]
+        assert host and host == sorted(host, reverse=True)
+        assert all(h["calls_per_step"] * p["steps"] >= 1 for h in p["host_ops"])
+        assert set(p["runtime"]) <= set(RUNTIME_CALLS)
     table = (tmp_path / "bench_itl.md").read_text()
     assert "| idle (no prompt) |" in table and "| 132 | 128 |" in table and "| 132 | 16 (capped) |" in table
