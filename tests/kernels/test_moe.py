@@ -49,9 +49,12 @@ def test_mxfp8_prepared_multipliers_keep_small_blocks(gen):
     assert rel_err(full, ref) < 1e-6
 
 
-@pytest.mark.parametrize("T", [1, 7, 40])
-def test_router_matches_reference(T, gen):
-    E, H, k = 16, 96, 4
+@pytest.mark.parametrize("T,H", [(1, 96), (7, 96), (40, 96), (130, 1152), (1100, 1152)])
+def test_router_matches_reference(T, H, gen):
+    """Every launch shape: 9 K chunks of 1152 are 9 slices at 130 tokens (5 blocks of 32), 3 at 1100 (35 blocks)."""
+    from m3serve.kernels.moe_router import router_config
+    assert (router_config(130, 9)["KS"], router_config(1100, 9)["KS"]) == (9, 3)
+    E, k = 16, 4
     x = torch.randn(T, H, generator=gen)
     rw = torch.randn(E, H, generator=gen) * 0.2
     bias = torch.randn(E, generator=gen) * 0.1
