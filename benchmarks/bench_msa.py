@@ -242,7 +242,7 @@ def bench_insert(dtype, T, device, timer):
 # prefill attention variants (`--prefill-variants`): 8-token tiles (128 rows of 16 heads) on 8 warps (2.549 ms against
 # 2.183 with the byte decoder, sparse, H100, 2026-12-07), the byte decoder (the default before that run), the word one
 PREFILL_VARIANTS = {"t8w8": dict(prefill_block_t=8, prefill_num_warps=8), "bytes": dict(prefill_words=False),
-                    "words": dict(prefill_words=True)}
+                    "words": dict(prefill_words=True), "sdpa": dict(prefill_sdpa_from=128)}  # sdpa: dense-mode only
 
 
 def bench_prefill(pool, ctx, chunk, device, timer, variants=()):
@@ -260,8 +260,9 @@ def bench_prefill(pool, ctx, chunk, device, timer, variants=()):
     bids = idx_fn()
     row = {"kv_dtype": pool.dtype, "context": ctx, "chunk": chunk}
     row["indexer_prefill_ms"] = timer(idx_fn)
-    row["msa_prefill_sparse_ms"] = timer(lambda: msa_prefill(q, c, bt, qsl, pos, scale, bids))
-    row["msa_prefill_dense_ms"] = timer(lambda: msa_prefill(q, c, bt, qsl, pos, scale, None))
+    attend = lambda b: msa_prefill(q, c, bt, qsl, pos, scale, b, seq_lens_cpu=[ctx])  # noqa: E731
+    row["msa_prefill_sparse_ms"] = timer(lambda: attend(bids))
+    row["msa_prefill_dense_ms"] = timer(lambda: attend(None))
     if device == "cuda" and pool.dtype == "bfloat16":
         k = torch.randn(1, H_Q, ctx, D, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -271,14 +272,13 @@ def bench_prefill(pool, ctx, chunk, device, timer, variants=()):
             lambda: F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale))
     flops = 4 * chunk * H_Q * D * (ctx - chunk / 2)
     row["msa_prefill_dense_TFLOPs"] = flops / (row["msa_prefill_dense_ms"] * 1e-3) / 1e12
-    base = {m: msa_prefill(q, c, bt, qsl, pos, scale, b).float()
-            for m, b in (("sparse", bids), ("dense", None))} if variants else {}
+    base = {m: attend(b).float() for m, b in (("sparse", bids), ("dense", None))} if variants else {}
     for name in variants:
         with tuned(**PREFILL_VARIANTS[name]):
             for mode, b in (("sparse", bids), ("dense", None)):
-                got = msa_prefill(q, c, bt, qsl, pos, scale, b).float()
+                got = attend(b).float()
                 row[f"{name}_{mode}_err"] = float((got - base[mode]).norm() / base[mode].norm())
-                row[f"{name}_{mode}_ms"] = timer(lambda b=b: msa_prefill(q, c, bt, qsl, pos, scale, b))
+                row[f"{name}_{mode}_ms"] = timer(lambda b=b: attend(b))
     return row
 
 

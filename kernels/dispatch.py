@@ -130,6 +130,9 @@ class Tuning:
     prefill_num_warps: int = 4
     prefill_words: bool | str | None = None  # the prefill attention's decoder, as `decode_words`; None:
     #   `prefill_words`
+    prefill_sdpa_from: int | None = None  # full-attention layers: a sequence with at least this many query tokens in
+    #   the step (at least 128) dequantizes its pages once and runs torch's SDPA instead of the kernel, which decodes
+    #   every key tile again for each 4 query tokens (`msa_attention.dense_prefill_sdpa`); None: off (not yet timed)
     # indexer block scores (indexer_block_scores, indexer_decode, indexer_prefill)
     index_chunks: int | None = None  # block chunks per query tile; None: 4 programs per SM
     index_block_t: int | None = None  # prefill query tokens per tile; None: 64 rows (interpreter 16) / next_pow2(H)
@@ -174,15 +177,28 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def prefill_tiles(query_start_loc, block_t: int, device) -> torch.Tensor:
-    """int32 [n_tiles, 3] = (sequence, first token, end token): <= block_t consecutive tokens of one sequence."""
+def prefill_tiles(query_start_loc, block_t: int, device, skip=()) -> torch.Tensor:
+    """int32 [n_tiles, 3] = (sequence, first token, end token): <= block_t consecutive tokens of one sequence (none
+    of the sequences in ``skip``)."""
     qsl = [int(x) for x in query_start_loc]
-    rows = [(s, t, min(t + block_t, qsl[s + 1])) for s in range(len(qsl) - 1)
+    rows = [(s, t, min(t + block_t, qsl[s + 1])) for s in range(len(qsl) - 1) if s not in skip
             for t in range(qsl[s], qsl[s + 1], block_t)]
     tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
     if torch.device(device).type == "cuda":  # from page-locked memory: the copy does not wait for the device
         return tiles.pin_memory().to(device, non_blocking=True)
     return tiles.to(device)
+
+
+SDPA_MIN_TOKENS = 128  # `Tuning.prefill_sdpa_from`'s floor: speculative and decode rows never take the SDPA path
+
+
+def sdpa_prefill_sequences(query_start_loc, sparse: bool) -> list[int]:
+    """The sequences of a prefill step whose full-attention rows run torch's SDPA (`Tuning.prefill_sdpa_from`)."""
+    start = tuning().prefill_sdpa_from
+    if sparse or start is None:
+        return []
+    qsl = [int(x) for x in query_start_loc]
+    return [s for s in range(len(qsl) - 1) if qsl[s + 1] - qsl[s] >= max(start, SDPA_MIN_TOKENS)]
 
 
 def _rows_per_tile(rows: int, pad: int) -> int:

@@ -566,11 +566,31 @@ def _msa_prefill_kernel(
     _store_slots(orow, acc, inv[:, None], NS_V, D, row_ok, False, PERM)
 
 
+def dense_prefill_sdpa(q, cache: LayerCache, block_table_row, seq_len: int, scale: float, out) -> None:
+    """Dense causal attention of one sequence's chunk, q ``[n, H_q, D]`` at positions ``seq_len - n .. seq_len - 1``,
+    by torch's SDPA over its pages dequantized once: nvfp4 / fp8 codes times block scales are exact in bf16, so only
+    the per-layer scales are left, and they fold into the softmax scale and the output. Into ``out [n, H_q, D]``."""
+    from torch.nn.attention.bias import causal_lower_right
+    n, B = q.shape[0], cache.k.shape[2]
+    pages = block_table_row[: -(-seq_len // B)].long()
+    kv = []
+    for part in ("k", "v"):
+        data, blocks, _ = cache_part(cache, part)
+        x = dequant_pages_ref(data[pages], None if blocks is None else blocks[pages], 1.0, q.dtype)
+        kv.append(x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3])[:, :, :seq_len])  # [1, H_kv, seq_len, D]
+    k_scale, v_scale = _kv_operands(cache)[3:]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], kv[0], kv[1], attn_mask=causal_lower_right(n, seq_len), scale=scale * k_scale,
+        enable_gqa=True)
+    out.copy_((o[0].transpose(0, 1) * v_scale) if v_scale != 1.0 else o[0].transpose(0, 1))
+
+
 def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, scale: float, block_ids=None,
-                tiles=None, out=None) -> torch.Tensor:
+                tiles=None, out=None, seq_lens_cpu=None) -> torch.Tensor:
     """Triton version of :func:`msa_prefill_ref`: grid (token tile, KV head), keys from pages. ``tiles``: the step's
     tile map (`dispatch.prefill_tiles` of `dispatch.attention_block_t`, made under the same tuning), else made
-    here."""
+    here. Dense (no ``block_ids``) with ``seq_lens_cpu`` (the sequences' lengths after the step, on the host):
+    the sequences `dispatch.sdpa_prefill_sequences` names run `dense_prefill_sdpa`, the kernel the rest."""
     T, H_q, D = q.shape
     k_data = cache.k
     _, H_kv, B, _ = k_data.shape
@@ -579,6 +599,12 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
     if T == 0:
         return out
     block_t = dispatch.attention_block_t(G)
+    apart = dispatch.sdpa_prefill_sequences(query_start_loc, block_ids is not None) if seq_lens_cpu is not None else []
+    for s in apart:
+        a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        dense_prefill_sdpa(q[a:b], cache, block_tables[s], int(seq_lens_cpu[s]), scale, out[a:b])
+    if apart:  # the kernel's tiles for the rest
+        tiles = dispatch.prefill_tiles(query_start_loc, block_t, q.device, skip=set(apart))
     if tiles is None:
         tiles = dispatch.prefill_tiles(query_start_loc, block_t, q.device)
     if tiles.shape[0] == 0:

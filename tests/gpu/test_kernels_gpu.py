@@ -110,6 +110,20 @@ def test_msa_prefill_gpu(setup, mode):
     assert rel_err(out, ref) < 1e-2
 
 
+def test_msa_prefill_sdpa_gpu(setup):
+    """`Tuning.prefill_sdpa_from`: the dense rows of the 200-, 300- and 130-token chunks through torch's SDPA (the
+    CUDA backends, lower-right causal, GQA 16), the rest through the kernel; the same chunks as the kernel test."""
+    kv_dtype, st, g = setup
+    qsl, pos = chunk_positions(SEQ_LENS, CHUNKS)
+    pos = pos.to(DEV)
+    q = torch.randn(qsl[-1], H_Q, D, generator=g).to(DEV, torch.bfloat16)
+    ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, None)
+    out = torch.full_like(q, float("nan"))
+    with tuned(prefill_sdpa_from=128):
+        msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, None, out=out, seq_lens_cpu=SEQ_LENS)
+    assert rel_err(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("kv_dtype,index_dtype", [("nvfp4", "nvfp4"), ("fp8", "fp8"), ("bfloat16", "bfloat16")])
 def test_triton_attention_gpu(kv_dtype, index_dtype):
     steps = [{0: 1500, 1: 700}, {0: 900, 1: 1, 2: 300}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]

@@ -133,3 +133,36 @@ def test_msa_prefill_word_decoders(kv_dtype):
                 with tuned(prefill_words=words, prefill_block_t=block_t):
                     msa_prefill(q, st.cache, st.bt, qsl, pos, 128 ** -0.5, b, out=out)
                 assert rel_err(out, ref) < 1e-2, (words, block_t, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_dense_prefill_sdpa_beside_the_kernel(kv_dtype, monkeypatch):
+    """`Tuning.prefill_sdpa_from`: the full-attention rows of long chunks (130 tokens after 270 of context, a whole
+    150-token prompt) run torch's SDPA over their pages dequantized once, the short ones (1 and 16 tokens) the
+    kernel, in one call == the reference. The chunk after context is what the causal alignment must get right:
+    SDPA's own is_causal (aligned top-left) is wrong there, and the test says so."""
+    import torch.nn.attention.bias as bias
+
+    from m3serve.kernels import msa_attention
+    seq_lens = [400, 150, 7, 97]
+    st, g = _setup(kv_dtype, 31, seq_lens)
+    qsl, pos = chunk_positions(seq_lens, [130, 150, 1, 16])
+    q = torch.randn(qsl[-1], H_KV * G, D, generator=g).to(torch.bfloat16)
+    ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, None)
+    calls = []
+    real = msa_attention.dense_prefill_sdpa
+    monkeypatch.setattr(msa_attention, "dense_prefill_sdpa", lambda *a: calls.append(a[3]) or real(*a))
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        with tuned(prefill_sdpa_from=100):
+            msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, None, out=out, seq_lens_cpu=seq_lens)
+        return out
+
+    assert rel_err(run(), ref) < TOL[kv_dtype]
+    assert calls == [400, 150]  # the two long chunks, by their lengths after the step
+    monkeypatch.setattr(bias, "causal_lower_right", bias.causal_upper_left)
+    out = run()
+    a, b = qsl[0], qsl[1]
+    assert rel_err(out[a:b], ref[a:b]) > 0.1  # the chunk after context, aligned top-left: wrong
+    assert rel_err(out[b:], ref[b:]) < TOL[kv_dtype]  # a whole prompt is the same either way

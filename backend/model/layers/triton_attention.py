@@ -81,4 +81,5 @@ class TritonAttention:
         if iq is not None:
             block_ids = indexer_prefill(iq.contiguous(), c, bt, qsl, pos, sp.topk, sp.local_blocks,
                                         tiles=step.index_tiles)
-        return msa_prefill(q, c, bt, qsl, pos, sp.scale, block_ids, tiles=step.attn_tiles)
+        return msa_prefill(q, c, bt, qsl, pos, sp.scale, block_ids, tiles=step.attn_tiles,
+                           seq_lens_cpu=step.seq_lens_cpu)
