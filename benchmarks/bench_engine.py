@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ceilings import copy_bandwidth  # noqa: E402
 from geometry import SMOKE, flash_geometry, make_engine, random_model, step_bytes, weight_bytes  # noqa: E402
 
+from m3serve.config import EngineConfig  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from m3serve.engine.sequence import SequenceStatus  # noqa: E402
 
@@ -240,7 +241,7 @@ def build(num_layers, dense_layers, device, args, max_context, room: int = 64):
                          max_num_seqs=max_batch, num_gpu_blocks_override=pages, enforce_eager=args.enforce_eager,
                          async_scheduling=not args.no_async_scheduling,
                          max_num_batched_tokens=args.chunk,
-                         piecewise_graph_tokens=getattr(args, "piecewise", 0))
+                         piecewise_graph_tokens=getattr(args, "piecewise", EngineConfig.piecewise_graph_tokens))
     randomize_cache(engine)
     return cfg, model, engine
 

@@ -43,6 +43,7 @@ import geometry  # noqa: E402
 from bench_engine import (build, profile_decode, release, start_synthetic, stop_synthetic, sync,  # noqa: E402
                           time_ttft)
 
+from m3serve.config import EngineConfig  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
 
 LONG_ID = "itl-long"
@@ -133,8 +134,9 @@ def main(argv=None) -> int:
     p.add_argument("--idle-steps", type=int, default=256, help="recorded decode steps with nothing admitted")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (no step queued ahead)")
-    p.add_argument("--piecewise", type=int, default=0,
-                   help="piecewise_graph_tokens: prefill / mixed steps of up to N tokens replay piecewise CUDA graphs")
+    p.add_argument("--piecewise", type=int, default=EngineConfig.piecewise_graph_tokens,
+                   help="piecewise_graph_tokens: prefill / mixed steps of up to N tokens replay piecewise CUDA graphs "
+                        "(0: eagerly)")
     p.add_argument("--profile", action="store_true",
                    help="then torch.profiler over idle decode steps and mixed steps at each cap: wall vs kernel time "
                         "per step (a mixed step runs eagerly), the largest kernels")

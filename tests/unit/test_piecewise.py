@@ -49,6 +49,6 @@ def test_wrong_pieces_are_caught(make_engine, eu, reference_greedy):
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_piecewise_graph_tokens_validated(value):
-    assert EngineConfig(model="m").piecewise_graph_tokens == 0
+    assert EngineConfig(model="m").piecewise_graph_tokens == 512  # on by default (README)
     with pytest.raises(ConfigError, match="piecewise_graph_tokens"):
         EngineConfig(model="m", piecewise_graph_tokens=value).validate()
