@@ -115,8 +115,8 @@ def test_msa_decode_word_decoders(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8"])
 def test_msa_prefill_word_decoders(kv_dtype):
     """D = 128, 16 query heads per KV head: the prefill attention with K / V decoded from int32 words (nvfp4: the
-    joined tile and its permuted columns, or 8 sub-tiles; fp8: V in 4 sub-tiles) and with 8-token tiles (128 rows)
-    == the reference, sparse and dense-mode."""
+    joined tile and its permuted columns, or 8 sub-tiles; fp8: V in 4 sub-tiles) and with 8- and 1-token tiles (128,
+    16 rows) == the reference, sparse and dense-mode."""
     g = torch.Generator().manual_seed(23)
     seq_lens = [70, 33]
     st = build(seq_lens, 1, 128, 16, kv_dtype, "bfloat16", DI, gen=g)
@@ -128,7 +128,7 @@ def test_msa_prefill_word_decoders(kv_dtype):
     for b in (bids, None):
         ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, 128 ** -0.5, b)
         for words in ((True, "split", False) if kv_dtype == "nvfp4" else (True, False)):
-            for block_t in (None, 8):
+            for block_t in (None, 8, 1):
                 out = torch.full_like(q, float("nan"))
                 with tuned(prefill_words=words, prefill_block_t=block_t):
                     msa_prefill(q, st.cache, st.bt, qsl, pos, 128 ** -0.5, b, out=out)
