@@ -155,7 +155,8 @@ class StepInput:
     logits_indices: torch.Tensor | None = None  # int64 [N] tokens whose next token is sampled
     sampling: SamplingInput | None = None  # one row per logits index
     # prefill query tiles (sequence, first token, end token), made by the attention backend's `plan`
-    attn_tiles: torch.Tensor | None = None  # int32 [n, 3], block-sparse attention
+    attn_tiles: torch.Tensor | None = None  # int32 [n, 3], full attention (and block-sparse where its tiles agree)
+    sparse_tiles: torch.Tensor | None = None  # int32 [n, 3], block-sparse attention (None: attn_tiles)
     index_tiles: torch.Tensor | None = None  # int32 [n, 3], the indexer
     speculative: SpeculativeInput | None = None  # the sequences that speculate this step (None: none)
     # async scheduling: the step was launched before the previous step's tokens reached the host; token t belongs to

@@ -126,6 +126,8 @@ class Tuning:
     decode_mma_kmode: int = MODE_INT  # K decoder of the mma attention (V always uses the convert)
     # MSA prefill attention (msa_prefill)
     prefill_block_t: int | None = None  # query tokens per tile; None: 64 rows (interpreter 32) / next_pow2(G)
+    prefill_sparse_block_t: int | None = None  # the same on block-sparse layers (None: prefill_block_t's); a sparse
+    #   tile visits the union of its tokens' blocks (docs/performance.md: 2.17 per block needed at 4 tokens)
     prefill_block_n: int | None = None  # tokens per key tile; None: 64 (interpreter 32)
     prefill_num_warps: int = 4
     prefill_words: bool | str | None = None  # the prefill attention's decoder, as `decode_words`; None:
@@ -206,9 +208,10 @@ def _rows_per_tile(rows: int, pad: int) -> int:
     return max(1, rows // pad, 16 // pad)
 
 
-def attention_block_t(group: int) -> int:
-    """Query tokens per MSA prefill tile for ``group`` query heads per KV head."""
-    t = tuning().prefill_block_t
+def attention_block_t(group: int, sparse: bool = False) -> int:
+    """Query tokens per MSA prefill tile for ``group`` query heads per KV head (``sparse``: on block-sparse layers)."""
+    t = tuning().prefill_sparse_block_t if sparse else None
+    t = t if t is not None else tuning().prefill_block_t
     return t if t is not None else _rows_per_tile(32 if platform.interpreting() else 64, next_pow2(group))
 
 

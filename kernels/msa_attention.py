@@ -588,8 +588,8 @@ def dense_prefill_sdpa(q, cache: LayerCache, block_table_row, seq_len: int, scal
 def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, scale: float, block_ids=None,
                 tiles=None, out=None, seq_lens_cpu=None) -> torch.Tensor:
     """Triton version of :func:`msa_prefill_ref`: grid (token tile, KV head), keys from pages. ``tiles``: the step's
-    tile map (`dispatch.prefill_tiles` of `dispatch.attention_block_t`, made under the same tuning), else made
-    here. Dense (no ``block_ids``) with ``seq_lens_cpu`` (the sequences' lengths after the step, on the host):
+    tile map (`dispatch.prefill_tiles` of `dispatch.attention_block_t` for this mode, made under the same tuning),
+    else made here. Dense (no ``block_ids``) with ``seq_lens_cpu`` (the sequences' lengths after the step, on the host):
     the sequences `dispatch.sdpa_prefill_sequences` names run `dense_prefill_sdpa`, the kernel the rest."""
     T, H_q, D = q.shape
     k_data = cache.k
@@ -598,7 +598,7 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
     out = torch.empty_like(q) if out is None else out
     if T == 0:
         return out
-    block_t = dispatch.attention_block_t(G)
+    block_t = dispatch.attention_block_t(G, sparse=block_ids is not None)
     apart = dispatch.sdpa_prefill_sequences(query_start_loc, block_ids is not None) if seq_lens_cpu is not None else []
     for s in apart:
         a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])

@@ -44,6 +44,9 @@ class TritonAttention:
         step.attn_tiles = prefill_tiles(qsl, attention_block_t(self.group), dev)
         if self.index_heads:
             step.index_tiles = prefill_tiles(qsl, index_block_t(self.index_heads), dev)
+            sparse_t = attention_block_t(self.group, sparse=True)
+            if sparse_t != attention_block_t(self.group):
+                step.sparse_tiles = prefill_tiles(qsl, sparse_t, dev)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
                 ik: torch.Tensor | None, step: StepInput) -> torch.Tensor:
@@ -81,5 +84,5 @@ class TritonAttention:
         if iq is not None:
             block_ids = indexer_prefill(iq.contiguous(), c, bt, qsl, pos, sp.topk, sp.local_blocks,
                                         tiles=step.index_tiles)
-        return msa_prefill(q, c, bt, qsl, pos, sp.scale, block_ids, tiles=step.attn_tiles,
-                           seq_lens_cpu=step.seq_lens_cpu)
+        tiles = step.sparse_tiles if block_ids is not None and step.sparse_tiles is not None else step.attn_tiles
+        return msa_prefill(q, c, bt, qsl, pos, sp.scale, block_ids, tiles=tiles, seq_lens_cpu=step.seq_lens_cpu)
