@@ -244,9 +244,11 @@ def bench_insert(dtype, T, device, timer):
 # 1- and 2-token tiles (16 / 32 rows): a sparse tile visits the union of its tokens' blocks for all its rows, so with
 # this bench's random queries (unrelated selections) 4-token tiles compute about 4x the rows each block needs, at the
 # same number of block decodes as 1-token tiles (a trained indexer's neighbouring tokens share most blocks);
-# sdpa: dense-mode only
+# sorted: sparse tiles walk their selections sorted instead of scanning the context's blocks; sdpa: dense-mode only
 PREFILL_VARIANTS = {"t8w8": dict(prefill_block_t=8, prefill_num_warps=8), "bytes": dict(prefill_words=False),
                     "words": dict(prefill_words=True), "t1": dict(prefill_block_t=1), "t2": dict(prefill_block_t=2),
+                    "sorted": dict(prefill_sorted_blocks=True), "t1_sorted": dict(prefill_block_t=1,
+                                                                                    prefill_sorted_blocks=True),
                     "sdpa": dict(prefill_sdpa_from=128)}
 
 

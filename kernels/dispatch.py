@@ -132,6 +132,8 @@ class Tuning:
     prefill_num_warps: int = 4
     prefill_words: bool | str | None = None  # the prefill attention's decoder, as `decode_words`; None:
     #   `prefill_words`
+    prefill_sorted_blocks: bool = False  # block-sparse tiles walk their selections sorted (BLOCK_T x TOPK steps) where
+    #   they scan every block of the context (32K: 256 steps; 128K: 1024); not yet timed
     prefill_sdpa_from: int | None = None  # full-attention layers: a sequence with at least this many query tokens in
     #   the step (at least 128) dequantizes its pages once and runs torch's SDPA instead of the kernel, which decodes
     #   every key tile again for each 4 query tokens (`msa_attention.dense_prefill_sdpa`); None: off (not yet timed)

@@ -511,11 +511,12 @@ def _msa_prefill_kernel(
     G, B,
     G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr,
     SPARSE: tl.constexpr, FMT: tl.constexpr, NS_K: tl.constexpr, NS_V: tl.constexpr, DOT_DT: tl.constexpr,
-    PERM: tl.constexpr, ASM: tl.constexpr,
+    PERM: tl.constexpr, ASM: tl.constexpr, SORTED: tl.constexpr = False,
 ):
     """One tile of BLOCK_T consecutive query tokens of one sequence x the G query heads of one KV head
     (rows = token-major (token, head)); causal by position; sparse: a key block counts for the rows whose
-    token selected it (blocks nobody in the tile selected are skipped). K / V decoded as NS_K / NS_V sub-tiles
+    token selected it (blocks nobody in the tile selected are skipped: found by a scan of the context's blocks, or,
+    SORTED, by walking the tile's selections sorted). K / V decoded as NS_K / NS_V sub-tiles
     (PERM: the joined nvfp4 word tile's column order), as in the decode kernel (`_slots`)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -532,21 +533,38 @@ def _msa_prefill_kernel(
     qrow = q_ptr + tok.to(tl.int64)[:, None] * sq_t + (h * G + g)[:, None] * sq_h
     qs = _q_slots(qrow, NS_K, D, row_ok, DOT_DT, PERM)
     acc = _zero_slots(R, D, NS_V)
+    SEL: tl.constexpr = BLOCK_T * TOPK
     if SPARSE:
         tt = t0 + tl.arange(0, BLOCK_T)
         kk = tl.arange(0, TOPK)
         sel_ids = tl.load(bid_ptr + tt.to(tl.int64)[:, None] * sbid_t + h * sbid_h + kk[None, :],
                           mask=(tt < t1)[:, None], other=-1)  # [BLOCK_T, TOPK]
+    if SPARSE and SORTED:
+        # the tile's selections in ascending order (-1, unused, first): the loop visits each selected block once,
+        # BLOCK_T x TOPK steps whatever the context, where the scan takes one step per block of the context
+        order = tl.sort(tl.reshape(sel_ids, (SEL,)))
+        slot = tl.arange(0, SEL)
+        n_visit = SEL
+    else:
+        n_visit = n_blk
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
     n = tl.arange(0, BN)
     bt_row = bt_ptr + seq.to(tl.int64) * sbt_s
-    for blk in range(0, n_blk):
+    for j in range(0, n_visit):
         if SPARSE:
+            if SORTED:
+                blk = tl.max(tl.where(slot == j, order, -2), axis=0)
+                prev = tl.max(tl.where(slot == j - 1, order, -2), axis=0)  # -2 before the first
+                any_hit = (blk >= 0) & (blk != prev)
+            else:
+                blk = j
             hit = tl.max((sel_ids == blk).to(tl.int32), axis=1)  # [BLOCK_T]
-            any_hit = tl.max(hit, axis=0) > 0
+            if not SORTED:
+                any_hit = tl.max(hit, axis=0) > 0
             row_sel = tl.reshape(tl.broadcast_to(hit[:, None], (BLOCK_T, G_PAD)), (R,)) > 0
         else:
+            blk = j
             any_hit = blk >= 0
             row_sel = row_ok
         if any_hit:
@@ -626,6 +644,6 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
         G_PAD=dispatch.next_pow2(G), BLOCK_T=block_t, D=D, BN=dispatch.prefill_block_n(B),
         TOPK=block_ids.shape[-1] if sparse else 1, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
         DOT_DT=dot_dtype(fmt, k_data.dtype), PERM=perm, ASM=perm and dispatch.asm(q.device),
-        num_warps=dispatch.tuning().prefill_num_warps,
+        SORTED=sparse and dispatch.tuning().prefill_sorted_blocks, num_warps=dispatch.tuning().prefill_num_warps,
     )
     return out

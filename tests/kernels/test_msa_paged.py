@@ -76,9 +76,11 @@ def test_msa_prefill_kernel(kv_dtype, mode):
         bids = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK)
         assert ((bids[:qsl[1]] >= 0).sum(-1) == TOPK).all()
     ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids)
-    out = torch.full_like(q, float("nan"))
-    msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids, out=out)
-    assert rel_err(out, ref) < TOL[kv_dtype]
+    for walk in ((False, True) if mode == "sparse" else (False,)):  # a scan of the blocks, or the sorted selections
+        out = torch.full_like(q, float("nan"))
+        with tuned(prefill_sorted_blocks=walk):
+            msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids, out=out)
+        assert rel_err(out, ref) < TOL[kv_dtype], walk
 
 
 def test_msa_decode_gqa16_fp32_query():

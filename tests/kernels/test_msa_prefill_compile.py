@@ -10,7 +10,7 @@ import pytest
 from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 
 
-def _compile(block_t: int, warps: int, words: bool, sparse: bool, cubin: str) -> None:
+def _compile(block_t: int, warps: int, words: bool, sparse: bool, cubin: str, walk: bool = False) -> None:
     """In a child process without TRITON_INTERPRET (see support.compiled)."""
     import triton.language as tl
 
@@ -24,16 +24,17 @@ def _compile(block_t: int, warps: int, words: bool, sparse: bool, cubin: str) ->
            "so_t": I, "so_h": I, "qk_scale": "fp32", "v_scale": "fp32", "G": I, "B": I}
     ns_k, ns_v, _, _, perm = M._slots(FMT_NVFP4, 128, words)
     cx = dict(G_PAD=16, BLOCK_T=block_t, D=128, BN=64, TOPK=16 if sparse else 1, SPARSE=sparse, FMT=NVFP4, NS_K=ns_k,
-              NS_V=ns_v, DOT_DT=tl.float16, PERM=perm, ASM=perm)
+              NS_V=ns_v, DOT_DT=tl.float16, PERM=perm, ASM=perm, SORTED=walk)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sq_t", "sd_p", "sd_h", "sd_t", "so_t"}
     compiled = compile_sm90(M._msa_prefill_kernel, sig, cx, aligned, num_warps=warps)
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("words,sparse", [(False, False), (True, True)])
-def test_prefill_8_token_tiles_on_8_warps_do_not_spill(words, sparse, tmp_path):
+@pytest.mark.parametrize("words,sparse,walk", [(False, False, False), (True, True, False), (True, True, True)])
+def test_prefill_8_token_tiles_on_8_warps_do_not_spill(words, sparse, walk, tmp_path):
+    """walk: the sparse tiles' selections walked sorted (`Tuning.prefill_sorted_blocks`)."""
     cubin = tmp_path / "k.cubin"
-    run_uninterpreted(__file__, f"t._compile(8, 8, {words}, {sparse}, {str(cubin)!r})")
+    run_uninterpreted(__file__, f"t._compile(8, 8, {words}, {sparse}, {str(cubin)!r}, {walk})")
     sass = cuobjdump("--dump-sass", cubin)
     assert "HGMMA" in sass  # QK^T and PV are wgmma
     # the PTX word decoder's cvt.rn.f16x2.e4m3x2 (34 of them here, 2026-12-07; the byte decoder has 2, the scales')
