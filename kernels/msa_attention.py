@@ -7,6 +7,8 @@ Softmax in fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -584,6 +586,22 @@ def _msa_prefill_kernel(
     _store_slots(orow, acc, inv[:, None], NS_V, D, row_ok, False, PERM)
 
 
+@functools.lru_cache(maxsize=None)
+def _sdpa_fused(device: torch.device, dtype: torch.dtype, h_q: int, h_kv: int, d: int) -> bool:
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+    q = torch.zeros(1, h_q, 16, d, dtype=dtype, device=device)
+    kv = torch.zeros(1, h_kv, 32, d, dtype=dtype, device=device)
+    params = SDPAParams(q, kv, kv, None, 0.0, False, True)
+    return bool(can_use_flash_attention(params) or can_use_efficient_attention(params))
+
+
+def sdpa_fused_ok(q: torch.Tensor, h_kv: int) -> bool:
+    """Does torch's SDPA run the lower-right causal GQA attention of `dense_prefill_sdpa` in a fused kernel here
+    (flash or memory-efficient; else it would build the [H, n, seq_len] mask and scores: gigabytes at 32K)? The CPU
+    (the tests' short chunks) always may."""
+    return q.device.type != "cuda" or _sdpa_fused(q.device, q.dtype, q.shape[1], h_kv, q.shape[2])
+
+
 def dense_prefill_sdpa(q, cache: LayerCache, block_table_row, seq_len: int, scale: float, out) -> None:
     """Dense causal attention of one sequence's chunk, q ``[n, H_q, D]`` at positions ``seq_len - n .. seq_len - 1``,
     by torch's SDPA over its pages dequantized once: nvfp4 / fp8 codes times block scales are exact in bf16, so only
@@ -617,7 +635,8 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
     if T == 0:
         return out
     block_t = dispatch.attention_block_t(G, sparse=block_ids is not None)
-    apart = dispatch.sdpa_prefill_sequences(query_start_loc, block_ids is not None) if seq_lens_cpu is not None else []
+    apart = (dispatch.sdpa_prefill_sequences(query_start_loc, block_ids is not None)
+             if seq_lens_cpu is not None and sdpa_fused_ok(q, H_kv) else [])
     for s in apart:
         a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
         dense_prefill_sdpa(q[a:b], cache, block_tables[s], int(seq_lens_cpu[s]), scale, out[a:b])

@@ -117,6 +117,8 @@ def test_msa_prefill_sdpa_gpu(setup):
     qsl, pos = chunk_positions(SEQ_LENS, CHUNKS)
     pos = pos.to(DEV)
     q = torch.randn(qsl[-1], H_Q, D, generator=g).to(DEV, torch.bfloat16)
+    from m3serve.kernels.msa_attention import sdpa_fused_ok
+    assert sdpa_fused_ok(q, H_KV)  # flash / memory-efficient SDPA takes lower-right causal GQA here
     ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, None)
     out = torch.full_like(q, float("nan"))
     with tuned(prefill_sdpa_from=128):
