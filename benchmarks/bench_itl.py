@@ -221,8 +221,9 @@ def profiles(engine, device, a, steps: int = 8) -> list[dict]:
         print(f"profile, {p['kind']} steps ({p['prompt_tokens']} prompt tokens): wall {p['wall_us_per_step']:.0f} "
               f"us/step, kernels {p['kernel_us_per_step']:.0f} us/step; largest: "
               + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.0f}" for k in p["kernels"][:4]), flush=True)
-        print("  host, us/step (calls): " + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.0f} ({k['calls_per_step']:.0f})"
-                                                   for k in p["host_ops"][:6])
+        print("  host, us/step (calls): "
+              + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.0f} ({k['calls_per_step']:.0f})"
+                          for k in p["host_ops"][:6])
               + "; runtime: " + (", ".join(f"{n} {r['calls_per_step']:.0f} x, {r['us_per_step']:.0f} us"
                                            for n, r in p["runtime"].items()) or "none recorded"), flush=True)
     return out

@@ -241,9 +241,9 @@ def bench_insert(dtype, T, device, timer):
 
 # prefill attention variants (`--prefill-variants`): 8-token tiles (128 rows of 16 heads) on 8 warps (2.549 ms against
 # 2.183 with the byte decoder, sparse, H100, 2026-12-07), the byte decoder (the default before that run), the word one;
-# 1- and 2-token tiles (16 / 32 rows): a sparse tile visits the union of its tokens' blocks for all its rows, so with
-# this bench's random queries (unrelated selections) 4-token tiles compute about 4x the rows each block needs, at the
-# same number of block decodes as 1-token tiles (a trained indexer's neighbouring tokens share most blocks);
+# 1- and 2-token tiles (16 / 32 rows): a sparse tile visits the union of its tokens' blocks for all its rows, so 4-token
+# tiles compute 2-4x the attention their tokens need (their tokens' selections overlap little, in this bench's random
+# queries as in the learned model's, docs/performance.md) but decode each block once for 4 tokens;
 # sorted: sparse tiles walk their selections sorted instead of scanning the context's blocks; sdpa: dense-mode only
 PREFILL_VARIANTS = {"t8w8": dict(prefill_block_t=8, prefill_num_warps=8), "bytes": dict(prefill_words=False),
                     "words": dict(prefill_words=True), "t1": dict(prefill_block_t=1), "t2": dict(prefill_block_t=2),

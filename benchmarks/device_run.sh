@@ -111,7 +111,8 @@ for step in ${STEPS:-tests msa qkv}; do
   case "$step" in
     tests) reference_site  # tests/gpu/test_learned_gpu.py trains transformers' model
            PYTHONPATH=/tmp/p:/tmp/site USE_HUB_KERNELS=0 timeout "${TEST_TIMEOUT:-300}" ${SANITIZER:-} python3 -m pytest -q \
-             -rfE -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+             -rfE -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" \
+             | tail -25 ;;
     memcheck)  # $MEMCHECK_JOBS files at once (default 1); logs in /tmp/memcheck, packed into $OUT/memcheck.tgz
       mkdir -p /tmp/memcheck
       # the probe must make a CUDA call: under `true` the sanitizer fails whatever its options ("Target application

@@ -61,7 +61,8 @@ def _shared(fmt: int, sfmt: int, out: str) -> None:
 
     wg16 = FMT_DENSE not in (fmt, sfmt)
     act = "*fp16" if wg16 else "*bf16"
-    types = {FMT_DENSE: ("*bf16", "*bf16", act), FMT_NVFP4: ("*u8", "*u8", "*fp32"), FMT_MXFP8: ("*u8", "*fp16", "*fp32")}
+    types = {FMT_DENSE: ("*bf16", "*bf16", act), FMT_NVFP4: ("*u8", "*u8", "*fp32"),
+             FMT_MXFP8: ("*u8", "*fp16", "*fp32")}
     data, scale, rows = types[fmt]
     sdata, sscale, srows = types[sfmt]
     I, F = "i32", "fp32"
@@ -72,7 +73,8 @@ def _shared(fmt: int, sfmt: int, out: str) -> None:
            "S_NT16": I, "S_N_PAD": I}
     cfg = dispatch._MOE_TL
     cx = dict(MODE=MODE_GATE_UP, FMT=fmt, SFMT=sfmt, ROUTED=True, X_DIV=4, E_PAD=128, BM=cfg["bm"], BN=cfg["bn"],
-              WDT=tl.float16 if wg16 else tl.bfloat16, SWAP=cfg["swap"], WG16=wg16, ASM=FMT_NVFP4 in (fmt, sfmt), SPLIT=1)
+              WDT=tl.float16 if wg16 else tl.bfloat16, SWAP=cfg["swap"], WG16=wg16, ASM=FMT_NVFP4 in (fmt, sfmt),
+              SPLIT=1)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
     compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"])
