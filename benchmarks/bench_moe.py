@@ -154,9 +154,15 @@ def variants(T: int) -> list[tuple]:
     # stack): the same tiles on 16 warps, or 64 gate / up rows; the wg16 tiles (their 64-row weight tiles on 8 warps
     # would decode each tile twice, once per warp group: 128 rows)
     few = [sw16((32, 64, 4), (32, 64, 4)), sw16((32, 128, 8), (32, 128, 8))] if T <= 2048 else []
+    # fused gate_up (`grouped_gemm(..., fuse=True)`): a tile's 128 weight rows are the gate and up rows of 64 columns,
+    # one accumulator: 197 registers and no spill at 128 x 128 (sm_90 SASS, 2026-12-07), 254 and none with 256 token
+    # rows in 2 stages (each decoded weight tile then serves twice the rows)
+    fused = [("tl", dict(sw16((128, 128, 8), (128, 128, 8))[1], fuse=True), sw16((128, 128, 8), (128, 128, 8))[2]),
+             ("tl", dict(sw16((256, 128, 8), (128, 128, 8))[1], fuse=True, num_stages=2),
+              sw16((128, 128, 8), (128, 128, 8))[2])]
     return [sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 8), (128, 128, 8)),
             sw((128, 128, 16), (128, 128, 16)), sw16((128, 128, 8), (128, 128, 8)), sw16((64, 128, 8), (64, 128, 8)),
-            sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16)), *few]
+            sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16)), *fused, *few]
 
 
 STAGES = ("route", "gate_up", "down", "shared_expert", "combine")

@@ -389,7 +389,7 @@ def _tl_fits(cfgs, weights: tuple[PackedWeight, ...], tiles: tuple[int, ...], de
 def tl_shared_bytes(cfg: dict, weights: tuple[PackedWeight, ...], tiles: int) -> int:
     """Shared memory of a tl config's pipelined loads, as Triton 3.6 lays them out for sm_90: ``num_stages``
     buffers of the [bm, CHUNK_K] 16-bit activation tile, and of the ``tiles`` [bn, CHUNK_K] weight tiles (gate_up
-    loads a gate and an up tile) as stored: ``num_stages`` buffers of dense weights (2 bytes a value; they feed the
+    loads a gate and an up tile, one with ``fuse``) as stored: ``num_stages`` buffers of dense weights (2 bytes a value; they feed the
     dot as loaded), one fewer of quantized ones (decoded in registers first), codes and block scales (NVFP4 0.5625
     bytes a value, MXFP8 1.0625). The MoE's gate_up at 128 x 128 in 3 stages: 294,912 bytes with bf16 experts (the
     learned model's warm-up on the H100, 2026-12-07, counted one byte a value and one tile, passed the row, and the
@@ -399,7 +399,7 @@ def tl_shared_bytes(cfg: dict, weights: tuple[PackedWeight, ...], tiles: int) ->
                                                             if p.scale is not None else 0))
                 / (p.groups * p.n_pad * p.k_pad) for p in weights)
     dense = any(p.fmt == FMT_DENSE for p in weights)
-    stages = cfg["num_stages"]
+    stages, tiles = cfg["num_stages"], 1 if cfg.get("fuse") else tiles  # fuse: gate and up rows in one tile
     return int(stages * cfg["bm"] * CHUNK_K * 2 + (stages - (0 if dense else 1)) * tiles * cfg["bn"] * CHUNK_K * value)
 
 

@@ -210,28 +210,40 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
 def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG,
                out_ptr, so, ss, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr, WG16: tl.constexpr, ASM: tl.constexpr,
-               SPLIT: tl.constexpr):
+               SPLIT: tl.constexpr, FUSE: tl.constexpr = False):
     """One output tile: the GEMM over all K chunks (SPLIT > 1, LINEAR: over this program's share of them, its
     partial product stored at ``out_ptr + split * ss``, ss = the rows times their stride, summed by
     `_split_sum_kernel`), the mode's epilogue, the store (WG16: GATE_UP stores its columns in the wg16 order, the
     down launch's activations). The weight rows read are clamped to the group's padded rows: a tile of BN columns
     may reach past N_PAD (N_PAD is a multiple of 16 only, BN of 64 or 128), and those columns are never stored, but
     an unclamped read would run past the weight (the last group's rows, the shared expert's: an illegal memory
-    access on the GPU)."""
-    cols = n0 + tl.arange(0, BN)
-    wcols = tl.minimum(cols, N_PAD - 1)
-    wcols2 = tl.minimum(cols + NG, N_PAD - 1)
+    access on the GPU). FUSE (GATE_UP): one product over BN weight rows, the gate rows of BN / 2 output columns then
+    their up rows, split in the epilogue: one accumulator where the gate / up pair of tiles holds two."""
     if WG16:
         UNS: tl.constexpr = 128.0 if FMT == NVFP4 else (1.0 if FMT == DENSE else 256.0)  # the decoders' units
     else:
         UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
-    y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
-                       MODE == 0, BM, BN, WDT, SWAP, WG16, ASM, SPLIT)
-    if FMT != DENSE:
-        y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
-    if MODE == 0:
+    if FUSE:
+        HALF: tl.constexpr = BN // 2
+        cols = n0 + tl.arange(0, HALF)
+        r = tl.arange(0, BN)
+        wrows = tl.minimum(tl.where(r < HALF, n0 + r, NG + n0 + r - HALF), N_PAD - 1)
+        both, _ = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows, NT16, KC, N_PAD, K_PAD, FMT,
+                             False, BM, BN, WDT, SWAP, WG16, ASM, SPLIT)
         if FMT != DENSE:
-            up = up * (tl.load(rsc + g * N_PAD + wcols2) * UNS)[None, :]
+            both = both * (tl.load(rsc + g * N_PAD + wrows) * UNS)[None, :]
+        y, up = tl.split(tl.permute(tl.reshape(both, (BM, 2, HALF)), (0, 2, 1)))
+    else:
+        cols = n0 + tl.arange(0, BN)
+        wcols = tl.minimum(cols, N_PAD - 1)
+        wcols2 = tl.minimum(cols + NG, N_PAD - 1)
+        y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
+                           MODE == 0, BM, BN, WDT, SWAP, WG16, ASM, SPLIT)
+        if FMT != DENSE:
+            y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
+            if MODE == 0:
+                up = up * (tl.load(rsc + g * N_PAD + wcols2) * UNS)[None, :]
+    if MODE == 0:
         y = swiglu_oai_f32(y, up, alpha, limit) * wt[:, None]
         omask = rmask[:, None] & (cols < NG)[None, :]
         ocols = wg16_position(cols) if WG16 else cols
@@ -266,17 +278,17 @@ def _grouped_gemm_kernel(
     E, NT16, KC, N_PAD, K_PAD, S_NT16, S_N_PAD,
     MODE: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, ROUTED: tl.constexpr, X_DIV: tl.constexpr,
     E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
-    WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
+    WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
-    n0 = tl.program_id(1) * BN
+    n0 = tl.program_id(1) * (BN // 2 if FUSE else BN)  # FUSE: BN weight rows serve BN / 2 output columns
     i = tl.arange(0, BM)
     if tile < n_plain_tiles:  # shared expert / dense linear: rows t of all T tokens, group 0 of s_*
         t = tile * BM + i
         _tile_body(x_ptr, sx, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
                    tl.full((BM,), 1.0, tl.float32), K, s_data, s_scale, s_rows, 0, S_NT16, KC, S_N_PAD, K_PAD, n0,
                    N_OUT, NG, out_ptr, so, (T + out_off).to(tl.int64) * so, alpha, limit, MODE, SFMT, BM, BN, WDT,
-                   SWAP, WG16, ASM, SPLIT)
+                   SWAP, WG16, ASM, SPLIT, FUSE)
     elif ROUTED:
         e, first, nrows = routed_tile(counts_ptr, tile - n_plain_tiles, E, E_PAD, BM)
         if nrows > 0:
@@ -288,7 +300,7 @@ def _grouped_gemm_kernel(
                 wt = tl.full((BM,), 1.0, tl.float32)
             _tile_body(x_ptr, sx, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale, w_rows,
                        e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, 0, alpha, limit, MODE, FMT, BM, BN,
-                       WDT, SWAP, WG16, ASM, SPLIT)
+                       WDT, SWAP, WG16, ASM, SPLIT, FUSE)
 
 
 def work_dtype(x: torch.Tensor):
@@ -322,21 +334,25 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
                  plain: PackedWeight | None = None, routing=None, T: int, x_div: int = 1, x_off: int = 0,
                  out_off: int = 0, ng: int = 0, scaling: float = 1.0, alpha: float = 1.702, limit: float = 7.0,
                  bm: int = 16, bn: int = 64, num_warps: int = 4, num_stages: int = 2, swap: bool = False,
-                 wg16: bool = False, split: int = 1) -> torch.Tensor:
+                 wg16: bool = False, split: int = 1, fuse: bool = False) -> torch.Tensor:
     """Launch the portable kernel (see the module doc). ``routing`` = `moe_router.Routing` (counts, bucket,
     weights) for routed tiles; ``plain`` = the shared-expert / linear weight for ``T`` plain rows; ``ng`` = the
     gate rows (GATE_UP); ``swap``: the transposed product in the K loop (`_tile_gemm`); ``wg16``: x is fp16
     [rows, k_pad] in the wg16 order (`moe_router.to_x16(..., wg16=True)`), the weights are decoded into that order
     and GATE_UP writes ``out`` in it (`load_weight_tile_wg16`); ``split`` (LINEAR): the K chunks shared out over
     that many programs per tile (more programs where the tiles alone do not fill the GPU), their fp32 partial
-    products summed by a second launch. ``out`` rows / columns as the mode says; it is written, never read."""
+    products summed by a second launch; ``fuse`` (GATE_UP): each tile's ``bn`` weight rows are the gate and the up
+    rows of bn / 2 output columns, one product split in the epilogue (one accumulator where the pair of gate / up
+    tiles holds two). ``out`` rows / columns as the mode says; it is written, never read."""
     if split > 1 and (mode != MODE_LINEAR or routed is not None):
         raise ValueError("split K serves plain LINEAR launches only")
+    if fuse and mode != MODE_GATE_UP:
+        raise ValueError("fuse serves GATE_UP launches only")
     if wg16 and (x.dtype != torch.float16 or x.shape[1] != (routed if routed is not None else plain).k_pad):
         raise ValueError(f"wg16 activations must be fp16 [rows, k_pad], got {x.dtype} {tuple(x.shape)}")
     k = x.shape[1]
     n_out = ng if mode == MODE_GATE_UP else (routed if routed is not None else plain).n
-    grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, bm, n_out, bn)
+    grid, n_plain, rr, pr = launch_grid(routed, plain, routing, T, bm, n_out, bn // 2 if fuse else bn)
     if grid[0] == 0:
         return out
     if pr.k_pad != rr.k_pad:  # one K loop serves both weights
@@ -354,7 +370,7 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
         rr.groups, rr.n_pad // TILE_N, rr.k_pad // CHUNK_K, rr.n_pad, rr.k_pad, pr.n_pad // TILE_N, pr.n_pad,
         MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,
         E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn, WDT=work_dtype(x), SWAP=swap,
-        WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), SPLIT=split,
+        WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), SPLIT=split, FUSE=fuse,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split > 1:

@@ -217,16 +217,20 @@ def test_config_table_picks_the_mma_path_for_decode():
 
 @pytest.mark.parametrize("wg16", [False, True])
 @pytest.mark.parametrize("expert_fmt", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("T,bm,bn", [(37, 64, 128), (520, 128, 128), (1500, 128, 128), (700, 128, 64)])
-def test_portable_tiles_with_the_transposed_product(expert_fmt, T, bm, bn, wg16):
+@pytest.mark.parametrize("T,bm,bn,stages,fuse", [(37, 64, 128, 3, False), (520, 128, 128, 3, False),
+                                                 (1500, 128, 128, 3, False), (700, 128, 64, 3, False),
+                                                 (1500, 128, 128, 3, True), (2000, 256, 128, 2, True)])
+def test_portable_tiles_with_the_transposed_product(expert_fmt, T, bm, bn, stages, fuse, wg16):
     """The portable kernel with ``swap`` (decoded weights as the dot's first operand; `grouped_gemm._tile_gemm`) at
     odd token counts and each tile shape the prefill tables may pick, both expert formats (the MXFP8 shared expert
     rides in the same launches), with and without the wg16 tiles (fp16 activations, the words decoders: the inline
-    PTX one for NVFP4 here), against the fp32 reference."""
+    PTX one for NVFP4 here), against the fp32 reference; ``fuse``: gate_up's tiles hold the gate and up rows of half
+    as many columns, one product (the down launch as the table's 128-token tiles)."""
     cfg, moe, w = _layer(expert_fmt)
     x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
-    tl_cfg = dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16)
-    y, r = _run_with(("tl", tl_cfg, tl_cfg), cfg, moe, w, x)
+    tl_cfg = dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=stages, swap=True, wg16=wg16)
+    down = dict(tl_cfg, bm=min(bm, 128), num_stages=3)
+    y, r = _run_with(("tl", dict(tl_cfg, fuse=True) if fuse else tl_cfg, down), cfg, moe, w, x)
     assert not torch.isnan(y).any()
     assert rel_err(y, _ref(cfg, moe, w, x, r)) < 1e-2
 

@@ -13,7 +13,7 @@ from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
 from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 
 
-def _compile(mode: int, bm: int, bn: int, split: int, cubin: str) -> None:
+def _compile(mode: int, bm: int, bn: int, split: int, cubin: str, fuse: bool = False, stages: int = 3) -> None:
     """In a child process without TRITON_INTERPRET (see support.compiled)."""
     import triton.language as tl
 
@@ -29,17 +29,20 @@ def _compile(mode: int, bm: int, bn: int, split: int, cubin: str) -> None:
     linear = mode == MODE_LINEAR
     cx = dict(MODE=mode, FMT=FMT_NVFP4, SFMT=FMT_NVFP4 if linear else FMT_MXFP8, ROUTED=not linear,
               X_DIV=4 if mode == MODE_GATE_UP else 1, E_PAD=128 if not linear else 2, BM=bm, BN=bn, WDT=tl.float16,
-              SWAP=True, WG16=True, ASM=True, SPLIT=split)
+              SWAP=True, WG16=True, ASM=True, SPLIT=split, FUSE=fuse)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
-    compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=8, num_stages=3)
+    compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=8, num_stages=stages)
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("mode,bm,bn,split", [(MODE_GATE_UP, 128, 64, 1), (MODE_DOWN, 128, 128, 1),
-                                              (MODE_LINEAR, 64, 64, 4)])
-def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, tmp_path):
+@pytest.mark.parametrize("mode,bm,bn,split,fuse,stages", [
+    (MODE_GATE_UP, 128, 64, 1, False, 3), (MODE_DOWN, 128, 128, 1, False, 3), (MODE_LINEAR, 64, 64, 4, False, 3),
+    # fused gate_up: one accumulator for the gate and up rows of 64 columns, where the pair of 128 x 128 tiles
+    # spilled (255 registers, a 112-byte stack, 2026-12-07); 256 token rows fit in 2 stages
+    (MODE_GATE_UP, 128, 128, 1, True, 3), (MODE_GATE_UP, 256, 128, 1, True, 2)])
+def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, fuse, stages, tmp_path):
     cubin = tmp_path / "k.cubin"
-    run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {split}, {str(cubin)!r})")
+    run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {split}, {str(cubin)!r}, {fuse}, {stages})")
     sass = cuobjdump("--dump-sass", cubin)
     assert "HGMMA" in sass  # the dots are wgmma
     assert re.search(r"F2FP\.F16\.E4M3", sass)  # the PTX decoder's cvt.rn.f16x2.e4m3x2
@@ -74,7 +77,7 @@ def _shared(fmt: int, sfmt: int, out: str) -> None:
     cfg = dispatch._MOE_TL
     cx = dict(MODE=MODE_GATE_UP, FMT=fmt, SFMT=sfmt, ROUTED=True, X_DIV=4, E_PAD=128, BM=cfg["bm"], BN=cfg["bn"],
               WDT=tl.float16 if wg16 else tl.bfloat16, SWAP=cfg["swap"], WG16=wg16, ASM=FMT_NVFP4 in (fmt, sfmt),
-              SPLIT=1)
+              SPLIT=1, FUSE=False)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
     compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"])

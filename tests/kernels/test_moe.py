@@ -104,17 +104,19 @@ def _from_wg16(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("wg16", [False, True])
+@pytest.mark.parametrize("wg16,fuse", [(False, False), (True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("routed_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("fp8", "dense"), ("mxfp8", "nvfp4")])
-def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, swap, wg16, gen):
+def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, swap, wg16, fuse, gen):
     """gate_up then down, routed and shared rows in one launch each, every format, against the references. With
     ``wg16``: fp16 activations in the wg16 order (`to_x16(..., wg16=True)`), the weights decoded by the words
     decoders straight into that order, gate_up's intermediate written in it (what the down launch reads); the
-    references then take the same fp16 activations. The padded intermediate columns are exact zeros."""
+    references then take the same fp16 activations. The padded intermediate columns are exact zeros. With ``fuse``:
+    gate_up's tiles of 64 weight rows are the gate and up rows of 32 columns (a 64-column intermediate: two tiles,
+    then its padding's)."""
     from m3serve.kernels.moe_router import to_x16
 
-    cfg = tiny_moe_config(hidden=96, inter=32, experts=6, top_k=2)
+    cfg = tiny_moe_config(hidden=96, inter=64 if fuse else 32, experts=6, top_k=2)
     moe = random_moe(cfg, routed_fmt, shared_fmt, gen)
     w = moe_prepare_module(moe)
     T, k, ip = 11, 2, w.inter_pad
@@ -131,14 +133,14 @@ def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, sw
         xin, tol, unorder = x, 1e-5, lambda t: t
     inter = torch.full((A + T, ip), float("nan"), dtype=torch.float16 if wg16 else torch.float32)
     grouped_gemm(xin, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
-                 out_off=A, ng=ip, scaling=2.0, swap=swap, wg16=wg16)
+                 out_off=A, ng=ip, scaling=2.0, swap=swap, wg16=wg16, fuse=fuse)
     rows = torch.cat([torch.arange(A) // k, torch.arange(T)])
     ref_r = grouped_gemm_ref(x, w.gate_up, rows[:A], r.ids.reshape(-1).long(), MODE_GATE_UP, ng=ip,
                              row_weight=r.weights.reshape(-1) * 2.0)
     ref_s = grouped_gemm_ref(x, w.shared_gate_up, rows[A:], torch.zeros(T, dtype=torch.long), MODE_GATE_UP, ng=ip)
     plain = unorder(inter)
     assert rel_err(plain[:A], ref_r) < tol and rel_err(plain[A:], ref_s) < tol
-    assert not plain[:, 32:].any()
+    assert not plain[:, cfg.intermediate_size:].any()
     y = torch.full((A + T, 96), float("nan"))
     grouped_gemm(inter, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A,
                  swap=swap, wg16=wg16)
