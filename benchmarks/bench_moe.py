@@ -156,10 +156,11 @@ def variants(T: int) -> list[tuple]:
     few = [sw16((32, 64, 4), (32, 64, 4)), sw16((32, 128, 8), (32, 128, 8))] if T <= 2048 else []
     # fused gate_up (`grouped_gemm(..., fuse=True)`): a tile's 128 weight rows are the gate and up rows of 64 columns,
     # one accumulator: 197 registers and no spill at 128 x 128 (sm_90 SASS, 2026-12-07), 254 and none with 256 token
-    # rows in 2 stages (each decoded weight tile then serves twice the rows)
-    fused = [("tl", dict(sw16((128, 128, 8), (128, 128, 8))[1], fuse=True), sw16((128, 128, 8), (128, 128, 8))[2]),
-             ("tl", dict(sw16((256, 128, 8), (128, 128, 8))[1], fuse=True, num_stages=2),
-              sw16((128, 128, 8), (128, 128, 8))[2])]
+    # rows in 2 stages (each decoded weight tile then serves twice the rows; in 3 stages a 64-byte stack), 128 and
+    # none with 256 rows on 16 warps in 3 stages; the down tiles the table's 128 x 128
+    down = sw16((128, 128, 8), (128, 128, 8))[2]
+    fused = [("tl", dict(sw16((bm, 128, w), (128, 128, 8))[1], fuse=True, num_stages=st), down)
+             for bm, w, st in ((128, 8, 3), (256, 8, 2), (256, 16, 3))]
     return [sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 8), (128, 128, 8)),
             sw((128, 128, 16), (128, 128, 16)), sw16((128, 128, 8), (128, 128, 8)), sw16((64, 128, 8), (64, 128, 8)),
             sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16)), *fused, *few]
