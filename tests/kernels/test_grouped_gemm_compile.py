@@ -53,7 +53,10 @@ def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, fuse, stag
     assert "STACK:0" in usage and "LOCAL:0" in usage  # no spills
 
 
-def _shared(fmt: int, sfmt: int, out: str) -> None:
+FUSED_256 = dict(bm=256, bn=128, num_warps=8, num_stages=3, swap=True, wg16=True, fuse=True)  # 231,424 bytes
+
+
+def _shared(fmt: int, sfmt: int, out: str, fused: bool = False) -> None:
     """The MoE's large gate_up tile (dispatch._MOE_TL) for ``fmt`` experts and a ``sfmt`` shared expert, compiled
     for sm_90 as dispatch launches it (wg16 unless a weight is dense): Triton's count of its shared memory into
     ``out``."""
@@ -74,10 +77,10 @@ def _shared(fmt: int, sfmt: int, out: str) -> None:
            "out_ptr": act, "so": I, "T": I, "K": I, "N_OUT": I, "NG": I, "n_plain_tiles": I, "x_off": I,
            "out_off": I, "scaling": F, "alpha": F, "limit": F, "E": I, "NT16": I, "KC": I, "N_PAD": I, "K_PAD": I,
            "S_NT16": I, "S_N_PAD": I}
-    cfg = dispatch._MOE_TL
+    cfg = FUSED_256 if fused else dispatch._MOE_TL
     cx = dict(MODE=MODE_GATE_UP, FMT=fmt, SFMT=sfmt, ROUTED=True, X_DIV=4, E_PAD=128, BM=cfg["bm"], BN=cfg["bn"],
               WDT=tl.float16 if wg16 else tl.bfloat16, SWAP=cfg["swap"], WG16=wg16, ASM=FMT_NVFP4 in (fmt, sfmt),
-              SPLIT=1, FUSE=False)
+              SPLIT=1, FUSE=fused)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
     compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"])
@@ -101,24 +104,28 @@ def _packed(fmt: int):
 HOPPER_SHARED = 232448  # bytes a block may opt in to on the H100 / H200 (Triton's "Hardware limit")
 
 
-@pytest.mark.parametrize("fmt,sfmt", [(FMT_DENSE, FMT_DENSE), (FMT_NVFP4, FMT_NVFP4), (FMT_MXFP8, FMT_MXFP8),
-                                      (FMT_NVFP4, FMT_MXFP8), (FMT_NVFP4, FMT_DENSE)],
-                         ids=["dense", "nvfp4", "mxfp8", "nvfp4-mxfp8", "nvfp4-dense"])
-def test_tl_rows_skip_exactly_the_tiles_that_do_not_fit(fmt, sfmt, tmp_path, monkeypatch):
-    """dispatch's shared-memory count decides as the compiler does whether the MoE's 128 x 128 gate_up tile fits
-    Hopper. It once counted a byte per weight value and one weight tile: bf16 experts (the learned model) passed
-    and the launch failed at 294,912 bytes (H100, 2026-12-07)."""
+@pytest.mark.parametrize("fmt,sfmt,fused", [(FMT_DENSE, FMT_DENSE, False), (FMT_NVFP4, FMT_NVFP4, False),
+                                            (FMT_MXFP8, FMT_MXFP8, False), (FMT_NVFP4, FMT_MXFP8, False),
+                                            (FMT_NVFP4, FMT_DENSE, False), (FMT_NVFP4, FMT_MXFP8, True),
+                                            (FMT_DENSE, FMT_DENSE, True)],
+                         ids=["dense", "nvfp4", "mxfp8", "nvfp4-mxfp8", "nvfp4-dense", "fused-nvfp4-mxfp8",
+                              "fused-dense"])
+def test_tl_rows_skip_exactly_the_tiles_that_do_not_fit(fmt, sfmt, fused, tmp_path, monkeypatch):
+    """dispatch's shared-memory count decides as the compiler does whether the MoE's 128 x 128 gate_up tile (or a
+    fused one of 256 token rows) fits Hopper. It once counted a byte per weight value and one weight tile: bf16
+    experts (the learned model) passed and the launch failed at 294,912 bytes (H100, 2026-12-07)."""
     import torch
 
     from m3serve.kernels import dispatch
     out = tmp_path / "shared"
-    run_uninterpreted(__file__, f"t._shared({fmt}, {sfmt}, {str(out)!r})")
+    run_uninterpreted(__file__, f"t._shared({fmt}, {sfmt}, {str(out)!r}, {fused})")
     actual = int(out.read_text())
     w, s = _packed(fmt), _packed(sfmt)
-    estimate = dispatch.tl_shared_bytes(dispatch._MOE_TL, (w, s), tiles=2)
+    gate_up = FUSED_256 if fused else dispatch._MOE_TL
+    estimate = dispatch.tl_shared_bytes(gate_up, (w, s), tiles=2)
     assert actual <= estimate <= 1.02 * actual, (estimate, actual)  # never under: a row it passes must launch
     monkeypatch.setattr(dispatch, "_shared_memory", lambda index: HOPPER_SHARED)
-    cfgs = (dispatch._MOE_TL, dispatch._MOE_TL)
+    cfgs = (gate_up, dispatch._MOE_TL)
     assert dispatch._tl_fits(cfgs, (w, w, s, s), (2, 1), torch.device("cuda", 0)) == (actual <= HOPPER_SHARED)
-    if fmt == FMT_DENSE:
+    if fmt == FMT_DENSE and not fused:
         assert actual > HOPPER_SHARED  # the case the old count let through
