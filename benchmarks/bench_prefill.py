@@ -271,7 +271,8 @@ def bench_ttft(args, dev, res):
                 (dict(prefill_sorted_blocks=True), "msa prefill sparse sorted walk"),
                 (dict(prefill_sdpa_from=1024, prefill_sparse_block_t=1, prefill_sorted_blocks=True),
                  "msa prefill sdpa, sparse 1-token tiles sorted"),
-                (fused_moe_rows(), "moe fused gate_up, 256-token tiles"))
+                (fused_moe_rows(), "moe fused gate_up, 256-token tiles"),
+                (dict(fused_norm=True), "norm in one launch"))
     for tables, name in (v for v in variants if any(f in v[1] for f in args.ttft_filter.split(","))):
         with tuned(**tables), recorded({}):
             for n in args.ttft:  # warm-up: compiles the prefill kernels of every chunk size

@@ -114,6 +114,8 @@ class Tuning:
     #   the MoE's off on CUDA (slower there, as measured by benchmarks/bench_prefill.py) and on elsewhere (the paths
     #   CI checks)
     asm: bool | None = None  # the inline-PTX NVFP4 word decoder in the portable kernels (None: where it self-checks)
+    fused_norm: bool = False  # the model's RMSNorm on a GPU in one launch (`rms_norm.rms_norm`) instead of about eight
+    #   torch kernels; not yet timed
     # MSA decode attention (msa_decode)
     decode_words: bool | str | None = None  # portable decoder: True int32 words (nvfp4: one joined tile), "split"
     #   (nvfp4: 8 sub-tiles), False bytes / native cast; None: nvfp4 sparse -> bytes, else words
@@ -305,6 +307,12 @@ def decode_words(fmt: int, sparse: bool):
     (docs/performance.md, decoder rows): nvfp4 sparse -> bytes, nvfp4 dense-mode and fp8 (V) -> int32 words."""
     t = tuning().decode_words
     return t if t is not None else (fmt != FMT_NVFP4 or not sparse)
+
+
+def fused_norm(x: torch.Tensor) -> bool:
+    """Does the model's RMSNorm of ``x`` run `rms_norm.rms_norm` (`Tuning.fused_norm`; GPUs only: the CPU keeps
+    torch's form, which the transformers parity tests compare)?"""
+    return tuning().fused_norm and x.device.type == "cuda" and x.stride(-1) == 1
 
 
 def prefill_words(fmt: int):

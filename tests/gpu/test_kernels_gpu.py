@@ -110,6 +110,21 @@ def test_msa_prefill_gpu(setup, mode):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("shape", [(8192, 6144), (3, 6144), (64, 16, 128)])
+def test_rms_norm_gpu(shape):
+    """The one-launch RMSNorm at the geometry's widths, and the model's norm taking it under `Tuning.fused_norm`."""
+    from m3serve.kernels.rms_norm import rms_norm, rms_norm_ref
+    from m3serve.model.m3 import RMSNorm
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(shape, generator=g, device=DEV).to(torch.bfloat16) * 3
+    norm = RMSNorm(shape[-1], 1e-6).to(DEV)
+    norm.weight.normal_(0, 0.1, generator=g)
+    want = rms_norm_ref(x, norm.weight, 1e-6)
+    assert torch.allclose(rms_norm(x, norm.weight, 1e-6).float(), want.float(), rtol=8e-3, atol=8e-3)
+    with tuned(fused_norm=True):
+        assert torch.allclose(norm(x).float(), want.float(), rtol=8e-3, atol=8e-3)
+
+
 def test_msa_prefill_sdpa_gpu(setup):
     """`Tuning.prefill_sdpa_from`: the dense rows of the 200-, 300- and 130-token chunks through torch's SDPA (the
     CUDA backends, lower-right causal, GQA 16), the rest through the kernel; the same chunks as the kernel test."""
