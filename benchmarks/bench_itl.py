@@ -27,6 +27,8 @@ Writes OUT_DIR/bench_itl.json and OUT_DIR/bench_itl.md.
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import json
 import os
 import subprocess
@@ -45,6 +47,7 @@ from bench_engine import (build, profile_decode, release, start_synthetic, stop_
 
 from m3serve.config import EngineConfig  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from m3serve.kernels.dispatch import Tuning, tuned, tuning  # noqa: E402
 
 LONG_ID = "itl-long"
 WARM_STEPS = 3  # decode steps after the streams start, before anything is recorded (graph replays settle)
@@ -140,8 +143,15 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="then torch.profiler over idle decode steps and mixed steps at each cap: wall vs kernel time "
                         "per step (a mixed step runs eagerly), the largest kernels")
+    p.add_argument("--tuned", action="append", default=[], metavar="KEY=VALUE",
+                   help="a `dispatch.Tuning` field for the whole run, graphs included (e.g. fused_norm=True); "
+                        "repeatable")
     p.add_argument("--smoke", action="store_true", help="CPU, toy geometry (hidden 256, 8 experts, vocab 4K)")
     a = p.parse_args(argv)
+    try:
+        a.tuned = tuning_changes(a.tuned)
+    except ValueError as e:
+        p.error(f"--tuned: {e}")
     a.chunks = sorted(int(x) for x in a.chunks.split(","))
     a.caps = sorted(int(x) for x in a.caps.split(",") if x.strip())
     if a.smoke:
@@ -150,6 +160,27 @@ def main(argv=None) -> int:
         p.error(f"--chunks: {a.chunks[0]} leaves no budget for the prompt beside {a.streams} decodes")
     if a.caps and a.caps[0] < 1:
         p.error(f"--caps: each must be >= 1, got {a.caps[0]}")
+    with tuned(**a.tuned):
+        return measure(a)
+
+
+def tuning_changes(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings -> `dispatch.tuned` keyword arguments (values as Python literals)."""
+    fields = {f.name for f in dataclasses.fields(Tuning)}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"{item!r}: expected KEY=VALUE with KEY one of Tuning's fields")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{item!r}: the value is not a Python literal") from None
+    return out
+
+
+def measure(a) -> int:
+    """The run `main` parsed: idle ITL, then each chunk / cap row, the profiles, the JSON and the table."""
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if device.type == "cuda":
         geometry.log_compiles()
@@ -160,7 +191,7 @@ def main(argv=None) -> int:
                                                                 capture_output=True, cwd=HERE).stdout.strip(),
            "layers": a.layers, "streams": a.streams, "context": a.context, "long_prompt": a.long,
            "cuda_graphs": device.type == "cuda" and not a.enforce_eager, "async_scheduling": not a.no_async_scheduling,
-           "piecewise_graph_tokens": a.piecewise}
+           "piecewise_graph_tokens": a.piecewise, "tuned": {k: repr(getattr(tuning(), k)) for k in a.tuned}}  # as in effect
     # the streams' room: every recorded step of the longest row, its untimed run, and slack
     smallest = min([prompt_per_step(a.chunks[0], a.streams)] + [prompt_per_step(a.chunks[-1], a.streams, c)
                                                                 for c in a.caps])

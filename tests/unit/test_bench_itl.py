@@ -4,12 +4,16 @@ TTFT with and without the streams; then the prompt capped beside the decodes; th
 import importlib
 import json
 
+import pytest
+
 
 def test_bench_itl_smoke(tmp_path):
     bench = importlib.import_module("bench_itl")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
     from bench_engine import RUNTIME_CALLS
-    assert bench.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--smoke", "--profile", "--tuned", "fused_norm=True", "--tuned", "prefill_block_t=2",
+                       "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "bench_itl.json").read_text())
+    assert res["tuned"] == {"fused_norm": "True", "prefill_block_t": "2"}  # in effect during the run
     streams, long = res["streams"], res["long_prompt"]
     assert (streams, long) == (4, 300)
     idle = res["idle"]
@@ -49,3 +53,12 @@ def test_bench_itl_smoke(tmp_path):
         assert set(p["runtime"]) <= set(RUNTIME_CALLS)
     table = (tmp_path / "bench_itl.md").read_text()
     assert "| idle (no prompt) |" in table and "| 132 | 128 |" in table and "| 132 | 16 (capped) |" in table
+
+
+def test_bench_itl_tuned_arguments():
+    bench = importlib.import_module("bench_itl")
+    assert bench.tuning_changes(["fused_norm=True", "prefill_sdpa_from=1024"]) == {"fused_norm": True,
+                                                                                  "prefill_sdpa_from": 1024}
+    for bad in ("fused_norm", "no_such_field=1", "fused_norm=maybe"):
+        with pytest.raises(ValueError):
+            bench.tuning_changes([bad])
