@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                         "(0: eagerly)")
     p.add_argument("--profile", action="store_true",
                    help="then torch.profiler over idle decode steps and mixed steps at each cap: wall vs kernel time "
-                        "per step (a mixed step runs eagerly), the largest kernels")
+                        "per step, the largest kernels, the host's operators and runtime calls")
     p.add_argument("--tuned", action="append", default=[], metavar="KEY=VALUE",
                    help="a `dispatch.Tuning` field for the whole run, graphs included (e.g. fused_norm=True); "
                         "repeatable")
@@ -191,7 +191,8 @@ def measure(a) -> int:
                                                                 capture_output=True, cwd=HERE).stdout.strip(),
            "layers": a.layers, "streams": a.streams, "context": a.context, "long_prompt": a.long,
            "cuda_graphs": device.type == "cuda" and not a.enforce_eager, "async_scheduling": not a.no_async_scheduling,
-           "piecewise_graph_tokens": a.piecewise, "tuned": {k: repr(getattr(tuning(), k)) for k in a.tuned}}  # as in effect
+           "piecewise_graph_tokens": a.piecewise,
+           "tuned": {k: repr(getattr(tuning(), k)) for k in a.tuned}}  # as in effect
     # the streams' room: every recorded step of the longest row, its untimed run, and slack
     smallest = min([prompt_per_step(a.chunks[0], a.streams)] + [prompt_per_step(a.chunks[-1], a.streams, c)
                                                                 for c in a.caps])

@@ -397,12 +397,12 @@ def _tl_fits(cfgs, weights: tuple[PackedWeight, ...], tiles: tuple[int, ...], de
 def tl_shared_bytes(cfg: dict, weights: tuple[PackedWeight, ...], tiles: int) -> int:
     """Shared memory of a tl config's pipelined loads, as Triton 3.6 lays them out for sm_90: ``num_stages``
     buffers of the [bm, CHUNK_K] 16-bit activation tile, and of the ``tiles`` [bn, CHUNK_K] weight tiles (gate_up
-    loads a gate and an up tile, one with ``fuse``) as stored: ``num_stages`` buffers of dense weights (2 bytes a value; they feed the
-    dot as loaded), one fewer of quantized ones (decoded in registers first), codes and block scales (NVFP4 0.5625
-    bytes a value, MXFP8 1.0625). The MoE's gate_up at 128 x 128 in 3 stages: 294,912 bytes with bf16 experts (the
-    learned model's warm-up on the H100, 2026-12-07, counted one byte a value and one tile, passed the row, and the
-    launch failed: Hopper's limit is 232,448), 135,168 with NVFP4, 167,936 with MXFP8, as the compiler counts
-    (tests/kernels/test_grouped_gemm_compile.py)."""
+    loads a gate and an up tile, one with ``fuse``) as stored: ``num_stages`` buffers of dense weights (2 bytes a
+    value; they feed the dot as loaded), one fewer of quantized ones (decoded in registers first), codes and block
+    scales (NVFP4 0.5625 bytes a value, MXFP8 1.0625). The MoE's gate_up at 128 x 128 in 3 stages: 294,912 bytes
+    with bf16 experts (the learned model's warm-up on the H100, 2026-12-07, counted one byte a value and one tile,
+    passed the row, and the launch failed: Hopper's limit is 232,448), 135,168 with NVFP4, 167,936 with MXFP8, as
+    the compiler counts (tests/kernels/test_grouped_gemm_compile.py)."""
     value = max((p.data.numel() * p.data.element_size() + (p.scale.numel() * p.scale.element_size()
                                                             if p.scale is not None else 0))
                 / (p.groups * p.n_pad * p.k_pad) for p in weights)

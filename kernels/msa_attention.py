@@ -50,7 +50,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from . import dispatch  # noqa: E402
-from .cache import LayerCache, cache_part, dequant_pages_ref, gather_part_ref  # noqa: E402
+from .cache import LayerCache, cache_part, dequant_pages_ref, gather_pages_ref, gather_part_ref  # noqa: E402
 from .codecs import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8, FP8_WORDS_UNSCALE, NVFP4, NVFP4_UNSCALE,  # noqa: E402
                      cache_format, cast_to, dot_dtype, fp8_words_f16, joined_cols, nvfp4_joined_tile, nvfp4_tile_f16,
                      nvfp4_words_f16)
@@ -607,13 +607,9 @@ def dense_prefill_sdpa(q, cache: LayerCache, block_table_row, seq_len: int, scal
     by torch's SDPA over its pages dequantized once: nvfp4 / fp8 codes times block scales are exact in bf16, so only
     the per-layer scales are left, and they fold into the softmax scale and the output. Into ``out [n, H_q, D]``."""
     from torch.nn.attention.bias import causal_lower_right
-    n, B = q.shape[0], cache.k.shape[2]
-    pages = block_table_row[: -(-seq_len // B)].long()
-    kv = []
-    for part in ("k", "v"):
-        data, blocks, _ = cache_part(cache, part)
-        x = dequant_pages_ref(data[pages], None if blocks is None else blocks[pages], 1.0, q.dtype)
-        kv.append(x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3])[:, :, :seq_len])  # [1, H_kv, seq_len, D]
+    n = q.shape[0]
+    kv = [gather_pages_ref(*cache_part(cache, part)[:2], 1.0, block_table_row, seq_len, q.dtype)  # [seq_len, H, D]
+          .transpose(0, 1)[None] for part in ("k", "v")]  # the per-layer scales left out
     k_scale, v_scale = _kv_operands(cache)[3:]
     o = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], kv[0], kv[1], attn_mask=causal_lower_right(n, seq_len), scale=scale * k_scale,

@@ -14,8 +14,8 @@ A step of T tokens (T <= the largest bucket) pads to its bucket b; the L + 1 pie
 Persistent buffers (ids, positions, cos / sin, residual, QKV output, attention output, hidden states) carry the rows
 between the pieces; every piece of every bucket shares one memory pool (the pieces run one after another and keep
 nothing in it). Padding rows (token 0 at position 0) pass through the norms, projections and MoE and are dropped;
-no attention sees them. Off unless `EngineConfig.piecewise_graph_tokens` is set; CUDA only. On the CPU
-`PiecewiseGraphs(..., capture=False)` runs the same pieces eagerly: what tests check against the model's forward.
+no attention sees them. Up to `EngineConfig.piecewise_graph_tokens` tokens (0: off); CUDA only. On the CPU a
+`PiecewiseGraphs` never captured runs the same pieces eagerly: what tests check against the model's forward.
 """
 from __future__ import annotations
 
