@@ -287,7 +287,9 @@ class LLMEngine:
     def _launch_ahead(self, cur: "_InFlight") -> "_InFlight | None":
         """Queue the next decode step of `cur`'s sequences before `cur`'s tokens are back, when the step after `cur`
         can only be that: every running sequence in `cur` samples there (a decode, a speculative decode or its
-        prefill's last chunk), nothing waits for admission, no sampling option reads the output tokens
+        prefill's last chunk) or, without speculative decoding, is a prompt whose chunk in `cur` is not its last
+        (its next chunk follows the decodes, as `schedule` would give it: `Scheduler.chunks_ahead`; a mixed step
+        is queued ahead as a decode step is), nothing waits for admission, no sampling option reads the output tokens
         (penalties), no confidence-scheduled verification (its next width reads `cur`'s confidences on the host).
         Each sequence feeds the last token `cur` gives it (read on the device) at the position after it; after a
         speculative step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots
@@ -305,7 +307,9 @@ class LLMEngine:
             return None
         in_cur, sampled = {id(s) for s in cur.batch.seqs}, {id(s) for s in cur.seqs}
         known = [s for s in sch.running if id(s) not in in_cur]
-        if (any(s.sampling_params.has_penalties or (id(s) in in_cur) != (id(s) in sampled) for s in sch.running)
+        chunked = [(s, n) for s, n in zip(cur.batch.seqs, cur.batch.num_new_tokens)
+                   if id(s) not in sampled and not s.is_finished]  # in the middle of their prompts
+        if (any(s.sampling_params.has_penalties for s in sch.running) or chunked and k_max
                 or known and (not k_max or any(s.num_uncomputed_tokens != 1 for s in known))):
             return None
         drafted = dict(zip(map(id, cur.batch.seqs), cur.batch.num_draft_tokens or [0] * len(cur.batch.seqs)))
@@ -328,15 +332,21 @@ class LLMEngine:
             return None
         for s, m, k in zip(seqs, most, drafts):
             bm.append_slot(s, m + k)  # its next step's last position, after the longest run `cur` may accept
-        batch = ScheduledBatch(seqs, [1 + k for k in drafts], drafts, num_decodes=len(seqs))
-        step, _ = self.step_builder.build(batch, prev_rows=rows)
+        # the prompts `cur` is in the middle of: their next chunks, after the decodes (their pages are all there)
+        chunks = sch.chunks_ahead([s for s, _ in chunked], [n for _, n in chunked], len(seqs) + sum(drafts), len(seqs))
+        prompts = [(s, done, n) for (s, done), n in zip(chunked, chunks) if n]
+        batch = ScheduledBatch(seqs + [s for s, _, _ in prompts], [1 + k for k in drafts] + [n for *_, n in prompts],
+                               drafts + [0] * len(prompts), num_decodes=len(seqs),
+                               num_pending=[0] * len(seqs) + [done for _, done, _ in prompts])
+        step, sampling = self.step_builder.build(batch, prev_rows=rows + [-1] * len(prompts))
+        sch.count(batch)
         self.num_steps_ahead += 1
         try:
-            return _InFlight(batch, step, seqs, self.executor.launch(step, cur.out.device))
+            return _InFlight(batch, step, sampling, self.executor.launch(step, cur.out.device))
         except Exception as e:  # its requests fail once `cur`'s tokens are out; a device fault kills the engine now
             if not contained(e) or not self.executor_alive():
                 raise
-            return _InFlight(batch, step, seqs, None, e)
+            return _InFlight(batch, step, sampling, None, e)
 
     def _complete(self, cur: "_InFlight") -> list[RequestOutput]:
         """Wait for `cur`'s tokens and turn them into outputs; rows of sequences that ended (or were aborted) since

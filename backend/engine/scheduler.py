@@ -55,6 +55,9 @@ class ScheduledBatch:
     num_draft_tokens: list[int] = field(default_factory=list)  # per sequence: drafts it verifies (0: none)
     preempted: list[Sequence] = field(default_factory=list)
     num_decodes: int = 0  # the first this many of `seqs` are decodes; the rest prefill chunks
+    # per sequence, its prompt tokens that a step still running computes before this one (async scheduling: a step
+    # launched ahead of a prompt's chunk, `Scheduler.chunks_ahead`); empty: none
+    num_pending: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -196,8 +199,7 @@ class Scheduler:
                     num_decodes += 1
 
         def prefills() -> None:
-            cap = self.max_prefill_tokens_with_decodes if num_decodes else 0
-            left = budget if not cap else min(budget, cap)  # prompt tokens this step may still take
+            left = self._prompt_budget(budget, num_decodes)  # prompt tokens this step may still take
 
             def take_prompt(seq: Sequence, n: int) -> None:
                 nonlocal left
@@ -238,13 +240,37 @@ class Scheduler:
             prefills()
             if prefill_turn and not out.seqs:  # nothing to prefill after all (no pages): the decodes
                 decodes()
-        self.num_chunked_prefills += sum(1 for s, n, k in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens)
-                                         if not k and n < self._prefill_todo(s))
         out.num_decodes = num_decodes
-        if out.kind.endswith("+prefill"):  # decodes beside prefill chunks
+        self.count(out)
+        return out
+
+    def count(self, batch: ScheduledBatch) -> None:
+        """The statistics of a step about to run, scheduled here or launched ahead."""
+        pending = batch.num_pending or [0] * len(batch.seqs)
+        self.num_chunked_prefills += sum(
+            1 for s, n, k, p in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, pending)
+            if not k and n < self._prefill_todo(s) - p)
+        if batch.kind.endswith("+prefill"):  # decodes beside prefill chunks
             self.num_mixed_steps += 1
         self.max_running = max(self.max_running, len(self.running))
-        return out
+
+    def _prompt_budget(self, budget: int, num_decodes: int) -> int:
+        """Prompt tokens a step may take with `budget` tokens left after its `num_decodes` decodes."""
+        cap = self.max_prefill_tokens_with_decodes if num_decodes else 0
+        return budget if not cap else min(budget, cap)
+
+    def chunks_ahead(self, seqs: list[Sequence], num_done: list[int], num_decode_tokens: int,
+                     num_decodes: int) -> list[int]:
+        """Async scheduling: the chunk each of `seqs` (in the middle of their prompts, in arrival order) gets in
+        the step after one still running, which computes `num_done[i]` more of its prompt, beside `num_decodes`
+        decodes of `num_decode_tokens` tokens. That is what `schedule` gives them once the running step is back,
+        when nothing waits and every decode of it goes on (`LLMEngine._launch_ahead` goes ahead only then)."""
+        left = self._prompt_budget(self.max_num_batched_tokens - num_decode_tokens, num_decodes)
+        chunks = []
+        for seq, done in zip(seqs, num_done):
+            chunks.append(min(self._prefill_todo(seq) - done, left))
+            left -= chunks[-1]
+        return chunks
 
     def update(self, batch: ScheduledBatch, num_rejected: list[int] | None = None,
                keep_lookahead=()) -> None:

@@ -43,14 +43,17 @@ class StepBuilder:
         newest token still runs; that token is the last of row prev_rows[i] of its result and goes in at position
         `num_tokens` (the host does not know it yet). After a speculative step, which may emit several, everything
         here assumes one: the device moves each sequence's tokens by the rest (executor/ahead.py). A row of -1: a
-        decode whose tokens are all known (built as without `prev_rows`)."""
+        sequence whose tokens are all known (built as without `prev_rows`): a decode, or a prompt's next chunk after
+        the `batch.num_pending` tokens of the chunk still running."""
         bs = self.block_size
         rows_ahead = [0] * len(batch.seqs) if prev_rows is None else [int(r >= 0) for r in prev_rows]
         ids, pos, qsl, seq_lens = [], [], [0], []
         sample_rows, sample_seqs, speculating, sample_ahead = [], [], [], []
         drafts = batch.num_draft_tokens or [0] * len(batch.seqs)
-        for i, (seq, n, k, ahead) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts, rows_ahead)):
-            start = seq.num_tokens if ahead else seq.num_computed_tokens
+        pending = batch.num_pending or [0] * len(batch.seqs)
+        for i, (seq, n, k, ahead, done) in enumerate(zip(batch.seqs, batch.num_new_tokens, drafts, rows_ahead,
+                                                         pending)):
+            start = seq.num_tokens if ahead else seq.num_computed_tokens + done
             end = start + n
             known = seq.token_ids[start:end - k]
             ids += known + [0] * (n - len(known))  # the worker writes the drafts (or the pending token) over these

@@ -99,3 +99,36 @@ def test_async_scheduling_must_be_boolean(make_engine, flag):
 
     with pytest.raises(ConfigError, match="async_scheduling"):
         make_engine(async_scheduling=flag)
+
+
+@pytest.mark.parametrize("cap", [0, 16])
+def test_mixed_steps_go_ahead(make_engine, eu, cap):
+    """A long prompt prefilled in chunks beside decoding streams: the step after a mixed step whose prompt chunk is
+    not the last is queued ahead too (the decodes' tokens read on the device, the prompt's next chunk after the one
+    still running), with the outputs of the synchronous engine; with `max_prefill_tokens_with_decodes` as well."""
+    prompts = eu.random_prompts([9, 14, 11, 300], seed=23)
+    params = [SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=45, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)]
+    late = {3: ("long", prompts[3], SamplingParams(temperature=0.6, seed=9, max_tokens=12, ignore_eos=True))}
+    res, mixed_ahead = {}, {}
+    for mode in (False, True):
+        eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=96, max_num_batched_tokens=40,
+                          max_prefill_tokens_with_decodes=cap, enable_prefix_caching=False, async_scheduling=mode)
+        for i, sp in enumerate(params):
+            eng.add_request(f"r{i}", prompt_token_ids=prompts[i], sampling_params=sp)
+        kinds, real_step = [], eng.step
+
+        def step():  # the kind of each step left queued
+            out = real_step()
+            if eng._inflight is not None:
+                kinds.append(eng._inflight.batch.kind)
+            return out
+
+        eng.step = step
+        res[mode], _ = eu.run_queued(eng, late)
+        mixed_ahead[mode] = kinds.count("decode+prefill")
+        assert eng.scheduler.num_mixed_steps >= 300 // 40  # the prompt's chunks went beside the decodes
+    assert mixed_ahead[False] == 0 and mixed_ahead[True] >= 300 // 40 - 1
+    eu.same_outputs(res[False], res[True])
+    assert len(res[True]["long"][0]) == 12
