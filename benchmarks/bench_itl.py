@@ -95,7 +95,7 @@ def run_streams(engine, device, streams: int, context: int, steps: int, long: in
 
         for _ in range(steps):
             record(engine.step())
-        mixed0, chunked0 = sch.num_mixed_steps, sch.num_chunked_prefills
+        mixed0, chunked0, ahead0 = sch.num_mixed_steps, sch.num_chunked_prefills, engine.num_steps_ahead
         if long:
             vocab = engine.model_config.vocab_size
             t_admit = time.perf_counter()
@@ -105,7 +105,8 @@ def run_streams(engine, device, streams: int, context: int, steps: int, long: in
                 if record(engine.step()):
                     t_first = time.perf_counter()
                     counts = dict(mixed_steps=sch.num_mixed_steps - mixed0,
-                                  chunked_prefills=sch.num_chunked_prefills - chunked0)
+                                  chunked_prefills=sch.num_chunked_prefills - chunked0,
+                                  steps_ahead=engine.num_steps_ahead - ahead0)  # async scheduling
                     break
             else:
                 raise RuntimeError(f"the {long}-token prompt got no token in {budget - steps} steps "
@@ -221,8 +222,8 @@ def measure(a) -> int:
         res[key].append(row)
         print(f"chunk {chunk}{f', beside decodes {cap}' if cap else ''}: ITL p50 {row['itl_p50_ms']:.2f} ms p99 "
               f"{row['itl_p99_ms']:.2f} ms ({row['p99_over_idle']:.2f}x idle), TTFT {row['ttft_s'] * 1e3:.1f} ms "
-              f"(alone {row['ttft_alone_s'] * 1e3:.1f} ms), {row['mixed_steps']} mixed steps, {row['compiles']} "
-              "compiles", flush=True)
+              f"(alone {row['ttft_alone_s'] * 1e3:.1f} ms), {row['mixed_steps']} mixed steps "
+              f"({row['steps_ahead']} steps queued ahead), {row['compiles']} compiles", flush=True)
         save(res, a.out)
     if a.profile:
         res["profiles"] = profiles(engine, device, a)
@@ -288,15 +289,15 @@ def table(res) -> str:
              f"{res['context']} tokens, a {res['long_prompt']}-token prompt admitted, CUDA graphs "
              f"{res['cuda_graphs']}, async scheduling {res['async_scheduling']}", "",
              "| chunk (max_num_batched_tokens) | prompt tokens/step beside decodes | ITL p50 ms | ITL p99 ms | "
-             "ITL max ms | p99 / idle | TTFT ms | TTFT alone ms | mixed steps | compiles |",
-             "|---|---|---|---|---|---|---|---|---|---|",
+             "ITL max ms | p99 / idle | TTFT ms | TTFT alone ms | mixed steps | steps queued ahead | compiles |",
+             "|---|---|---|---|---|---|---|---|---|---|---|",
              f"| idle (no prompt) | - | {i['itl_p50_ms']:.2f} | {i['itl_p99_ms']:.2f} | {i['itl_max_ms']:.2f} | 1.00 | "
-             "- | - | - | - |"]
+             "- | - | - | - | - |"]
     for r in res["chunks"] + res.get("caps", []):
         capped = " (capped)" if r.get("cap") else ""
         lines.append(f"| {r['chunk']} | {r['prompt_chunk']}{capped} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
                      f"{r['itl_max_ms']:.2f} | {r['p99_over_idle']:.2f} | {r['ttft_s'] * 1e3:.1f} | "
-                     f"{r['ttft_alone_s'] * 1e3:.1f} | {r['mixed_steps']} | {r['compiles']} |")
+                     f"{r['ttft_alone_s'] * 1e3:.1f} | {r['mixed_steps']} | {r['steps_ahead']} | {r['compiles']} |")
     if "trade_off" in res:
         lines += ["", res["trade_off"]]
     return "\n".join(lines) + "\n"
