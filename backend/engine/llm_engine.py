@@ -288,8 +288,9 @@ class LLMEngine:
         """Queue the next decode step of `cur`'s sequences before `cur`'s tokens are back, when the step after `cur`
         can only be that: every running sequence in `cur` samples there (a decode, a speculative decode or its
         prefill's last chunk) or, without speculative decoding, is a prompt whose chunk in `cur` is not its last
-        (its next chunk follows the decodes, as `schedule` would give it: `Scheduler.chunks_ahead`; a mixed step
-        is queued ahead as a decode step is), nothing waits for admission, no sampling option reads the output tokens
+        (its next chunk follows the decodes, as `schedule` would give it: `Scheduler.chunks_ahead`; a mixed step,
+        or a prompt's chunks alone, are queued ahead as decode steps are), nothing waits for admission, no sampling
+        option reads the output tokens
         (penalties), no confidence-scheduled verification (its next width reads `cur`'s confidences on the host).
         Each sequence feeds the last token `cur` gives it (read on the device) at the position after it; after a
         speculative step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots
@@ -303,14 +304,14 @@ class LLMEngine:
         sch, bm = self.scheduler, self.block_manager
         k_max = self.step_builder.num_speculative_tokens
         if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
-                or self.verify_scheduler is not None or sch.waiting or not cur.seqs):
+                or self.verify_scheduler is not None or sch.waiting):
             return None
         in_cur, sampled = {id(s) for s in cur.batch.seqs}, {id(s) for s in cur.seqs}
         known = [s for s in sch.running if id(s) not in in_cur]
         chunked = [(s, n) for s, n in zip(cur.batch.seqs, cur.batch.num_new_tokens)
                    if id(s) not in sampled and not s.is_finished]  # in the middle of their prompts
-        if (any(s.sampling_params.has_penalties for s in sch.running) or chunked and k_max
-                or known and (not k_max or any(s.num_uncomputed_tokens != 1 for s in known))):
+        if (not cur.seqs and not chunked or any(s.sampling_params.has_penalties for s in sch.running)
+                or chunked and k_max or known and (not k_max or any(s.num_uncomputed_tokens != 1 for s in known))):
             return None
         drafted = dict(zip(map(id, cur.batch.seqs), cur.batch.num_draft_tokens or [0] * len(cur.batch.seqs)))
         rows, drafts, most = [], [], []
@@ -325,24 +326,25 @@ class LLMEngine:
         rows += [-1] * len(known)
         drafts += [num_draft_tokens(s, k_max) for s in known]
         most += [0] * len(known)
-        if (not rows or rows[0] < 0 or len(seqs) + sum(drafts) > sch.max_num_batched_tokens
+        # the prompts `cur` is in the middle of: their next chunks, after the decodes (their pages are all there)
+        chunks = sch.chunks_ahead([s for s, _ in chunked], [n for _, n in chunked], len(seqs) + sum(drafts), len(seqs))
+        prompts = [(s, done, n) for (s, done), n in zip(chunked, chunks) if n]
+        if (not rows and not prompts or rows and rows[0] < 0 or len(seqs) + sum(drafts) > sch.max_num_batched_tokens
                 or sum(bm.pages_to_append(s, m + k) for s, m, k in zip(seqs, most, drafts)) > bm.num_free_pages):
             # nothing of `cur` to follow (then one step with every sequence beats one without those left out of
             # it), over the token budget, or a page short: the next step is scheduled when `cur` is done
             return None
         for s, m, k in zip(seqs, most, drafts):
             bm.append_slot(s, m + k)  # its next step's last position, after the longest run `cur` may accept
-        # the prompts `cur` is in the middle of: their next chunks, after the decodes (their pages are all there)
-        chunks = sch.chunks_ahead([s for s, _ in chunked], [n for _, n in chunked], len(seqs) + sum(drafts), len(seqs))
-        prompts = [(s, done, n) for (s, done), n in zip(chunked, chunks) if n]
         batch = ScheduledBatch(seqs + [s for s, _, _ in prompts], [1 + k for k in drafts] + [n for *_, n in prompts],
                                drafts + [0] * len(prompts), num_decodes=len(seqs),
                                num_pending=[0] * len(seqs) + [done for _, done, _ in prompts])
-        step, sampling = self.step_builder.build(batch, prev_rows=rows + [-1] * len(prompts))
+        # prompt chunks alone (no decode of `cur` goes on) read nothing of `cur`'s result
+        step, sampling = self.step_builder.build(batch, prev_rows=rows + [-1] * len(prompts) if rows else None)
         sch.count(batch)
         self.num_steps_ahead += 1
         try:
-            return _InFlight(batch, step, sampling, self.executor.launch(step, cur.out.device))
+            return _InFlight(batch, step, sampling, self.executor.launch(step, cur.out.device if rows else None))
         except Exception as e:  # its requests fail once `cur`'s tokens are out; a device fault kills the engine now
             if not contained(e) or not self.executor_alive():
                 raise

@@ -111,24 +111,47 @@ def test_mixed_steps_go_ahead(make_engine, eu, cap):
               SamplingParams(temperature=0.8, seed=5, max_tokens=45, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)]
     late = {3: ("long", prompts[3], SamplingParams(temperature=0.6, seed=9, max_tokens=12, ignore_eos=True))}
-    res, mixed_ahead = {}, {}
+    res, kinds = {}, {}
     for mode in (False, True):
         eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=96, max_num_batched_tokens=40,
                           max_prefill_tokens_with_decodes=cap, enable_prefix_caching=False, async_scheduling=mode)
         for i, sp in enumerate(params):
             eng.add_request(f"r{i}", prompt_token_ids=prompts[i], sampling_params=sp)
-        kinds, real_step = [], eng.step
-
-        def step():  # the kind of each step left queued
-            out = real_step()
-            if eng._inflight is not None:
-                kinds.append(eng._inflight.batch.kind)
-            return out
-
-        eng.step = step
-        res[mode], _ = eu.run_queued(eng, late)
-        mixed_ahead[mode] = kinds.count("decode+prefill")
+        res[mode], kinds[mode] = _run_recording_ahead(eng, eu, late)
         assert eng.scheduler.num_mixed_steps >= 300 // 40  # the prompt's chunks went beside the decodes
-    assert mixed_ahead[False] == 0 and mixed_ahead[True] >= 300 // 40 - 1
+    assert not kinds[False] and kinds[True].count("decode+prefill") >= 300 // 40 - 1
     eu.same_outputs(res[False], res[True])
     assert len(res[True]["long"][0]) == 12
+
+
+def _run_recording_ahead(eng, eu, late=None):
+    """`run_queued`, and the kind of each step left queued ahead."""
+    kinds, real_step = [], eng.step
+
+    def step():
+        out = real_step()
+        if eng._inflight is not None:
+            kinds.append(eng._inflight.batch.kind)
+        return out
+
+    eng.step = step
+    res, _ = eu.run_queued(eng, late)
+    return res, kinds
+
+
+def test_prompt_chunks_alone_go_ahead(make_engine, eu):
+    """A prompt prefilled in chunks with nothing decoding: each chunk after the first is queued while the one
+    before runs; a second prompt arriving meanwhile waits for a scheduled step. The outputs are the synchronous
+    engine's."""
+    prompts = eu.random_prompts([300, 50], seed=31)
+    late = {4: ("second", prompts[1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))}
+    res, kinds = {}, {}
+    for mode in (False, True):
+        eng = make_engine(max_num_seqs=4, num_gpu_blocks_override=64, max_num_batched_tokens=32,
+                          enable_prefix_caching=False, async_scheduling=mode)
+        eng.add_request("long", prompt_token_ids=prompts[0],
+                        sampling_params=SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True))
+        res[mode], kinds[mode] = _run_recording_ahead(eng, eu, late)
+    assert not kinds[False] and kinds[True][:3] == ["prefill"] * 3
+    eu.same_outputs(res[False], res[True])
+    assert [len(res[True][r][0]) for r in ("long", "second")] == [10, 10]
