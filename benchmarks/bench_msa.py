@@ -249,7 +249,8 @@ PREFILL_VARIANTS = {"t8w8": dict(prefill_block_t=8, prefill_num_warps=8), "bytes
                     "words": dict(prefill_words=True), "t1": dict(prefill_block_t=1), "t2": dict(prefill_block_t=2),
                     "sorted": dict(prefill_sorted_blocks=True), "t1_sorted": dict(prefill_block_t=1,
                                                                                     prefill_sorted_blocks=True),
-                    "sdpa": dict(prefill_sdpa_from=128)}
+                    "sdpa": dict(prefill_sdpa_from=128), "plain": dict(prefill_plain_from=128),
+                    "plain_t1_sorted": dict(prefill_plain_from=128, prefill_block_t=1, prefill_sorted_blocks=True)}
 
 
 def bench_prefill(pool, ctx, chunk, device, timer, variants=()):

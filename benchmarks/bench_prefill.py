@@ -259,13 +259,16 @@ def bench_ttft(args, dev, res):
     # the MSA prefill attention (45% of the 32K prefill's kernel time on the H100, 2026-12-07) with its byte decoder
     # (the default before the word decoder measured 11% faster, bench_msa), with 8-token tiles on 8 warps, and with the
     # full-attention layer's long chunks through torch's SDPA over pages dequantized once (`Tuning.prefill_sdpa_from`),
-    # the sparse layers' tiles of 1 or 2 tokens (a tile visits the union of its tokens' blocks), and their selections
-    # walked sorted instead of a scan of every block of the context
+    # the sparse layers' tiles of 1 or 2 tokens (a tile visits the union of its tokens' blocks), their selections
+    # walked sorted instead of a scan of every block of the context, and the long chunks over an fp16 copy of their
+    # pages (`Tuning.prefill_plain_from`)
     variants = ((kernels_only, "decode kernels only"), ({}, "default dispatch"),
                 (dict(dense_prefill=True), "dense rows on"), (unswapped, "tl rows unswapped"),
                 (dict(prefill_words=False), "msa prefill bytes"),
                 (dict(prefill_block_t=8, prefill_num_warps=8), "msa prefill 8-token tiles"),
                 (dict(prefill_sdpa_from=1024), "msa prefill sdpa"),
+                (dict(prefill_plain_from=1024), "msa prefill plain pages"),
+                (dict(prefill_plain_from=1024, prefill_sdpa_from=1024), "msa prefill plain pages, sdpa"),
                 (dict(prefill_sparse_block_t=1), "msa prefill sparse 1-token tiles"),
                 (dict(prefill_sparse_block_t=2), "msa prefill sparse 2-token tiles"),
                 (dict(prefill_sorted_blocks=True), "msa prefill sparse sorted walk"),

@@ -139,6 +139,9 @@ class Tuning:
     prefill_sdpa_from: int | None = None  # full-attention layers: a sequence with at least this many query tokens in
     #   the step (at least 128) dequantizes its pages once and runs torch's SDPA instead of the kernel, which decodes
     #   every key tile again for each 4 query tokens (`msa_attention.dense_prefill_sdpa`); None: off (not yet timed)
+    prefill_plain_from: int | None = None  # NVFP4 / FP8 caches: a sequence with at least this many query tokens in the
+    #   step (at least 128) runs the kernel on an fp16 copy of its pages, decoded once (exact: the dots are fp16
+    #   either way), where the kernel would decode each key tile again for every query tile; None: off (not yet timed)
     # indexer block scores (indexer_block_scores, indexer_decode, indexer_prefill)
     index_chunks: int | None = None  # block chunks per query tile; None: 4 programs per SM
     index_block_t: int | None = None  # prefill query tokens per tile; None: 64 rows (interpreter 16) / next_pow2(H)
@@ -198,13 +201,23 @@ def prefill_tiles(query_start_loc, block_t: int, device, skip=()) -> torch.Tenso
 SDPA_MIN_TOKENS = 128  # `Tuning.prefill_sdpa_from`'s floor: speculative and decode rows never take the SDPA path
 
 
-def sdpa_prefill_sequences(query_start_loc, sparse: bool) -> list[int]:
-    """The sequences of a prefill step whose full-attention rows run torch's SDPA (`Tuning.prefill_sdpa_from`)."""
-    start = tuning().prefill_sdpa_from
-    if sparse or start is None:
+def _long_sequences(query_start_loc, start: int | None) -> list[int]:
+    """The sequences with at least ``start`` (and `SDPA_MIN_TOKENS`) query tokens in the step; none for None."""
+    if start is None:
         return []
     qsl = [int(x) for x in query_start_loc]
     return [s for s in range(len(qsl) - 1) if qsl[s + 1] - qsl[s] >= max(start, SDPA_MIN_TOKENS)]
+
+
+def sdpa_prefill_sequences(query_start_loc, sparse: bool) -> list[int]:
+    """The sequences of a prefill step whose full-attention rows run torch's SDPA (`Tuning.prefill_sdpa_from`)."""
+    return [] if sparse else _long_sequences(query_start_loc, tuning().prefill_sdpa_from)
+
+
+def plain_prefill_sequences(query_start_loc, fmt: int) -> list[int]:
+    """The sequences of a prefill step whose attention reads an fp16 copy of their quantized pages
+    (`Tuning.prefill_plain_from`)."""
+    return [] if fmt == FMT_PLAIN else _long_sequences(query_start_loc, tuning().prefill_plain_from)
 
 
 def _rows_per_tile(rows: int, pad: int) -> int:

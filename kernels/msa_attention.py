@@ -617,48 +617,83 @@ def dense_prefill_sdpa(q, cache: LayerCache, block_table_row, seq_len: int, scal
     out.copy_((o[0].transpose(0, 1) * v_scale) if v_scale != 1.0 else o[0].transpose(0, 1))
 
 
+def plain_pages(cache: LayerCache, block_tables, seqs: list[int], seq_lens_cpu):
+    """fp16 copies of the pages that sequences ``seqs`` fill (their first ``seq_lens_cpu[s]`` tokens) of a
+    quantized cache: NVFP4 / FP8 codes times block scales are exact in fp16, the per-layer scales are left out.
+    (K, V ``[n, H_kv, B, D]``, block tables into them: the rows of ``seqs``, 0 elsewhere)."""
+    B = cache.k.shape[2]
+    rows = [block_tables[s, :-(-int(seq_lens_cpu[s]) // B)] for s in seqs]
+    pages = torch.cat(rows).long()
+    k, v = (dequant_pages_ref(data[pages], None if blocks is None else blocks[pages], 1.0, torch.float16)
+            for data, blocks, _ in (cache_part(cache, "k"), cache_part(cache, "v")))
+    tables = torch.zeros_like(block_tables)
+    first = 0
+    for s, r in zip(seqs, rows):
+        tables[s, :len(r)] = torch.arange(first, first + len(r), device=tables.device, dtype=tables.dtype)
+        first += len(r)
+    return k, v, tables
+
+
 def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, scale: float, block_ids=None,
                 tiles=None, out=None, seq_lens_cpu=None) -> torch.Tensor:
     """Triton version of :func:`msa_prefill_ref`: grid (token tile, KV head), keys from pages. ``tiles``: the step's
     tile map (`dispatch.prefill_tiles` of `dispatch.attention_block_t` for this mode, made under the same tuning),
-    else made here. Dense (no ``block_ids``) with ``seq_lens_cpu`` (the sequences' lengths after the step, on the host):
-    the sequences `dispatch.sdpa_prefill_sequences` names run `dense_prefill_sdpa`, the kernel the rest."""
+    else made here. With ``seq_lens_cpu`` (the sequences' lengths after the step, on the host): in dense mode (no
+    ``block_ids``) the sequences `dispatch.sdpa_prefill_sequences` names run `dense_prefill_sdpa`; those
+    `dispatch.plain_prefill_sequences` names run the kernel over `plain_pages`; the kernel runs the rest."""
     T, H_q, D = q.shape
-    k_data = cache.k
-    _, H_kv, B, _ = k_data.shape
-    G = H_q // H_kv
+    H_kv = cache.k.shape[1]
     out = torch.empty_like(q) if out is None else out
     if T == 0:
         return out
-    block_t = dispatch.attention_block_t(G, sparse=block_ids is not None)
-    apart = (dispatch.sdpa_prefill_sequences(query_start_loc, block_ids is not None)
+    sparse = block_ids is not None
+    block_t = dispatch.attention_block_t(H_q // H_kv, sparse=sparse)
+    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
+    apart = (dispatch.sdpa_prefill_sequences(query_start_loc, sparse)
              if seq_lens_cpu is not None and sdpa_fused_ok(q, H_kv) else [])
     for s in apart:
         a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
         dense_prefill_sdpa(q[a:b], cache, block_tables[s], int(seq_lens_cpu[s]), scale, out[a:b])
-    if apart:  # the kernel's tiles for the rest
-        tiles = dispatch.prefill_tiles(query_start_loc, block_t, q.device, skip=set(apart))
+    plain = ([s for s in dispatch.plain_prefill_sequences(query_start_loc, fmt) if s not in apart]
+             if seq_lens_cpu is not None else [])
+    if plain:
+        k, v, tables = plain_pages(cache, block_tables, plain, seq_lens_cpu)
+        others = set(range(len(query_start_loc) - 1)) - set(plain)
+        _prefill_launch(q, (FMT_PLAIN, k, v, k, v, k_scale, v_scale), tables, positions, scale, block_ids,
+                        dispatch.prefill_tiles(query_start_loc, block_t, q.device, skip=others), block_t, out)
+    if apart or plain:  # the kernel's tiles for the rest
+        tiles = dispatch.prefill_tiles(query_start_loc, block_t, q.device, skip=set(apart) | set(plain))
     if tiles is None:
         tiles = dispatch.prefill_tiles(query_start_loc, block_t, q.device)
+    _prefill_launch(q, (fmt, cache.k, cache.v, ks, vs, k_scale, v_scale), block_tables, positions, scale, block_ids,
+                    tiles, block_t, out)
+    return out
+
+
+def _prefill_launch(q, operands, block_tables, positions, scale: float, block_ids, tiles, block_t: int,
+                    out) -> None:
+    """`_msa_prefill_kernel` over ``tiles`` of ``block_t`` tokens; ``operands``: (format, K, V, K and V block
+    scales, k_scale, v_scale)."""
     if tiles.shape[0] == 0:
-        return out
-    fmt, ks, vs, k_scale, v_scale = _kv_operands(cache)
+        return
+    fmt, k_data, v_data, ks, vs, k_scale, v_scale = operands
+    H_q, D = q.shape[1:]
+    _, H_kv, B, _ = k_data.shape
     sparse = block_ids is not None
     bid = block_ids if sparse else positions
     ns_k, ns_v, qk_s, v_s, perm = _slots(fmt, D, dispatch.prefill_words(fmt))
     _msa_prefill_kernel[(tiles.shape[0], H_kv)](
         q, q.stride(0), q.stride(1),
-        k_data, cache.v, k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        k_data, v_data, k_data.stride(0), k_data.stride(1), k_data.stride(2),
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables, block_tables.stride(0),
         tiles, positions,
         bid, bid.stride(0) if sparse else 0, bid.stride(1) if sparse else 0,
         out, out.stride(0), out.stride(1),
         float(scale * k_scale * LOG2E * qk_s), float(v_scale * v_s),
-        G, B,
-        G_PAD=dispatch.next_pow2(G), BLOCK_T=block_t, D=D, BN=dispatch.prefill_block_n(B),
+        H_q // H_kv, B,
+        G_PAD=dispatch.next_pow2(H_q // H_kv), BLOCK_T=block_t, D=D, BN=dispatch.prefill_block_n(B),
         TOPK=block_ids.shape[-1] if sparse else 1, SPARSE=sparse, FMT=fmt, NS_K=ns_k, NS_V=ns_v,
         DOT_DT=dot_dtype(fmt, k_data.dtype), PERM=perm, ASM=perm and dispatch.asm(q.device),
         SORTED=sparse and dispatch.tuning().prefill_sorted_blocks, num_warps=dispatch.tuning().prefill_num_warps,
     )
-    return out

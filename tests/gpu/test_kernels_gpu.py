@@ -93,8 +93,11 @@ def test_msa_decode_gpu(setup, mode):
         assert rel_err(out, ref) < 1e-2, (splits, words, rel_err(out, ref))
 
 
+@pytest.mark.parametrize("plain_from", [None, 128])
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
-def test_msa_prefill_gpu(setup, mode):
+def test_msa_prefill_gpu(setup, mode, plain_from):
+    """The kernel's prefill == the reference; with `Tuning.prefill_plain_from`, the 200-, 300- and 130-token chunks
+    of NVFP4 / FP8 caches over an fp16 copy of their pages."""
     kv_dtype, st, g = setup
     qsl, pos = chunk_positions(SEQ_LENS, CHUNKS)
     pos = pos.to(DEV)
@@ -106,7 +109,8 @@ def test_msa_prefill_gpu(setup, mode):
         bids = indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK)
     ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids)
     out = torch.full_like(q, float("nan"))
-    msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids, out=out)
+    with tuned(prefill_plain_from=plain_from):
+        msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, bids, out=out, seq_lens_cpu=SEQ_LENS)
     assert rel_err(out, ref) < 1e-2
 
 

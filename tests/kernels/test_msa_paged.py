@@ -168,3 +168,37 @@ def test_dense_prefill_sdpa_beside_the_kernel(kv_dtype, monkeypatch):
     a, b = qsl[0], qsl[1]
     assert rel_err(out[a:b], ref[a:b]) > 0.1  # the chunk after context, aligned top-left: wrong
     assert rel_err(out[b:], ref[b:]) < TOL[kv_dtype]  # a whole prompt is the same either way
+
+
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8"])
+def test_prefill_over_plain_pages(kv_dtype, monkeypatch):
+    """`Tuning.prefill_plain_from`: the long chunks (130 tokens after 270 of context, a whole 150-token prompt) run
+    the kernel over an fp16 copy of their pages, the short ones (1 and 16 tokens) over the quantized pages, in one
+    call, sparse and dense-mode: == the reference, and == the kernel over the quantized pages alone (the same fp16
+    products). With the SDPA option on too, the dense mode's long chunks take SDPA and copy nothing."""
+    from m3serve.kernels import msa_attention
+    seq_lens = [400, 150, 7, 97]
+    st, g = _setup(kv_dtype, 37, seq_lens)
+    qsl, pos = chunk_positions(seq_lens, [130, 150, 1, 16])
+    q = torch.randn(qsl[-1], H_KV * G, D, generator=g).to(torch.bfloat16)
+    iq = torch.randn(qsl[-1], H_KV, DI, generator=g).to(torch.bfloat16)
+    copied = []
+    real = msa_attention.plain_pages
+    monkeypatch.setattr(msa_attention, "plain_pages", lambda *a: copied.append(list(a[2])) or real(*a))
+
+    def run(b, **tuning):
+        out = torch.full_like(q, float("nan"))
+        with tuned(**tuning):
+            msa_prefill(q, st.cache, st.bt, qsl, pos, D ** -0.5, b, out=out, seq_lens_cpu=seq_lens)
+        return out
+
+    for b in (indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK), None):
+        ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, b)
+        quantized = run(b)
+        copied.clear()
+        plain = run(b, prefill_plain_from=100)
+        assert copied == [[0, 1]]
+        assert rel_err(plain, ref) < TOL[kv_dtype] and rel_err(plain, quantized) < 2e-3
+    copied.clear()
+    assert rel_err(run(None, prefill_plain_from=100, prefill_sdpa_from=100), ref) < TOL[kv_dtype]
+    assert copied == []
