@@ -29,6 +29,7 @@ def test_bench_prefill_smoke(tmp_path):
     rows = {row["dispatch"]: row for row in res["ttft"]["rows"]}
     assert set(rows) == {"decode kernels only", "default dispatch", "dense rows on", "tl rows unswapped",
                          "msa prefill bytes", "msa prefill 8-token tiles", "msa prefill sdpa",
+                         "msa prefill plain pages", "msa prefill plain pages, sdpa",
                          "msa prefill sparse 1-token tiles", "msa prefill sparse 2-token tiles",
                          "msa prefill sparse sorted walk", "msa prefill sdpa, sparse 1-token tiles sorted",
                          "moe fused gate_up, 256-token tiles", "norm in one launch"}
