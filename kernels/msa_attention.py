@@ -52,8 +52,8 @@ import triton.language as tl  # noqa: E402
 from . import dispatch  # noqa: E402
 from .cache import LayerCache, cache_part, dequant_pages_ref, gather_pages_ref, gather_part_ref  # noqa: E402
 from .codecs import (FMT_FP8, FMT_NVFP4, FMT_PLAIN, FP8, FP8_WORDS_UNSCALE, NVFP4, NVFP4_UNSCALE,  # noqa: E402
-                     cache_format, cast_to, dot_dtype, fp8_words_f16, joined_cols, nvfp4_joined_tile, nvfp4_tile_f16,
-                     nvfp4_words_f16)
+                     cache_format, cast_to, dot_dtype, e2m1_to_f16, e4m3_bits_to_f32, fp8_words_f16, joined_cols,
+                     nvfp4_joined_tile, nvfp4_tile_f16, nvfp4_words_f16)
 
 
 def _gather_kv_ref(cache: LayerCache, block_table_row, n: int):
@@ -617,6 +617,41 @@ def dense_prefill_sdpa(q, cache: LayerCache, block_table_row, seq_len: int, scal
     out.copy_((o[0].transpose(0, 1) * v_scale) if v_scale != 1.0 else o[0].transpose(0, 1))
 
 
+@triton.jit
+def _plain_pages_kernel(d_ptr, s_ptr, pages_ptr, out_ptr, sd_p, sd_h, sd_t, ss_p, ss_h, ss_t, H,
+                        B: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr):
+    """Page ``pages[i]``, KV head h of an NVFP4 (bytes + e4m3 block-scale bits) or FP8 (e4m3 bits) cache part ->
+    ``out[i, h]``, fp16 ``[B, D]`` (contiguous ``[n, H, B, D]``), exact, the per-layer scale left out."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(pages_ptr + i).to(tl.int64)
+    t = tl.arange(0, B)[:, None]
+    c = tl.arange(0, D)[None, :]
+    row = page * sd_p + h * sd_h + t * sd_t
+    if FMT == FMT_NVFP4:
+        byte = tl.load(d_ptr + row + c // 2)
+        code = tl.where(c % 2 == 0, byte & 15, byte >> 4)
+        x = e2m1_to_f16(code).to(tl.float32) * e4m3_bits_to_f32(
+            tl.load(s_ptr + page * ss_p + h * ss_h + t * ss_t + c // 16))
+    else:
+        x = e4m3_bits_to_f32(tl.load(d_ptr + row + c))
+    tl.store(out_ptr + ((i * H + h) * B + t).to(tl.int64) * D + c, x.to(tl.float16))
+
+
+def _decode_pages(data, blocks, pages):
+    """`_plain_pages_kernel` over the pages ``pages`` (int64 [n]) of one cache part: fp16 ``[n, H, B, D]``."""
+    fmt = cache_format(data)
+    bits = data.view(torch.uint8)
+    sb = bits if blocks is None else blocks.view(torch.uint8)
+    n, (_, H, B, _) = pages.shape[0], data.shape
+    D = data.shape[-1] * (2 if fmt == FMT_NVFP4 else 1)
+    out = torch.empty(n, H, B, D, dtype=torch.float16, device=data.device)
+    if n:
+        _plain_pages_kernel[(n, H)](bits, sb, pages, out, bits.stride(0), bits.stride(1), bits.stride(2),
+                                    sb.stride(0), sb.stride(1), sb.stride(2), H, B=B, D=D, FMT=fmt)
+    return out
+
+
 def plain_pages(cache: LayerCache, block_tables, seqs: list[int], seq_lens_cpu):
     """fp16 copies of the pages that sequences ``seqs`` fill (their first ``seq_lens_cpu[s]`` tokens) of a
     quantized cache: NVFP4 / FP8 codes times block scales are exact in fp16, the per-layer scales are left out.
@@ -624,8 +659,7 @@ def plain_pages(cache: LayerCache, block_tables, seqs: list[int], seq_lens_cpu):
     B = cache.k.shape[2]
     rows = [block_tables[s, :-(-int(seq_lens_cpu[s]) // B)] for s in seqs]
     pages = torch.cat(rows).long()
-    k, v = (dequant_pages_ref(data[pages], None if blocks is None else blocks[pages], 1.0, torch.float16)
-            for data, blocks, _ in (cache_part(cache, "k"), cache_part(cache, "v")))
+    k, v = (_decode_pages(data, blocks, pages) for data, blocks, _ in (cache_part(cache, "k"), cache_part(cache, "v")))
     tables = torch.zeros_like(block_tables)
     first = 0
     for s, r in zip(seqs, rows):

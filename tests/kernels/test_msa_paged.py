@@ -202,3 +202,22 @@ def test_prefill_over_plain_pages(kv_dtype, monkeypatch):
     copied.clear()
     assert rel_err(run(None, prefill_plain_from=100, prefill_sdpa_from=100), ref) < TOL[kv_dtype]
     assert copied == []
+
+
+@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8"])
+def test_plain_pages_exact(kv_dtype):
+    """`plain_pages`: the pages of the sequences named, decoded by the kernel == the torch dequantization (per-layer
+    scale 1) bit for bit, behind block tables that keep each sequence's logical blocks."""
+    from m3serve.kernels.cache import cache_part, dequant_pages_ref
+    from m3serve.kernels.msa_attention import plain_pages
+    seq_lens = [40, 7, 33]
+    st, _ = _setup(kv_dtype, 41, seq_lens)
+    k, v, tables = plain_pages(st.cache, st.bt, [0, 2], seq_lens)
+    assert tables[1].eq(0).all()
+    for part, got in (("k", k), ("v", v)):
+        data, blocks, _ = cache_part(st.cache, part)
+        for s in (0, 2):
+            n = -(-seq_lens[s] // B)
+            pages = st.bt[s, :n].long()
+            want = dequant_pages_ref(data[pages], None if blocks is None else blocks[pages], 1.0, torch.float16)
+            assert torch.equal(got[tables[s, :n].long()], want)
