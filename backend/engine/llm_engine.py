@@ -290,8 +290,8 @@ class LLMEngine:
         prefill's last chunk) or, without speculative decoding, is a prompt whose chunk in `cur` is not its last
         (its next chunk follows the decodes, as `schedule` would give it: `Scheduler.chunks_ahead`; a mixed step,
         or a prompt's chunks alone, are queued ahead as decode steps are), nothing waits for admission, no sampling
-        option reads the output tokens
-        (penalties), no confidence-scheduled verification (its next width reads `cur`'s confidences on the host).
+        option reads the output tokens (penalties), no confidence-scheduled verification (its next width reads
+        `cur`'s confidences on the host).
         Each sequence feeds the last token `cur` gives it (read on the device) at the position after it; after a
         speculative step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots
         and cache length by the accepted run (executor/ahead.py). Left out: a sequence `cur` may bring to
