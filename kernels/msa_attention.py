@@ -628,7 +628,7 @@ def _plain_pages_kernel(d_ptr, s_ptr, pages_ptr, out_ptr, sd_p, sd_h, sd_t, ss_p
     t = tl.arange(0, B)[:, None]
     c = tl.arange(0, D)[None, :]
     row = page * sd_p + h * sd_h + t * sd_t
-    if FMT == FMT_NVFP4:
+    if FMT == NVFP4:
         byte = tl.load(d_ptr + row + c // 2)
         code = tl.where(c % 2 == 0, byte & 15, byte >> 4)
         x = e2m1_to_f16(code).to(tl.float32) * e4m3_bits_to_f32(

@@ -94,14 +94,22 @@ class DecodeBuffers:
 
     def fill(self, step: StepInput, batch: int, prev_token_ids: torch.Tensor | None = None) -> None:
         """Copy a decode step of S <= batch sequences in; rows S..batch become padding. A step launched ahead of
-        its input ids gathers them from the previous step's sampled ids on the device (`prev_token_ids`)."""
+        its input ids gathers them from the previous step's sampled ids on the device (`prev_token_ids`), but for
+        rows -1 (tokens the host knows: a prompt's last token, its chunk before still running), which keep the
+        step's own."""
         n, w = step.num_seqs, step.block_tables.shape[1]
         nb = dict(non_blocking=True)
         if prev_token_ids is None:
             self.input_ids[:n].copy_(step.input_ids, **nb)
         else:
-            self.prev_rows[:n].copy_(step.prev_token_rows, **nb)
-            torch.index_select(prev_token_ids, 0, self.prev_rows[:n], out=self.input_ids[:n])
+            rows = self.prev_rows[:n]
+            rows.copy_(step.prev_token_rows, **nb)
+            if step.prev_token_rows.is_cuda or bool((step.prev_token_rows < 0).any()):
+                self.input_ids[:n].copy_(step.input_ids, **nb)
+                torch.where(rows < 0, self.input_ids[:n], prev_token_ids.index_select(0, rows.clamp(min=0)),
+                            out=self.input_ids[:n])
+            else:
+                torch.index_select(prev_token_ids, 0, rows, out=self.input_ids[:n])
         self.positions[:n].copy_(step.positions, **nb)
         self.seq_lens[:n].copy_(step.seq_lens, **nb)
         self.block_tables[:n, :w].copy_(step.block_tables, **nb)

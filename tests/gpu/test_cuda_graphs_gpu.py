@@ -122,3 +122,36 @@ def test_graphs_capture_the_collectives_in_a_world_of_one(tiny_model_dir, monkey
     assert graphs is not None and graphs.num_replays > 20
     assert {("all_reduce", True), ("all_gather", True), ("all_reduce", False)} <= set(calls)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_one_token_chunk_queued_ahead_beside_decodes(tiny_model_dir):
+    """A prompt whose chunk after the running one is its last token, beside three decodes: the step queued ahead
+    is all one-token rows, so it replays the decode graphs with a row the host knows (-1) among rows read from the
+    running step's result. Tokens == the synchronous engine's. (An index of -1 into that result was a device
+    assert through bench_server on the H100, 2026-12-07.)"""
+    from m3serve.config import EngineConfig
+    from m3serve.engine.llm_engine import LLMEngine
+
+    prompts = _prompts()
+    res = {}
+    for mode in (False, True):
+        eng = LLMEngine(EngineConfig(model=tiny_model_dir, device="cuda", dtype="float32", kv_cache_dtype="nvfp4",
+                                     max_model_len=512, num_gpu_blocks_override=96, max_num_batched_tokens=64,
+                                     max_num_seqs=8, async_scheduling=mode))
+        greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        for i in range(3):
+            eng.add_request(f"d{i}", prompt_token_ids=prompts[i][:10], sampling_params=greedy)
+        out, step, one_token_ahead = {}, 0, 0
+        while eng.has_unfinished_requests():
+            if step == 4:  # three decoding: 61 prompt tokens a step, then the last one
+                eng.add_request("p", prompt_token_ids=prompts[2][:62], sampling_params=greedy)
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            q = eng._inflight
+            one_token_ahead += bool(q is not None and q.step.is_decode and q.step.prev_token_rows is not None
+                                    and (q.step.prev_token_rows < 0).any())
+            step += 1
+        res[mode] = out
+        if mode:
+            assert one_token_ahead == 1
+    assert res[True] == res[False]

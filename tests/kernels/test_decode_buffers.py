@@ -88,3 +88,21 @@ def test_padding_row_writes_are_caught(tiny_model_dir, monkeypatch):
 
     _, _, eager, padded = _padded_and_eager(tiny_model_dir, fill_slot_0)
     assert not _same_cache(padded, eager)
+
+
+def test_fill_keeps_the_known_rows_of_a_step_launched_ahead():
+    """A one-token step launched ahead may hold a prompt's last token (row -1: the host knows it) beside decodes
+    whose tokens the previous step samples: those read the previous result by row, the known one keeps its id (an
+    index of -1 into the previous result was a device assert on the H100, 2026-12-07)."""
+    from types import SimpleNamespace
+    buffers = DecodeBuffers(4, 4, 16, torch.device("cpu"))
+    ids = torch.tensor([0, 42, 0], dtype=torch.int64)
+    step = SimpleNamespace(num_seqs=3, input_ids=ids, positions=torch.tensor([5, 16, 9]),
+                           seq_lens=torch.tensor([6, 17, 10], dtype=torch.int32),
+                           block_tables=torch.zeros(3, 2, dtype=torch.int32), slot_mapping=torch.tensor([5, 16, 9]),
+                           sampling=None)
+    prev = torch.tensor([7, 9], dtype=torch.int64)
+    for rows, want in (([1, -1, 0], [9, 42, 7]), ([1, 0, 0], [9, 7, 7])):
+        step.prev_token_rows = torch.tensor(rows, dtype=torch.int64)
+        buffers.fill(step, 4, prev)
+        assert buffers.input_ids[:3].tolist() == want
