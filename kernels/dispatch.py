@@ -139,9 +139,10 @@ class Tuning:
     prefill_sdpa_from: int | None = None  # full-attention layers: a sequence with at least this many query tokens in
     #   the step (at least 128) dequantizes its pages once and runs torch's SDPA instead of the kernel, which decodes
     #   every key tile again for each 4 query tokens (`msa_attention.dense_prefill_sdpa`); None: off (not yet timed)
-    prefill_plain_from: int | None = None  # NVFP4 / FP8 caches: a sequence with at least this many query tokens in the
-    #   step (at least 128) runs the kernel on an fp16 copy of its pages, decoded once (exact: the dots are fp16
-    #   either way), where the kernel would decode each key tile again for every query tile; None: off (not yet timed)
+    prefill_plain_from: int | None = 1024  # NVFP4 / FP8 caches: a sequence with at least this many query tokens in
+    #   the step (at least 128) runs the kernel on an fp16 copy of its pages, decoded once (exact: the dots are fp16
+    #   either way), where the kernel decodes each key tile again for every query tile; up to PLAIN_PAGES_MAX_BYTES
+    #   a call; None: off. TTFT 8K / 32K -8% / -11%, the same outputs (H100, docs/performance.md, 2026-12-07)
     # indexer block scores (indexer_block_scores, indexer_decode, indexer_prefill)
     index_chunks: int | None = None  # block chunks per query tile; None: 4 programs per SM
     index_block_t: int | None = None  # prefill query tokens per tile; None: 64 rows (interpreter 16) / next_pow2(H)
@@ -214,10 +215,26 @@ def sdpa_prefill_sequences(query_start_loc, sparse: bool) -> list[int]:
     return [] if sparse else _long_sequences(query_start_loc, tuning().prefill_sdpa_from)
 
 
-def plain_prefill_sequences(query_start_loc, fmt: int) -> list[int]:
-    """The sequences of a prefill step whose attention reads an fp16 copy of their quantized pages
-    (`Tuning.prefill_plain_from`)."""
-    return [] if fmt == FMT_PLAIN else _long_sequences(query_start_loc, tuning().prefill_plain_from)
+PLAIN_PAGES_MAX_BYTES = 512 << 20  # the fp16 pages one attention call copies at most (a 128K context: 268 MB)
+
+
+def plain_prefill_sequences(query_start_loc, fmt: int, seq_lens, token_bytes: int, skip=()) -> list[int]:
+    """The sequences of a prefill step (none of ``skip``) whose attention reads an fp16 copy of their quantized pages
+    (`Tuning.prefill_plain_from`), in order while the copy stays within PLAIN_PAGES_MAX_BYTES; ``seq_lens`` (host):
+    the tokens copied, ``token_bytes``: one token's K and V in fp16."""
+    if fmt == FMT_PLAIN:
+        return []
+    out, room = [], PLAIN_PAGES_MAX_BYTES
+    for s in _long_sequences(query_start_loc, tuning().prefill_plain_from):
+        if s not in skip and int(seq_lens[s]) * token_bytes <= room:
+            out.append(s)
+            room -= int(seq_lens[s]) * token_bytes
+    return out
+
+
+def plain_pages_reserve_bytes(kv_quantized: bool) -> int:
+    """Memory the worker keeps free for `plain_prefill_sequences`' copies."""
+    return PLAIN_PAGES_MAX_BYTES if kv_quantized and tuning().prefill_plain_from is not None else 0
 
 
 def _rows_per_tile(rows: int, pad: int) -> int:

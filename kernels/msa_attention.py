@@ -688,7 +688,9 @@ def msa_prefill(q, cache: LayerCache, block_tables, query_start_loc, positions, 
     for s in apart:
         a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
         dense_prefill_sdpa(q[a:b], cache, block_tables[s], int(seq_lens_cpu[s]), scale, out[a:b])
-    plain = ([s for s in dispatch.plain_prefill_sequences(query_start_loc, fmt) if s not in apart]
+    B = cache.k.shape[2]  # the copy holds whole pages: K and V, fp16
+    plain = (dispatch.plain_prefill_sequences(query_start_loc, fmt, [-(-int(n) // B) * B for n in seq_lens_cpu],
+                                              4 * H_kv * D, skip=set(apart))
              if seq_lens_cpu is not None else [])
     if plain:
         k, v, tables = plain_pages(cache, block_tables, plain, seq_lens_cpu)

@@ -13,6 +13,7 @@ from m3serve.distributed.parallel import Parallel
 from m3serve.step_io import SamplerOutput, StepInput
 from m3serve.executor.cuda_graph import graph_reserve_bytes
 from m3serve.executor.piecewise import piecewise_reserve_bytes
+from m3serve.kernels.dispatch import plain_pages_reserve_bytes
 from m3serve.model.kv_cache import PagedKVCache, determine_num_pages
 from m3serve.executor.model_runner import ModelRunner
 
@@ -92,6 +93,7 @@ class Worker:
         c, m = self.config, self.model_config
         reserve = graph_reserve_bytes(c.max_num_seqs, m.hidden_size, m.vocab_size) if self.use_cuda_graphs else 0
         reserve += piecewise_reserve_bytes(self.piecewise_tokens, m.hidden_size)
+        reserve += plain_pages_reserve_bytes(self.kv_dtype in ("nvfp4", "fp8"))  # the MSA prefill's page copies
         draft_page = 0
         if self.drafter is not None:
             reserve += self.drafter.reserve_bytes(c.max_num_seqs)

@@ -175,7 +175,8 @@ def test_prefill_over_plain_pages(kv_dtype, monkeypatch):
     """`Tuning.prefill_plain_from`: the long chunks (130 tokens after 270 of context, a whole 150-token prompt) run
     the kernel over an fp16 copy of their pages, the short ones (1 and 16 tokens) over the quantized pages, in one
     call, sparse and dense-mode: == the reference, and == the kernel over the quantized pages alone (the same fp16
-    products). With the SDPA option on too, the dense mode's long chunks take SDPA and copy nothing."""
+    products). With the SDPA option on too, the dense mode's long chunks take SDPA and copy nothing; past
+    PLAIN_PAGES_MAX_BYTES a long chunk keeps the quantized pages."""
     from m3serve.kernels import msa_attention
     seq_lens = [400, 150, 7, 97]
     st, g = _setup(kv_dtype, 37, seq_lens)
@@ -202,6 +203,11 @@ def test_prefill_over_plain_pages(kv_dtype, monkeypatch):
     copied.clear()
     assert rel_err(run(None, prefill_plain_from=100, prefill_sdpa_from=100), ref) < TOL[kv_dtype]
     assert copied == []
+    # a copy of at most the first long chunk's pages (400 tokens, K and V in fp16): the second runs quantized
+    from m3serve.kernels import dispatch
+    monkeypatch.setattr(dispatch, "PLAIN_PAGES_MAX_BYTES", 400 * 4 * H_KV * D + 1)
+    assert rel_err(run(None, prefill_plain_from=100), ref) < TOL[kv_dtype]
+    assert copied == [[0]]
 
 
 @pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8"])
