@@ -93,7 +93,8 @@ class Worker:
         c, m = self.config, self.model_config
         reserve = graph_reserve_bytes(c.max_num_seqs, m.hidden_size, m.vocab_size) if self.use_cuda_graphs else 0
         reserve += piecewise_reserve_bytes(self.piecewise_tokens, m.hidden_size)
-        reserve += plain_pages_reserve_bytes(self.kv_dtype in ("nvfp4", "fp8"))  # the MSA prefill's page copies
+        if self.device.type == "cuda":  # the MSA prefill kernel's fp16 copies of long chunks' quantized pages
+            reserve += plain_pages_reserve_bytes(self.kv_dtype in ("nvfp4", "fp8"))
         draft_page = 0
         if self.drafter is not None:
             reserve += self.drafter.reserve_bytes(c.max_num_seqs)

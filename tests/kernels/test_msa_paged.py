@@ -195,8 +195,9 @@ def test_prefill_over_plain_pages(kv_dtype, monkeypatch):
 
     for b in (indexer_prefill_ref(iq, st.cache, st.bt, qsl, pos, TOPK), None):
         ref = msa_prefill_ref(q, st.cache, st.bt, qsl, pos, D ** -0.5, b)
-        quantized = run(b)
         copied.clear()
+        quantized = run(b, prefill_plain_from=None)
+        assert copied == []
         plain = run(b, prefill_plain_from=100)
         assert copied == [[0, 1]]
         assert rel_err(plain, ref) < TOL[kv_dtype] and rel_err(plain, quantized) < 2e-3
