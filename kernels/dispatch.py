@@ -189,12 +189,17 @@ def next_pow2(n: int) -> int:
 
 def prefill_tiles(query_start_loc, block_t: int, device, skip=()) -> torch.Tensor:
     """int32 [n_tiles, 3] = (sequence, first token, end token): <= block_t consecutive tokens of one sequence (none
-    of the sequences in ``skip``)."""
-    qsl = [int(x) for x in query_start_loc]
+    of the sequences in ``skip``). Read-only: the same arguments give the same tensor (every layer of a step asks
+    for the split maps of the fp16-pages and SDPA paths again; a long chunk has thousands of tiles)."""
+    return _prefill_tiles(tuple(int(x) for x in query_start_loc), block_t, torch.device(device), frozenset(skip))
+
+
+@functools.lru_cache(maxsize=32)
+def _prefill_tiles(qsl: tuple, block_t: int, device: torch.device, skip: frozenset) -> torch.Tensor:
     rows = [(s, t, min(t + block_t, qsl[s + 1])) for s in range(len(qsl) - 1) if s not in skip
             for t in range(qsl[s], qsl[s + 1], block_t)]
     tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
-    if torch.device(device).type == "cuda":  # from page-locked memory: the copy does not wait for the device
+    if device.type == "cuda":  # from page-locked memory: the copy does not wait for the device
         return tiles.pin_memory().to(device, non_blocking=True)
     return tiles.to(device)
 
