@@ -288,10 +288,12 @@ class LLMEngine:
         """Queue the next decode step of `cur`'s sequences before `cur`'s tokens are back, when the step after `cur`
         can only be that: every running sequence in `cur` samples there (a decode, a speculative decode or its
         prefill's last chunk) or, without speculative decoding, is a prompt whose chunk in `cur` is not its last
-        (its next chunk follows the decodes, as `schedule` would give it: `Scheduler.chunks_ahead`; a mixed step,
-        or a prompt's chunks alone, are queued ahead as decode steps are), nothing waits for admission, no sampling
-        option reads the output tokens (penalties), no confidence-scheduled verification (its next width reads
-        `cur`'s confidences on the host).
+        (its next chunk follows the decodes, as `schedule` would give it: `Scheduler.schedule_ahead`; a mixed step,
+        or a prompt's chunks alone, are queued ahead as decode steps are), no sampling option reads the output tokens
+        (penalties), no confidence-scheduled verification (its next width reads `cur`'s confidences on the host).
+        Without speculative decoding or gathering (`max_waiting_steps`), requests waiting for admission join that
+        step as `schedule` would admit them (`schedule_ahead`): an arrival then costs no step whose launch waits for
+        the one before it, and is admitted in the same step as without async scheduling.
         Each sequence feeds the last token `cur` gives it (read on the device) at the position after it; after a
         speculative step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots
         and cache length by the accepted run (executor/ahead.py). Left out: a sequence `cur` may bring to
@@ -304,7 +306,8 @@ class LLMEngine:
         sch, bm = self.scheduler, self.block_manager
         k_max = self.step_builder.num_speculative_tokens
         if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
-                or self.verify_scheduler is not None or sch.waiting):
+                or self.verify_scheduler is not None
+                or sch.waiting and (k_max or sch.max_waiting_steps)):
             return None
         in_cur, sampled = {id(s) for s in cur.batch.seqs}, {id(s) for s in cur.seqs}
         known = [s for s in sch.running if id(s) not in in_cur]
@@ -326,16 +329,19 @@ class LLMEngine:
         rows += [-1] * len(known)
         drafts += [num_draft_tokens(s, k_max) for s in known]
         most += [0] * len(known)
-        # the prompts `cur` is in the middle of: their next chunks, after the decodes (their pages are all there)
-        chunks = sch.chunks_ahead([s for s, _ in chunked], [n for _, n in chunked], len(seqs) + sum(drafts), len(seqs))
-        prompts = [(s, done, n) for (s, done), n in zip(chunked, chunks) if n]
-        if (not rows and not prompts or rows and rows[0] < 0 or len(seqs) + sum(drafts) > sch.max_num_batched_tokens
+        if (rows and rows[0] < 0 or len(seqs) + sum(drafts) > sch.max_num_batched_tokens
                 or sum(bm.pages_to_append(s, m + k) for s, m, k in zip(seqs, most, drafts)) > bm.num_free_pages):
             # nothing of `cur` to follow (then one step with every sequence beats one without those left out of
             # it), over the token budget, or a page short: the next step is scheduled when `cur` is done
             return None
         for s, m, k in zip(seqs, most, drafts):
             bm.append_slot(s, m + k)  # its next step's last position, after the longest run `cur` may accept
+        # after the decodes: the next chunks of the prompts `cur` is in the middle of (their pages are all there),
+        # then the waiting requests admitted in what is left of the budget
+        prompts = sch.schedule_ahead([s for s, _ in chunked], [n for _, n in chunked], len(seqs) + sum(drafts),
+                                     len(seqs))
+        if not rows and not prompts:  # nothing to run (no slot was taken: without rows there are no decodes)
+            return None
         batch = ScheduledBatch(seqs + [s for s, _, _ in prompts], [1 + k for k in drafts] + [n for *_, n in prompts],
                                drafts + [0] * len(prompts), num_decodes=len(seqs),
                                num_pending=[0] * len(seqs) + [done for _, done, _ in prompts])

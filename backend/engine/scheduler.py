@@ -56,7 +56,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     num_decodes: int = 0  # the first this many of `seqs` are decodes; the rest prefill chunks
     # per sequence, its prompt tokens that a step still running computes before this one (async scheduling: a step
-    # launched ahead of a prompt's chunk, `Scheduler.chunks_ahead`); empty: none
+    # launched ahead of a prompt's chunk, `Scheduler.schedule_ahead`); empty: none
     num_pending: list[int] = field(default_factory=list)
 
     @property
@@ -217,18 +217,8 @@ class Scheduler:
             if self._hold_arrivals(num_decodes):
                 self.num_held_steps += 1
                 return
-            while not out.preempted and self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
-                    break
-                if not self.enable_chunked_prefill and seq.num_tokens > left:
-                    break  # the whole prefill must fit one step
-                self.bm.allocate(seq)
-                n = self._chunk(seq, left)
-                self.waiting.pop(0)
-                seq.status = SequenceStatus.RUNNING
-                bisect.insort(self.running, seq, key=self._arrival)
-                if n:  # 0: a resumed sequence whose cached prefix left only its last token (next step's decode)
+            if not out.preempted:
+                for seq, n in self._admit(left):
                     take_prompt(seq, n)
 
         prefill_turn, self._prefill_turn = self._prefill_turn, False
@@ -259,18 +249,43 @@ class Scheduler:
         cap = self.max_prefill_tokens_with_decodes if num_decodes else 0
         return budget if not cap else min(budget, cap)
 
-    def chunks_ahead(self, seqs: list[Sequence], num_done: list[int], num_decode_tokens: int,
-                     num_decodes: int) -> list[int]:
-        """Async scheduling: the chunk each of `seqs` (in the middle of their prompts, in arrival order) gets in
-        the step after one still running, which computes `num_done[i]` more of its prompt, beside `num_decodes`
-        decodes of `num_decode_tokens` tokens. That is what `schedule` gives them once the running step is back,
-        when nothing waits and every decode of it goes on (`LLMEngine._launch_ahead` goes ahead only then)."""
+    def _admit(self, left: int) -> list[tuple[Sequence, int]]:
+        """3. admissions, FCFS, while pages, sequence slots and `left` prompt tokens remain: each admitted sequence
+        is running with pages for all its tokens; (sequence, its chunk) for those with prompt work this step."""
+        admitted = []
+        while self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
+                break
+            if not self.enable_chunked_prefill and seq.num_tokens > left:
+                break  # the whole prefill must fit one step
+            self.bm.allocate(seq)
+            n = self._chunk(seq, left)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._arrival)
+            if n:  # 0: a resumed sequence whose cached prefix left only its last token (next step's decode)
+                admitted.append((seq, n))
+                left -= n
+        return admitted
+
+    def schedule_ahead(self, seqs: list[Sequence], num_done: list[int], num_decode_tokens: int,
+                       num_decodes: int) -> list[tuple[Sequence, int, int]]:
+        """Async scheduling: the prompt work of the step after one still running, beside `num_decodes` decodes of
+        `num_decode_tokens` tokens (`LLMEngine._launch_ahead`), as `schedule` gives it once the running step is
+        back: first the next chunk of each of `seqs` (in the middle of their prompts, in arrival order; the running
+        step computes `num_done[i]` more of its prompt), then the waiting requests admitted FCFS in what is left.
+        Admission counts the sequences the running step may end as running and their pages as taken, so it may
+        take fewer than `schedule` would then (never more: the step would not fit).
+        [(sequence, prompt tokens the running step computes before this one, its chunk here)]."""
         left = self._prompt_budget(self.max_num_batched_tokens - num_decode_tokens, num_decodes)
-        chunks = []
+        work = []
         for seq, done in zip(seqs, num_done):
-            chunks.append(min(self._prefill_todo(seq) - done, left))
-            left -= chunks[-1]
-        return chunks
+            n = min(self._prefill_todo(seq) - done, left)
+            if n:
+                work.append((seq, done, n))
+                left -= n
+        return work + [(seq, 0, n) for seq, n in self._admit(left)]
 
     def update(self, batch: ScheduledBatch, num_rejected: list[int] | None = None,
                keep_lookahead=()) -> None:

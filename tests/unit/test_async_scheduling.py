@@ -2,6 +2,8 @@
 back, its input ids read from the current step's sampled ids on the device. The engine's outputs must be exactly
 those of the synchronous engine: tokens, logprobs, texts, finish reasons, stop strings / tokens ending a sequence
 while its next step already runs, min_tokens, seeds, arrivals and aborts between steps; the page pool whole."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -141,8 +143,8 @@ def _run_recording_ahead(eng, eu, late=None):
 
 def test_prompt_chunks_alone_go_ahead(make_engine, eu):
     """A prompt prefilled in chunks with nothing decoding: each chunk after the first is queued while the one
-    before runs; a second prompt arriving meanwhile waits for a scheduled step. The outputs are the synchronous
-    engine's."""
+    before runs; a second prompt arriving meanwhile joins the next step queued (`test_arrivals_join_...`). The
+    outputs are the synchronous engine's."""
     prompts = eu.random_prompts([300, 50], seed=31)
     late = {4: ("second", prompts[1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))}
     res, kinds = {}, {}
@@ -155,3 +157,45 @@ def test_prompt_chunks_alone_go_ahead(make_engine, eu):
     assert not kinds[False] and kinds[True][:3] == ["prefill"] * 3
     eu.same_outputs(res[False], res[True])
     assert [len(res[True][r][0]) for r in ("long", "second")] == [10, 10]
+
+
+
+def _run_counting_held(eng, eu, late):
+    """`run_queued`, and how many `step()` calls left no step queued while requests were still to run."""
+    calls, real_step = [], eng.step
+
+    def step():
+        out = real_step()
+        calls.append(eng._inflight is None and eng.has_unfinished_requests())
+        return out
+
+    eng.step = step
+    res, _ = eu.run_queued(eng, late)
+    return res, sum(calls)
+
+
+@pytest.mark.parametrize("penalized", [False, True])
+def test_arrivals_join_a_step_queued_ahead(make_engine, eu, penalized):
+    """Requests that arrive while steps are queued are admitted into the next step launched ahead, beside the
+    decodes (`Scheduler.schedule_ahead`), as `schedule` would admit them: no step in the run waits for the one
+    before it to come back, a long arrival's chunks follow ahead too, and the outputs are the synchronous engine's.
+    An arrival with a repetition penalty is admitted ahead as well (it reads only its prompt there); the steps it
+    then decodes in are synchronous."""
+    prompts = eu.random_prompts([12, 20, 15, 33, 90, 8], seed=41)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=2, max_tokens=24, ignore_eos=True, logprobs=1)
+    last = dataclasses.replace(seeded, repetition_penalty=1.3, max_tokens=3) if penalized else seeded
+    late = {2: ("a", prompts[2], greedy), 5: ("b", prompts[3], seeded), 6: ("c", prompts[4], greedy),
+            40: ("d", prompts[5], last)}
+    res, held = {}, {}
+    for mode in (False, True):
+        eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=96, max_num_batched_tokens=40,
+                          enable_prefix_caching=False, async_scheduling=mode)
+        eng.add_request("r0", prompt_token_ids=prompts[0], sampling_params=dataclasses.replace(greedy, max_tokens=60))
+        eng.add_request("r1", prompt_token_ids=prompts[1], sampling_params=dataclasses.replace(seeded, max_tokens=60))
+        res[mode], held[mode] = _run_counting_held(eng, eu, late)
+        assert eng.scheduler.num_mixed_steps >= len(late)
+    assert held[False] > 30 and held[True] == (3 if penalized else 0)  # d's 3 steps after its admission
+    eu.same_outputs(res[False], res[True])
+    assert {r: len(res[True][r][0]) for r in res[True]} == {"r0": 60, "r1": 60, "a": 30, "b": 24, "c": 30,
+                                                             "d": 3 if penalized else 24}
