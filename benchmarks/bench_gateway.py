@@ -6,7 +6,8 @@
   python benchmarks/bench_gateway.py --device cuda --geometry 4 --out OUT_DIR         # H200: M3.1-Flash geometry
 
 C users each send --requests-per-user requests in a row (default 2 on the CPU, 8 on a GPU; greedy, ignore_eos,
---max-tokens tokens, the same prompt both ways); per level, both paths in turn after one warm-up level each,
+--max-tokens tokens, request i of a run the same prompt both ways: with --prompts distinct, the default, the prompt
+ends "(request i)", so the streams' tokens differ as real traffic's do); per level, both paths in turn after one warm-up level each,
 --repeats times: output tokens/s (all tokens / wall), TTFT p50/p90 (request sent -> first text), ITL p50/p90 (per request: first text -> last
 text over tokens - 1, the same definition both ways), the server's response thread's time in send() per response
 (its m3serve:response_send_seconds_total over m3serve:responses_total) on each path, and the gateway/direct ratios
@@ -179,19 +180,25 @@ def run_levels(a, triton_url: str, gateway_url: str, gateway_pid: int | None = N
             "stream": True, "stream_options": {"include_usage": True}}
     rids = iter(range(1 << 30))
 
+    direct_seq, gateway_seq = iter(range(1 << 30)), iter(range(1 << 30))  # both paths send the same prompts in turn
+
+    def prompt(i: int) -> str:
+        return PROMPT if a.prompts == "same" else f"{PROMPT} (request {i})"
+
     async def go():
         grpc_client = grpcaio.InferenceServerClient(triton_url)
         limits = httpx2.Limits(max_connections=max(a.levels), max_keepalive_connections=max(a.levels))
         http = httpx2.AsyncClient(timeout=600, limits=limits)
 
         async def direct():
-            r = await bench.one_request(grpc_client, "m3", inputs, f"b{next(rids)}", 600)
+            r = await bench.one_request(grpc_client, "m3", inputs if a.prompts == "same" else bench.build_inputs(
+                "text", prompt(next(direct_seq)), a.max_tokens, True, 0.0), f"b{next(rids)}", 600)
             last = r["ttft"] + sum(r["itl"]) if r["ttft"] is not None else None  # its ITLs span first -> last
             return {"ttft": r["ttft"], "tokens": r["tokens"], "error": r["error"], "itl": itl(r["ttft"], last,
                                                                                            r["tokens"])}
 
         def gateway():
-            return _gateway_request(http, gateway_url + "/v1/completions", body)
+            return _gateway_request(http, gateway_url + "/v1/completions", dict(body, prompt=prompt(next(gateway_seq))))
 
         one_token = dict(body, max_tokens=1)
 
@@ -302,6 +309,9 @@ def main(argv=None) -> int:
                                 ("--max-model-len", int, 1024), ("--max-num-batched-tokens", int, 4096),
                                 ("--num-pages", int, 4096)):
         p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
+                   help="distinct: request i of a run ends its prompt with (request i), both paths alike; same: one "
+                        "prompt for all (greedy, every stream the same tokens: steps of identical rows)")
     p.add_argument("--start-cost", type=int, default=0, metavar="BURSTS",
                    help="after the levels, BURSTS bursts of C one-token requests per level: the gateway's CPU per start")
     p.add_argument("--gateway-workers", default="1",

@@ -153,7 +153,9 @@ def spec_control(a) -> str:
     return json.dumps({"p": a.spec_p, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens})
 
 
-async def _engine_level(engine, c, n_per_user, max_tokens, prompt_ids=None):
+async def _engine_level(engine, c, n_per_user, max_tokens, prompts):
+    """C users, each sending requests in a row until `c * n_per_user` are sent; request i sends
+    prompts[i % len(prompts)] (token ids, or text)."""
     from m3serve.engine.sampling_params import SamplingParams
 
     ttfts, rates, total = [], [], 0
@@ -166,8 +168,10 @@ async def _engine_level(engine, c, n_per_user, max_tokens, prompt_ids=None):
             t0 = time.perf_counter()
             first = last = None
             n = 0
-            async for out in engine.generate(f"e{u}-{i}", prompt=None if prompt_ids else PROMPT,
-                                             prompt_token_ids=prompt_ids, sampling_params=sp):
+            prompt = prompts[i % len(prompts)]
+            ids = isinstance(prompt, list)
+            async for out in engine.generate(f"e{u}-{i}", prompt=None if ids else prompt,
+                                             prompt_token_ids=prompt if ids else None, sampling_params=sp):
                 now = time.perf_counter()
                 if out.new_token_ids:
                     if first is None:
@@ -217,10 +221,15 @@ def server_compiles(log_path: str) -> list[tuple[float, float, str]]:
 def engine_pace(before: dict, after: dict, wall: float) -> dict:
     """Engine steps per second and the share of the wall time its thread waited for the device (near 0: host-bound)
     between two readings of the engine's counters (`stats()`, or the server's metrics under the same names)."""
-    steps = after.get("num_steps", 0) - before.get("num_steps", 0)
-    wait = after.get("device_wait_seconds", 0.0) - before.get("device_wait_seconds", 0.0)
-    return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": wait / wall,
-            "engine_prompt_steps": after.get("num_prompt_steps", 0) - before.get("num_prompt_steps", 0)}
+    def delta(key, sub=None):
+        a, b = after.get(key, 0), before.get(key, 0)
+        return (a or {}).get(sub, 0) - (b or {}).get(sub, 0) if sub else a - b
+
+    steps, decodes = delta("num_steps"), delta("steps_by_kind", "decode")
+    return {"engine_steps_per_s": steps / wall, "engine_device_wait_share": delta("device_wait_seconds") / wall,
+            "engine_prompt_steps": delta("num_prompt_steps"),
+            "engine_steps_not_ahead": steps - delta("num_steps_ahead"),  # each waited for the step before it
+            "engine_ms_per_decode_step": 1e3 * delta("step_seconds_by_kind", "decode") / decodes if decodes else None}
 
 
 def timed_levels(a) -> list[tuple[int, int]]:
@@ -234,21 +243,21 @@ def run_engine_direct(a, model_dir, speculative: bool = False) -> list[dict]:
     from m3serve.engine.async_engine import AsyncLLMEngine
 
     cfg = EngineConfig(model=model_dir, **engine_options(a, speculative))
-    ids = None
     if a.geometry:
         from geometry import async_engine
-        engine, ids = async_engine(cfg), a.prompt_ids
+        engine, prompts = async_engine(cfg), a.id_prompts
     else:
-        engine = AsyncLLMEngine(cfg)
+        engine, prompts = AsyncLLMEngine(cfg), a.text_prompts
     try:
         async def go():
             for c in a.levels:  # warm-up: the timed runs themselves, once (their prefill chunks and the mixed steps
                 # of staggered arrivals compile kernels of new shapes: 2026-12-03 on the H200 a warm-up of one request
                 # per user left C = 64 compiling inside the timed run)
-                await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids)
+                await _engine_level(engine, c, a.requests_per_user, a.max_tokens, prompts)
             out = []
             for r, c in timed_levels(a):
-                out.append(dict(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, ids), repeat=r))
+                out.append(dict(await _engine_level(engine, c, a.requests_per_user, a.max_tokens, prompts),
+                                repeat=r))
                 print(f"[engine{' spec' if speculative else ''}] c={c}: {out[-1]['tokens_per_s_total']:.0f} tok/s",
                       file=sys.stderr, flush=True)
             return out
@@ -366,13 +375,18 @@ def server_counters(mport, model) -> dict:
     import urllib.request
     with urllib.request.urlopen(f"http://localhost:{mport}/metrics", timeout=10) as f:
         text = f.read().decode()
-    out = {}
-    for name in ("m3serve:responses_total", "m3serve:response_send_seconds_total", "vllm:generation_tokens_total",
-                 "m3serve:engine_steps_total", "m3serve:engine_device_wait_seconds_total",
-                 "m3serve:engine_prompt_steps_total",
-                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"):
-        m = re.search(re.escape(name) + r'\{[^}]*model="' + re.escape(model) + r'"[^}]*\}\s+(\S+)', text)
-        out[name] = float(m.group(1)) if m else 0.0
+    def value(name, kind=None):
+        m = re.search(re.escape(name) + r'\{' + (f'(?=[^}}]*kind="{kind}")' if kind else "")
+                      + r'[^}]*model="' + re.escape(model) + r'"[^}]*\}\s+(\S+)', text)
+        return float(m.group(1)) if m else 0.0
+
+    out = {name: value(name) for name in (
+        "m3serve:responses_total", "m3serve:response_send_seconds_total", "vllm:generation_tokens_total",
+        "m3serve:engine_steps_total", "m3serve:engine_device_wait_seconds_total", "m3serve:engine_prompt_steps_total",
+        "m3serve:engine_steps_ahead_total", "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_drafts_total")}
+    out["decode_steps"] = value("m3serve:engine_steps_by_kind_total", "decode")
+    out["decode_seconds"] = value("m3serve:engine_step_seconds_total", "decode")
     return out
 
 
@@ -385,24 +399,27 @@ def send_cost(before: dict, after: dict) -> tuple[float, float | None]:
 
 def run_server_levels(bench, url, mport, model, a, max_tokens, outputs=None) -> list[dict]:
     """`outputs`: as clients/bench.py's run_level (None: what its client asks for by default)."""
-    kind, prompt = ("ids", a.prompt_ids) if "_ids" in model else ("text", PROMPT)
+    kind, prompts = ("ids", a.id_prompts) if "_ids" in model else ("text", a.text_prompts)
 
     async def go():
         for c in a.levels:  # warm-up, as engine-direct's
-            await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True, 0.0, 600,
-                                  False, outputs)
+            await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompts[0], max_tokens, True, 0.0,
+                                  600, False, outputs, prompts)
         out = []
         for r, c in timed_levels(a):
             await asyncio.sleep(0.4)
             before, t_start = server_counters(mport, model), time.time()
-            lv = await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompt, max_tokens, True,
-                                       0.0, 600, False, outputs)
+            lv = await bench.run_level(url, model, kind, c, c * a.requests_per_user, prompts[0], max_tokens, True,
+                                       0.0, 600, False, outputs, prompts)
             lv["t_start"], lv["t_end"], lv["repeat"] = t_start, time.time(), r
             await asyncio.sleep(0.6)  # the responder publishes its counters every 250 ms
             after = server_counters(mport, model)
             lv.update(engine_pace(*({"num_steps": x["m3serve:engine_steps_total"],
                                      "device_wait_seconds": x["m3serve:engine_device_wait_seconds_total"],
-                                     "num_prompt_steps": x["m3serve:engine_prompt_steps_total"]}
+                                     "num_prompt_steps": x["m3serve:engine_prompt_steps_total"],
+                                     "num_steps_ahead": x["m3serve:engine_steps_ahead_total"],
+                                     "steps_by_kind": {"decode": x["decode_steps"]},
+                                     "step_seconds_by_kind": {"decode": x["decode_seconds"]}}
                                     for x in (before, after)), lv["wall_s"]))
             lv["server_responses"], lv["server_send_us_per_response"] = send_cost(before, after)
             steps = after["vllm:spec_decode_num_drafts_total"] - before["vllm:spec_decode_num_drafts_total"]
@@ -445,8 +462,9 @@ def summarize(res) -> str:
         lines[0] = ("| C | run | engine-direct tok/s | server tok/s | server / engine | TTFT p50 ms (direct / server) | "
                     "server ITL p50 ms | server resp/req | engine steps/s (direct / server) | "
                     "engine waits for the GPU (direct / server) | steps with prompt tokens (direct / server) | "
+                    "steps not queued ahead (direct / server) | ms per decode step (direct / server) | "
                     "kernel compiles in the timed run (direct / server) |")
-        lines[1] = "|---" * 12 + "|"
+        lines[1] = "|---" * 14 + "|"
         for e, s in zip(res["engine"], res["server"]):
             lines.append(f"| {e['concurrency']} | {s.get('repeat', 0) + 1} | {e['tokens_per_s_total']:.0f} | "
                          f"{s['tokens_per_s_total']:.0f} | {s['tokens_per_s_total'] / e['tokens_per_s_total']:.2f} | "
@@ -456,6 +474,9 @@ def summarize(res) -> str:
                          f"{100 * e.get('engine_device_wait_share', nan):.0f}% / "
                          f"{100 * s.get('engine_device_wait_share', nan):.0f}% | "
                          f"{e.get('engine_prompt_steps', nan):.0f} / {s.get('engine_prompt_steps', nan):.0f} | "
+                         f"{e.get('engine_steps_not_ahead', nan):.0f} / {s.get('engine_steps_not_ahead', nan):.0f} | "
+                         f"{e.get('engine_ms_per_decode_step') or nan:.2f} / "
+                         f"{s.get('engine_ms_per_decode_step') or nan:.2f} | "
                          f"{e.get('compiles', '-')} / {s.get('compiles', '-')} |")
         return "\n".join(lines)
     for e, s, n in zip(res["engine"], res["server"], res["null"]):
@@ -501,6 +522,11 @@ def main(argv=None) -> int:
                    help="--geometry: also DSpark with K drafts (random draft, controlled acceptance), on vs off")
     p.add_argument("--spec-p", type=float, default=0.8,
                    help="--speculative: the chance a drafted token is the target's (controlled acceptance)")
+    p.add_argument("--prompts", choices=("distinct", "same"),
+                   help="distinct (the default without --speculative): request i of a level sends prompt i, so the "
+                        "streams' tokens differ as real traffic's do (the same prompt greedy in every stream makes "
+                        "every row of a step the same token: one MoE route for the whole batch, no prefill after the "
+                        "first); same: one prompt for all (--speculative: its controlled acceptance knows one prompt)")
     p.add_argument("--engine-process", choices=("true", "false"), default="true",
                    help="the server's engine in a process of its own (the model's default) or on threads of the stub")
     a = p.parse_args(argv)
@@ -510,14 +536,20 @@ def main(argv=None) -> int:
         p.error("--speculative needs --geometry")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from geometry import bench_prompt_ids
+    a.prompts = a.prompts or ("same" if a.speculative else "distinct")
+    if a.speculative and a.prompts == "distinct":
+        p.error("--speculative: --prompts same (the controlled acceptance knows one prompt)")
     a.prompt_ids = bench_prompt_ids(a.prompt_len)
+    n = min(max(a.levels) * a.requests_per_user, 497) if a.prompts == "distinct" else 1  # 497 variants of the ids
+    a.id_prompts = [bench_prompt_ids(a.prompt_len, v) for v in range(n)]
+    a.text_prompts = [PROMPT] if n == 1 else [f"{PROMPT} (request {v})" for v in range(n)]
     if a.speculative:  # geometry.py's factory (engine-direct here, the server's model) reads it
         os.environ["M3SERVE_GEOMETRY_CONTROL"] = spec_control(a)
     work, model_dir = work_dir(a)
     import torch
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "python": platform.python_version(),
            "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "args": {k: v for k, v in vars(a).items()}, "model": model_dir}
+           "args": {k: v for k, v in vars(a).items() if not k.endswith("_prompts")}, "model": model_dir}
     t0 = time.time()
     try:
         res["engine"] = [] if a.skip_engine else run_engine_direct(a, model_dir)

@@ -140,9 +140,10 @@ def async_engine(config: EngineConfig):
     return AsyncLLMEngine(engine.config, engine=engine)
 
 
-def bench_prompt_ids(n: int) -> list[int]:
-    """The benchmarks' prompt of n token ids (bench_server sends it in every request)."""
-    return [3 + (7919 * i) % 497 for i in range(n)]
+def bench_prompt_ids(n: int, variant: int = 0) -> list[int]:
+    """The benchmarks' prompt of n token ids; variants 0..496 are 497 different prompts (every token shifted), for
+    benchmarks whose requests must differ (bench_server's --prompts distinct)."""
+    return [3 + (7919 * i + 331 * variant) % 497 for i in range(n)]
 
 
 def write_draft(model: M3ForCausalLM, out_dir: str, num_layers: int, k: int, markov_rank: int,

@@ -124,9 +124,13 @@ EVERY_OUTPUT = ()  # run_level(outputs=EVERY_OUTPUT): name no output, get each o
 
 
 async def run_level(url, model, model_kind, concurrency, n_requests, prompt, max_tokens, ignore_eos,
-                    temperature, timeout, show_bar, outputs=None):
-    """`outputs`: the output names to ask for (default: `requested_outputs(model_kind)`; EVERY_OUTPUT: none named)."""
+                    temperature, timeout, show_bar, outputs=None, prompts=None):
+    """`outputs`: the output names to ask for (default: `requested_outputs(model_kind)`; EVERY_OUTPUT: none named).
+    `prompts`: request i sends prompts[i % len(prompts)] instead of `prompt` (requests that differ, as real traffic
+    does: the same prompt greedy in every stream gives every step identical rows)."""
     inputs = build_inputs(model_kind, prompt, max_tokens, ignore_eos, temperature)
+    if prompts:
+        per_request = [build_inputs(model_kind, p, max_tokens, ignore_eos, temperature) for p in prompts]
     names = requested_outputs(model_kind) if outputs is None else outputs
     outputs = [grpcclient.InferRequestedOutput(name) for name in names] or None
     results = []
@@ -138,7 +142,8 @@ async def run_level(url, model, model_kind, concurrency, n_requests, prompt, max
         client = grpcaio.InferenceServerClient(url)
         try:
             for i in counter:
-                results.append(await one_request(client, model, inputs, f"u{u}-{i}", timeout, outputs))
+                results.append(await one_request(client, model, per_request[i % len(per_request)] if prompts
+                                                 else inputs, f"u{u}-{i}", timeout, outputs))
                 if bar:
                     bar.update(1)
         finally:

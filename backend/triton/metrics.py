@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from m3serve.engine.scheduler import STEP_KINDS
+
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
@@ -101,6 +103,17 @@ class Metrics:
         counter("device_wait", "m3serve:engine_device_wait_seconds_total",
                 "Seconds the engine thread waited for steps' sampled tokens from the device; the rest of its "
                 "time is host work (scheduling, step inputs, outputs): a share near 0 means the host sets the pace.")
+        counter("steps_ahead", "m3serve:engine_steps_ahead_total",
+                "Engine steps queued on the device before the step before them was back (async scheduling); each "
+                "other step waited for the one before it, and the device idled while the host built it.")
+        steps_by = fam("m3serve:engine_steps_by_kind_total", "Engine steps run, by what they held (decode, "
+                       "speculative, prefill, decode+prefill, speculative+prefill).", F.COUNTER)
+        seconds_by = fam("m3serve:engine_step_seconds_total", "Seconds from each engine step's launch (or the end of "
+                         "the step before it, if later) to its tokens' return, by the step's kind: divided by "
+                         "m3serve:engine_steps_by_kind_total, the time a step of that kind takes.", F.COUNTER)
+        for kind in STEP_KINDS:
+            self._m[f"steps_{kind}"] = steps_by.Metric(labels={**labels, "kind": kind})
+            self._m[f"seconds_{kind}"] = seconds_by.Metric(labels={**labels, "kind": kind})
         counter("responses", "m3serve:responses_total", "Responses sent by the response thread.")
         counter("send_seconds", "m3serve:response_send_seconds_total",
                 "Seconds the response thread spent building and sending responses (per-response cost).")
@@ -147,14 +160,22 @@ class Metrics:
                           ("spec_accepted", "spec_decode_num_accepted_tokens"),
                           ("spec_draft", "spec_decode_num_draft_tokens"), ("spec_drafts", "spec_decode_num_drafts"),
                           ("steps", "num_steps"), ("prompt_steps", "num_prompt_steps"),
-                          ("device_wait", "device_wait_seconds")):
-            value = float(stats.get(stat, 0))
-            prev = self._last.get(key)
-            if prev is not None and value > prev:
-                m[key].increment(value - prev)
-            elif prev is None and value > 0:
-                m[key].increment(value)
-            self._last[key] = value
+                          ("device_wait", "device_wait_seconds"), ("steps_ahead", "num_steps_ahead")):
+            self._advance(key, stats.get(stat, 0))
+        steps, seconds = stats.get("steps_by_kind") or {}, stats.get("step_seconds_by_kind") or {}
+        for kind in STEP_KINDS:
+            self._advance(f"steps_{kind}", steps.get(kind, 0))
+            self._advance(f"seconds_{kind}", seconds.get(kind, 0.0))
+
+    def _advance(self, key: str, total) -> None:
+        """Bring counter `key` up to the engine's running `total` (a counter only grows)."""
+        value = float(total)
+        prev = self._last.get(key)
+        if prev is not None and value > prev:
+            self._m[key].increment(value - prev)
+        elif prev is None and value > 0:
+            self._m[key].increment(value)
+        self._last[key] = value
 
     def responder_stats(self, responses: int, send_seconds: float) -> None:
         if not self.enabled:

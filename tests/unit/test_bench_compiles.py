@@ -46,6 +46,23 @@ def test_server_table_survives_a_failed_side():
     res = {"null": [], "engine": [{"concurrency": 1, "tokens_per_s_total": nan}],
            "server": [{"concurrency": 1, "tokens_per_s_total": 600.0, "ttft_ms": {50: 14.0}, "itl_ms": {50: 1.5},
                        "responses_per_request_mean": 128, "engine_steps_per_s": 590.0,
-                       "engine_device_wait_share": 0.3, "compiles": 0}]}
+                       "engine_device_wait_share": 0.3, "engine_steps_not_ahead": 12,
+                       "engine_ms_per_decode_step": 1.62, "compiles": 0}]}
     row = bench.summarize(res).splitlines()[-1]
     assert row.startswith("| 1 | 1 | nan | 600 | nan | nan / 14.0 |") and "nan / 590" in row and "nan% / 30%" in row
+    assert "| nan / 12 | nan / 1.62 |" in row
+
+
+def test_engine_pace_reads_the_steps_ahead_and_the_decode_step_time():
+    """Between two readings of the engine's counters: steps that waited for the one before them (all steps less
+    those queued ahead) and the mean decode step in milliseconds (None without a decode step)."""
+    bench = _load("bench_server")
+    before = {"num_steps": 10, "num_steps_ahead": 4, "device_wait_seconds": 0.1, "num_prompt_steps": 2,
+              "steps_by_kind": {"decode": 6}, "step_seconds_by_kind": {"decode": 0.012}}
+    after = {"num_steps": 110, "num_steps_ahead": 94, "device_wait_seconds": 0.4, "num_prompt_steps": 5,
+             "steps_by_kind": {"decode": 96, "decode+prefill": 3}, "step_seconds_by_kind": {"decode": 0.237}}
+    pace = bench.engine_pace(before, after, 0.5)
+    assert pace["engine_steps_per_s"] == 200 and pace["engine_device_wait_share"] == pytest.approx(0.6)
+    assert (pace["engine_prompt_steps"], pace["engine_steps_not_ahead"]) == (3, 10)
+    assert pace["engine_ms_per_decode_step"] == pytest.approx(2.5)
+    assert bench.engine_pace(before, before, 0.5)["engine_ms_per_decode_step"] is None

@@ -580,6 +580,7 @@ def test_triton_metrics_export_the_engine_counters():
     device-wait counters grow by the stats' deltas."""
     from types import SimpleNamespace
 
+    from m3serve.engine.scheduler import STEP_KINDS
     from m3serve.triton.metrics import Metrics
 
     class Family:
@@ -594,19 +595,28 @@ def test_triton_metrics_export_the_engine_counters():
             m.increment = lambda v, m=m: setattr(m, "value", m.value + v)
             m.set = lambda v, m=m: setattr(m, "value", v)
             m.observe = lambda v: None
-            Family.all[self.name] = m
+            Family.all[self.name + (f"/{labels['kind']}" if "kind" in labels else "")] = m
             return m
 
     metrics = Metrics(SimpleNamespace(MetricFamily=Family), {"model": "m3"}, 512)
     stats = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 9,
-             "spec_decode_acceptance_rate": 0.75, "num_steps": 4, "device_wait_seconds": 0.25, "num_prompt_steps": 1}
+             "spec_decode_acceptance_rate": 0.75, "num_steps": 4, "device_wait_seconds": 0.25, "num_prompt_steps": 1,
+             "num_steps_ahead": 2, "steps_by_kind": {"decode": 3, "prefill": 1},
+             "step_seconds_by_kind": {"decode": 0.03, "prefill": 0.05}}
     metrics.engine_stats(stats, 0)
     metrics.engine_stats({**stats, "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 20, "num_steps": 7,
-                          "device_wait_seconds": 0.5, "num_prompt_steps": 3}, 0)
+                          "device_wait_seconds": 0.5, "num_prompt_steps": 3, "num_steps_ahead": 5,
+                          "steps_by_kind": {"decode": 4, "prefill": 1, "decode+prefill": 2},
+                          "step_seconds_by_kind": {"decode": 0.04, "prefill": 0.05, "decode+prefill": 0.1}}, 0)
     m = {k: v.value for k, v in Family.all.items()}
     assert (m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"],
             m["vllm:spec_decode_num_accepted_tokens_total"]) == (5, 20, 9)
     assert m["vllm:spec_decode_draft_acceptance_rate"] == 0.75
     # the engine thread's own counters (steps, seconds waiting for the device) follow the engine's totals
     assert (m["m3serve:engine_steps_total"], m["m3serve:engine_device_wait_seconds_total"],
-            m["m3serve:engine_prompt_steps_total"]) == (7, 0.5, 3)
+            m["m3serve:engine_prompt_steps_total"], m["m3serve:engine_steps_ahead_total"]) == (7, 0.5, 3, 5)
+    # and so do the steps by kind and their seconds (a kind the engine has not run yet stays at 0)
+    assert {k: m[f"m3serve:engine_steps_by_kind_total/{k}"] for k in STEP_KINDS} == {
+        "decode": 4, "speculative": 0, "prefill": 1, "decode+prefill": 2, "speculative+prefill": 0}
+    assert m["m3serve:engine_step_seconds_total/decode"] == pytest.approx(0.04)
+    assert m["m3serve:engine_step_seconds_total/decode+prefill"] == pytest.approx(0.1)
