@@ -7,15 +7,14 @@
 
 C users each send --requests-per-user requests in a row (default 2 on the CPU, 8 on a GPU; greedy, ignore_eos,
 --max-tokens tokens, request i of a run the same prompt both ways: with --prompts distinct, the default, the prompt
-ends "(request i)", so the streams' tokens differ as real traffic's do); per level, both paths in turn after one warm-up level each,
---repeats times: output tokens/s (all tokens / wall), TTFT p50/p90 (request sent -> first text), ITL p50/p90 (per request: first text -> last
-text over tokens - 1, the same definition both ways), the server's response thread's time in send() per response
-(its m3serve:response_send_seconds_total over m3serve:responses_total) on each path, and the gateway/direct ratios
-and overheads. --geometry N: the M3.1-Flash
-geometry cut to N layers with random weights (benchmarks/geometry.py), its vocabulary cut to the tiny
-tokenizer's 512 ids so that every token decodes to text for the m3 contract. Writes OUT_DIR/bench_gateway.json
-and OUT_DIR/bench_gateway.md; the server (build.sh serve) and the gateway run as child processes, stopped at
-the end.
+ends "(request i)", so the streams' tokens differ as real traffic's do); per level, both paths in turn after one
+warm-up level each, --repeats times: output tokens/s (all tokens / wall), TTFT p50/p90 (request sent -> first text),
+ITL p50/p90 (per request: first text -> last text over tokens - 1, the same definition both ways), the server's
+response thread's time in send() per response (its m3serve:response_send_seconds_total over m3serve:responses_total)
+on each path, and the gateway/direct ratios and overheads. --geometry N: the M3.1-Flash geometry cut to N layers
+with random weights (benchmarks/geometry.py), its vocabulary cut to the tiny tokenizer's 512 ids so that every token
+decodes to text for the m3 contract. Writes OUT_DIR/bench_gateway.json and OUT_DIR/bench_gateway.md; the server
+(build.sh serve) and the gateway run as child processes, stopped at the end.
 """
 from __future__ import annotations
 
