@@ -249,13 +249,16 @@ class Scheduler:
         cap = self.max_prefill_tokens_with_decodes if num_decodes else 0
         return budget if not cap else min(budget, cap)
 
-    def _admit(self, left: int) -> list[tuple[Sequence, int]]:
+    def _admit(self, left: int, ahead: bool = False) -> list[tuple[Sequence, int]]:
         """3. admissions, FCFS, while pages, sequence slots and `left` prompt tokens remain: each admitted sequence
-        is running with pages for all its tokens; (sequence, its chunk) for those with prompt work this step."""
+        is running with pages for all its tokens; (sequence, its chunk) for those with prompt work this step.
+        `ahead` (a step queued behind one still running): not while the head's first block is in flight."""
         admitted = []
         while self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.bm.can_allocate(seq, use_watermark=bool(self.running)):
+                break
+            if ahead and self._prefix_in_flight(seq):
                 break
             if not self.enable_chunked_prefill and seq.num_tokens > left:
                 break  # the whole prefill must fit one step
@@ -269,6 +272,17 @@ class Scheduler:
                 left -= n
         return admitted
 
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Prefix caching: `seq` begins with the first block of a running sequence that has not computed it (a step
+        still running or queued writes it; its hash is registered once that step is back). Admitted now, `seq` would
+        compute the block again; admitted a step or two later, it takes the block from the cache."""
+        bs = self.bm.block_size
+        if not self.bm.enable_prefix_caching or seq.num_tokens <= bs:
+            return False
+        first = seq.block_token_ids(0, bs)
+        return any(s.num_computed_tokens < bs < s.num_tokens and s.block_token_ids(0, bs) == first
+                   for s in self.running)
+
     def schedule_ahead(self, seqs: list[Sequence], num_done: list[int], num_decode_tokens: int,
                        num_decodes: int) -> list[tuple[Sequence, int, int]]:
         """Async scheduling: the prompt work of the step after one still running, beside `num_decodes` decodes of
@@ -276,7 +290,9 @@ class Scheduler:
         back: first the next chunk of each of `seqs` (in the middle of their prompts, in arrival order; the running
         step computes `num_done[i]` more of its prompt), then the waiting requests admitted FCFS in what is left.
         Admission counts the sequences the running step may end as running and their pages as taken, so it may
-        take fewer than `schedule` would then (never more: the step would not fit).
+        take fewer than `schedule` would then (never more: the step would not fit), and waits while the head
+        request's first block is being computed for another (`_prefix_in_flight`: its prefix-cache hit comes once
+        that block is back, as it would in `schedule`).
         [(sequence, prompt tokens the running step computes before this one, its chunk here)]."""
         left = self._prompt_budget(self.max_num_batched_tokens - num_decode_tokens, num_decodes)
         work = []
@@ -285,7 +301,7 @@ class Scheduler:
             if n:
                 work.append((seq, done, n))
                 left -= n
-        return work + [(seq, 0, n) for seq, n in self._admit(left)]
+        return work + [(seq, 0, n) for seq, n in self._admit(left, ahead=True)]
 
     def update(self, batch: ScheduledBatch, num_rejected: list[int] | None = None,
                keep_lookahead=()) -> None:

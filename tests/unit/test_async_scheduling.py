@@ -199,3 +199,24 @@ def test_arrivals_join_a_step_queued_ahead(make_engine, eu, penalized):
     eu.same_outputs(res[False], res[True])
     assert {r: len(res[True][r][0]) for r in res[True]} == {"r0": 60, "r1": 60, "a": 30, "b": 24, "c": 30,
                                                              "d": 3 if penalized else 24}
+
+
+def test_arrivals_ahead_keep_their_prefix_cache_hits(make_engine, eu):
+    """Two requests with a common prefix arrive a step apart while a stream decodes: the second is not admitted into a
+    step queued ahead while the first's prompt (its first block) is still being computed, so it finds that block in
+    the prefix cache as it does without async scheduling, and the outputs are the same."""
+    probe = make_engine(async_scheduling=False)
+    bs = probe.block_manager.block_size
+    stream, prefix, tail_a, tail_b = eu.random_prompts([9, 2 * bs, 5, 7], seed=53)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    late = {2: ("a", prefix + tail_a, greedy), 3: ("b", prefix + tail_b, greedy)}
+    res, hits = {}, {}
+    for mode in (False, True):
+        eng = make_engine(max_num_seqs=8, num_gpu_blocks_override=64, max_num_batched_tokens=4 * bs,
+                          async_scheduling=mode)
+        eng.add_request("r0", prompt_token_ids=stream, sampling_params=dataclasses.replace(greedy, max_tokens=30))
+        res[mode], held = _run_counting_held(eng, eu, late)
+        hits[mode] = eng.stats()["prefix_cache_hit_tokens"]
+        assert held == 0 or not mode
+    assert hits[True] == hits[False] == 2 * bs  # b took both prefix blocks from a's
+    eu.same_outputs(res[False], res[True])
