@@ -30,7 +30,6 @@ from multiprocessing.connection import Connection
 
 from m3serve.config import EngineConfig
 from m3serve.engine.async_engine import EngineDeadError
-from m3serve.engine.client import PendingStarts
 from m3serve.engine.faults import RequestFailed, describe
 from m3serve.engine.outputs import RequestOutput
 from m3serve.engine.sampling_params import InvalidRequest
@@ -172,7 +171,6 @@ class _Serve:
             listeners.append(self.outbox.flush)
         else:  # an engine without rounds (a test double): each output goes on its own
             self.outbox.eager = True
-        self.starts = PendingStarts(lambda: EngineDeadError("the engine is shut down"))
         self.loop = asyncio.new_event_loop()  # runs `prepare` (a coroutine on every engine)
         threading.Thread(target=self.loop.run_forever, name="m3serve-engine-prepare", daemon=True).start()
 
@@ -212,21 +210,20 @@ class _Serve:
         self.outbox.put(("out", rid, pack_output(e)), now=True)
 
     def _start(self, rid: str, kwargs: dict) -> None:
-        """`prepare`, then `_submit`, for any engine (the test doubles have no `start`); a failure to prepare is the
-        request's one event."""
+        """The engine's own `start` (prepared on its pool, then submitted; no hop through this process's event
+        loop): outputs gather for the round's message, a failure to start is the request's one event, sent at once
+        (it may come outside any round)."""
+        put = self.outbox.put
+
+        def sink(item) -> None:
+            put(("out", rid, pack_output(item)), now=isinstance(item, BaseException))
         try:
-            self.starts.begin(rid)
-        except InvalidRequest as e:  # starting already (the client refuses that before it sends)
+            self.engine.start(rid, sink, **kwargs)
+        except Exception as e:  # noqa: BLE001 - an id already running or starting, a dead engine
             self._fail(rid, e)
-            return
-        fut = asyncio.run_coroutine_threadsafe(self.engine.prepare(**kwargs), self.loop)
-        fut.add_done_callback(lambda f: self.starts.prepared(
-            rid, f, lambda prepared: self._submit(rid, prepared), lambda err: self._fail(rid, err),
-            lambda: self.engine.abort_sync(rid)))
 
     def _abort(self, rid: str) -> None:
-        self.starts.abort(rid)
-        self.engine.abort_sync(rid)
+        self.engine.abort_sync(rid)  # one that is still being prepared is aborted once it is submitted (`start`)
 
 
 def child_main(args: dict) -> None:
