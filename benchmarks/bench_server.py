@@ -6,7 +6,7 @@ backend's per-response cost with an engine that costs nothing.
   python benchmarks/bench_server.py --device cpu --concurrency 1,4 --max-tokens 16 --out /tmp/b   # smoke
 
 Three measurements at each concurrency C (C users, each sending --requests-per-user requests in a row,
-every request --max-tokens tokens with ignore_eos, greedy):
+every request --max-tokens tokens with ignore_eos, greedy; request i of a level its own prompt, --prompts):
   engine   AsyncLLMEngine in this process, C concurrent `generate` streams          (no server at all)
   server   the same engine behind tritonserver: model `m3`, gRPC streaming, clients/bench.py's client
   null     tritonserver with a zero-cost engine (model `m3null`, $M3SERVE_TEST_ENGINE_FACTORY=m3null=this file:null_engine):
@@ -525,8 +525,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", choices=("distinct", "same"),
                    help="distinct (the default without --speculative): request i of a level sends prompt i, so the "
                         "streams' tokens differ as real traffic's do (the same prompt greedy in every stream makes "
-                        "every row of a step the same token: one MoE route for the whole batch, no prefill after the "
-                        "first); same: one prompt for all (--speculative: its controlled acceptance knows one prompt)")
+                        "every row of a step the same token once the streams run in step: one MoE route for the whole "
+                        "batch); same: one prompt for all (--speculative: its controlled acceptance knows one prompt)")
     p.add_argument("--engine-process", choices=("true", "false"), default="true",
                    help="the server's engine in a process of its own (the model's default) or on threads of the stub")
     a = p.parse_args(argv)
