@@ -293,7 +293,9 @@ class LLMEngine:
         (penalties), no confidence-scheduled verification (its next width reads `cur`'s confidences on the host).
         Without speculative decoding or gathering (`max_waiting_steps`), requests waiting for admission join that
         step as `schedule` would admit them (`schedule_ahead`): an arrival then costs no step whose launch waits for
-        the one before it, and is admitted in the same step as without async scheduling.
+        the one before it, and is admitted in the same step as without async scheduling. With speculative decoding
+        and `prefill_apart`, after a step of drafting decodes the prompts' own step is queued instead, when there is
+        prefill work (`Scheduler.prefill_turn_ahead`); the decodes follow it, their tokens known by then.
         Each sequence feeds the last token `cur` gives it (read on the device) at the position after it; after a
         speculative step, which gives a sequence 1..k+1 tokens, the device moves that sequence's positions, slots
         and cache length by the accepted run (executor/ahead.py). Left out: a sequence `cur` may bring to
@@ -306,8 +308,13 @@ class LLMEngine:
         sch, bm = self.scheduler, self.block_manager
         k_max = self.step_builder.num_speculative_tokens
         if (not self.config.async_scheduling or not self.executor.supports_async_scheduling or cur.error is not None
-                or self.verify_scheduler is not None
-                or sch.waiting and (k_max or sch.max_waiting_steps)):
+                or self.verify_scheduler is not None or sch.waiting and sch.max_waiting_steps):
+            return None
+        if k_max and sch.prefill_apart and any(cur.batch.num_draft_tokens):
+            turn = sch.prefill_turn_ahead()  # the prompts' step `schedule` would give next (no decode in it)
+            if turn is not None:
+                return self._queue(turn, None, None)
+        if k_max and sch.waiting:
             return None
         in_cur, sampled = {id(s) for s in cur.batch.seqs}, {id(s) for s in cur.seqs}
         known = [s for s in sch.running if id(s) not in in_cur]
@@ -345,12 +352,17 @@ class LLMEngine:
         batch = ScheduledBatch(seqs + [s for s, _, _ in prompts], [1 + k for k in drafts] + [n for *_, n in prompts],
                                drafts + [0] * len(prompts), num_decodes=len(seqs),
                                num_pending=[0] * len(seqs) + [done for _, done, _ in prompts])
-        # prompt chunks alone (no decode of `cur` goes on) read nothing of `cur`'s result
-        step, sampling = self.step_builder.build(batch, prev_rows=rows + [-1] * len(prompts) if rows else None)
         sch.count(batch)
+        # prompt chunks alone (no decode of `cur` goes on) read nothing of `cur`'s result
+        return self._queue(batch, rows + [-1] * len(prompts) if rows else None, cur.out.device if rows else None)
+
+    def _queue(self, batch: ScheduledBatch, prev_rows: list[int] | None, prev) -> "_InFlight":
+        """Build `batch`'s step and launch it behind the one running (`prev`: that step's result on the device, which
+        rows `prev_rows` of this one read; None: it reads nothing of it)."""
+        step, sampling = self.step_builder.build(batch, prev_rows=prev_rows)
         self.num_steps_ahead += 1
         try:
-            return _InFlight(batch, step, sampling, self.executor.launch(step, cur.out.device if rows else None))
+            return _InFlight(batch, step, sampling, self.executor.launch(step, prev))
         except Exception as e:  # its requests fail once `cur`'s tokens are out; a device fault kills the engine now
             if not contained(e) or not self.executor_alive():
                 raise

@@ -31,9 +31,9 @@ small chunk's work, not a full one's (their ITL), and a prompt that arrives alon
 
 `prefill_apart` (speculative_config.prefill_apart, on by default): a step whose decodes draft takes no prefill
 work; the prefill chunks and admissions it left go in the next step, without the decodes (which then take the step
-after). A step that holds only speculating decodes replays the speculative CUDA graphs, where a mixed step runs
-every phase eagerly (executor/speculative/decoder.py). The tokens are the same either way; only which step runs
-what changes.
+after; with async scheduling that step is queued while the drafting one runs, `prefill_turn_ahead`). A step that
+holds only speculating decodes replays the speculative CUDA graphs, where a mixed step runs every phase eagerly
+(executor/speculative/decoder.py). The tokens are the same either way; only which step runs what changes.
 """
 from __future__ import annotations
 
@@ -199,27 +199,10 @@ class Scheduler:
                     num_decodes += 1
 
         def prefills() -> None:
-            left = self._prompt_budget(budget, num_decodes)  # prompt tokens this step may still take
-
-            def take_prompt(seq: Sequence, n: int) -> None:
-                nonlocal left
-                take(seq, n)
-                left -= n
-
-            for seq in self.running:  # 2. prefills in progress
-                if left == 0:
-                    break
-                if id(seq) not in scheduled and seq.num_uncomputed_tokens > 1:
-                    n = self._chunk(seq, left)
-                    if n:
-                        take_prompt(seq, n)
-            # 3. admissions, FCFS
-            if self._hold_arrivals(num_decodes):
-                self.num_held_steps += 1
-                return
-            if not out.preempted:
-                for seq, n in self._admit(left):
-                    take_prompt(seq, n)
+            nonlocal budget
+            hold = self._hold_arrivals(num_decodes)
+            self.num_held_steps += hold
+            budget -= self._take_prompts(out, self._prompt_budget(budget, num_decodes), scheduled, admit=not hold)
 
         prefill_turn, self._prefill_turn = self._prefill_turn, False
         if not prefill_turn:
@@ -248,6 +231,24 @@ class Scheduler:
         """Prompt tokens a step may take with `budget` tokens left after its `num_decodes` decodes."""
         cap = self.max_prefill_tokens_with_decodes if num_decodes else 0
         return budget if not cap else min(budget, cap)
+
+    def _take_prompts(self, out: ScheduledBatch, left: int, skip: set[int], admit: bool = True,
+                      ahead: bool = False) -> int:
+        """2. the next chunk of each prompt in progress (running, not in `skip`), oldest first, then (`admit`, and
+        no preemption in `out`) 3. admissions, in `left` prompt tokens: appended to `out`; the tokens taken."""
+        taken = 0
+        for seq in self.running:
+            if taken == left:
+                break
+            if id(seq) not in skip and seq.num_uncomputed_tokens > 1:
+                n = self._chunk(seq, left - taken)
+                if n:
+                    out.seqs.append(seq), out.num_new_tokens.append(n), out.num_draft_tokens.append(0)
+                    taken += n
+        for seq, n in self._admit(left - taken, ahead) if admit and not out.preempted else ():
+            out.seqs.append(seq), out.num_new_tokens.append(n), out.num_draft_tokens.append(0)
+            taken += n
+        return taken
 
     def _admit(self, left: int, ahead: bool = False) -> list[tuple[Sequence, int]]:
         """3. admissions, FCFS, while pages, sequence slots and `left` prompt tokens remain: each admitted sequence
@@ -282,6 +283,21 @@ class Scheduler:
         first = seq.block_token_ids(0, bs)
         return any(s.num_computed_tokens < bs < s.num_tokens and s.block_token_ids(0, bs) == first
                    for s in self.running)
+
+    def prefill_turn_ahead(self) -> ScheduledBatch | None:
+        """`prefill_apart`, async scheduling: the prefill turn `schedule` gives the step after one of drafting decodes
+        (the next chunks of prompts in progress, then admissions; no decode), queued behind that step while it runs
+        (`LLMEngine._launch_ahead`): it reads nothing of that step's result. None: no prefill work, or none fits
+        (then the step after is scheduled when the running one is back)."""
+        if self.max_waiting_steps or not self._has_prefill_work():
+            return None
+        out = ScheduledBatch()
+        self._take_prompts(out, self.max_num_batched_tokens, set(), ahead=True)
+        if not out.seqs:
+            return None
+        self._prefill_turn = False  # taken here: the step after this one decodes
+        self.count(out)
+        return out
 
     def schedule_ahead(self, seqs: list[Sequence], num_done: list[int], num_decode_tokens: int,
                        num_decodes: int) -> list[tuple[Sequence, int, int]]:

@@ -84,6 +84,39 @@ def test_speculative_async_equals_sync(static, make_engine, reference_greedy, eu
     assert st["spec_decode_mean_accepted_length"] > 1.5
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_arrivals_beside_speculative_steps_are_prefilled_ahead(static, make_engine, reference_greedy, eu):
+    """Requests that arrive while speculative steps are queued: the prefill turn `prefill_apart` gives them (their
+    prompts alone, after a step of drafting decodes) is queued behind that step, and the decodes after it go ahead
+    too (their tokens known by then): no arrival makes a step wait for the one before it. The outputs are the
+    synchronous engine's; greedy ones are plain decoding's."""
+    out, held, kinds = {}, {}, {}
+    for mode in (False, True):
+        eng = _engine(make_engine, static, async_scheduling=mode)
+        reqs, late, known, _ = _requests(eu, reference_greedy, eng, static)
+        drafter = eng.executor.worker.drafter
+        drafter.proposal_hook = ControlledProposals(known, 0.8, drafter.draft.config.vocab_size)
+        for rid, p, sp in reqs[:2]:
+            eng.add_request(rid, prompt_token_ids=p, sampling_params=sp)
+        calls, real_step = [], eng.step
+
+        def step(eng=eng, calls=calls, real_step=real_step):
+            res = real_step()
+            calls.append(eng._inflight.batch.kind if eng._inflight is not None else
+                         "held" if eng.scheduler.waiting else "")  # a request waits, and nothing is queued
+            return res
+
+        eng.step = step
+        arrivals = {3: reqs[2], 5: reqs[4], 9: late, 14: reqs[5]}
+        out[mode], _ = eu.run_queued(eng, arrivals)
+        held[mode], kinds[mode] = calls.count("held"), calls
+    assert held[True] == 0  # (before: the call after each arrival's)
+    assert kinds[True].count("prefill") >= 4  # each arrival's prompt queued behind drafting decodes
+    eu.same_outputs(out[False], out[True])
+    for rid, p, sp in [r for r in _requests(eu, reference_greedy, eng, static)[0] if r[0] in ("g0", "short4")]:
+        assert out[True][rid][0] == reference_greedy(p, sp.max_tokens), rid
+
+
 def test_abort_while_a_speculative_step_is_queued(make_engine, reference_greedy, eu):
     sync, _ = _run(_engine(make_engine, False, async_scheduling=False), eu, reference_greedy, abort_at=(5, "g0"))
     asyn, queued = _run(_engine(make_engine, False), eu, reference_greedy, abort_at=(5, "g0"))

@@ -231,7 +231,7 @@ def test_prefill_apart_keeps_speculating_decodes_out_of_prefill_steps(make_engin
     one; the tokens are the reference's, as without the option."""
     prompts = eu.random_prompts([30, 45, 12, 60], seed=21)
     gens = [16, 12, 20, 10]
-    outs, batches = [], []
+    outs, batches, turn_logs = [], [], []
     for apart in (True, False):
         eng = make_engine(max_num_batched_tokens=24, speculative_config=dspark(prefill_apart=apart))
         control(eng, continuations(prompts, gens, reference_greedy), 0.6)
@@ -245,15 +245,21 @@ def test_prefill_apart_keeps_speculating_decodes_out_of_prefill_steps(make_engin
             return b
 
         eng.scheduler.schedule = logged
+        turns, turn_ahead = [], eng.scheduler.prefill_turn_ahead
+        eng.scheduler.prefill_turn_ahead = lambda turn_ahead=turn_ahead, turns=turns: (
+            lambda b: (b is not None and turns.append(b.kind), b)[1])(turn_ahead())
         outs.append(run(eng, [(f"r{i}", p, greedy(n, 1000 + i)) for i, (p, n) in enumerate(zip(prompts, gens))],
                         every=3))
-        batches.append(log)
+        batches.append(log), turn_logs.append(turns)
         st = eng.stats()
         assert st["num_free_pages"] == st["num_total_pages"]
         assert 0 < st["spec_decode_num_accepted_tokens"]
-        # the engine's steps by kind: the scheduled batches' kinds, and the steps queued ahead (speculative decodes)
+        # the engine's steps by kind: the scheduled batches' kinds, and the steps queued ahead (speculative decodes,
+        # and with prefill_apart the prompts' steps after drafting decodes, `prefill_turn_ahead`)
         scheduled = {k: sum(kind == k for _, kind in log) for k in STEP_KINDS}
-        assert st["steps_by_kind"] == {**scheduled, "speculative": scheduled["speculative"] + st["num_steps_ahead"]}
+        assert set(turns) <= {"prefill"} and (len(turns) > 0) == apart
+        assert st["steps_by_kind"] == {**scheduled, "prefill": scheduled["prefill"] + len(turns),
+                                       "speculative": scheduled["speculative"] + st["num_steps_ahead"] - len(turns)}
         assert sum(st["steps_by_kind"].values()) == st["num_steps"]
         assert all(t >= 0 for t in st["step_seconds_by_kind"].values())
         assert 0 < sum(st["step_seconds_by_kind"].values())
@@ -267,8 +273,10 @@ def test_prefill_apart_keeps_speculating_decodes_out_of_prefill_steps(make_engin
         assert ("speculative" in kind) == any(k for k, _ in b) and (kind == "speculative+prefill" or not mixed(b))
     apart, together = [[b for b, _ in log] for log in batches]
     assert not any(mixed(b) for b in apart) and sum(mixed(b) for b in together) >= 2
-    # a prefill-only step right after a step of drafting decodes: the prefill work that step left
-    assert any(any(k for k, _ in a) and b and all(not k and n > 1 for k, n in b) for a, b in zip(apart, apart[1:]))
+    # a prefill-only step right after a step of drafting decodes, the prefill work that step left: scheduled when
+    # that step was back, or queued behind it (`prefill_turn_ahead`, called only after drafting decodes)
+    assert turn_logs[0] or any(any(k for k, _ in a) and b and all(not k and n > 1 for k, n in b)
+                               for a, b in zip(apart, apart[1:]))
 
 
 def test_draft_backoff_policy():
