@@ -236,19 +236,20 @@ class Scheduler:
                       ahead: bool = False) -> int:
         """2. the next chunk of each prompt in progress (running, not in `skip`), oldest first, then (`admit`, and
         no preemption in `out`) 3. admissions, in `left` prompt tokens: appended to `out`; the tokens taken."""
-        taken = 0
+        work, taken = [], 0
         for seq in self.running:
             if taken == left:
                 break
             if id(seq) not in skip and seq.num_uncomputed_tokens > 1:
                 n = self._chunk(seq, left - taken)
                 if n:
-                    out.seqs.append(seq), out.num_new_tokens.append(n), out.num_draft_tokens.append(0)
+                    work.append((seq, n))
                     taken += n
-        for seq, n in self._admit(left - taken, ahead) if admit and not out.preempted else ():
+        if admit and not out.preempted:
+            work += self._admit(left - taken, ahead)
+        for seq, n in work:
             out.seqs.append(seq), out.num_new_tokens.append(n), out.num_draft_tokens.append(0)
-            taken += n
-        return taken
+        return sum(n for _, n in work)
 
     def _admit(self, left: int, ahead: bool = False) -> list[tuple[Sequence, int]]:
         """3. admissions, FCFS, while pages, sequence slots and `left` prompt tokens remain: each admitted sequence

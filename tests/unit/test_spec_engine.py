@@ -245,9 +245,15 @@ def test_prefill_apart_keeps_speculating_decodes_out_of_prefill_steps(make_engin
             return b
 
         eng.scheduler.schedule = logged
-        turns, turn_ahead = [], eng.scheduler.prefill_turn_ahead
-        eng.scheduler.prefill_turn_ahead = lambda turn_ahead=turn_ahead, turns=turns: (
-            lambda b: (b is not None and turns.append(b.kind), b)[1])(turn_ahead())
+        turns = []
+
+        def logged_turn(turn_ahead=eng.scheduler.prefill_turn_ahead, turns=turns):
+            b = turn_ahead()
+            if b is not None:
+                turns.append(b.kind)
+            return b
+
+        eng.scheduler.prefill_turn_ahead = logged_turn
         outs.append(run(eng, [(f"r{i}", p, greedy(n, 1000 + i)) for i, (p, n) in enumerate(zip(prompts, gens))],
                         every=3))
         batches.append(log), turn_logs.append(turns)
