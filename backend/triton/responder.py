@@ -9,10 +9,11 @@ Triton 2.51's stub crashed (boost::interprocess::lock_exception) when several th
 
 It also coalesces: whatever is queued for one stream when the thread gets to it goes out as ONE
 response (deltas concatenated), so a busy server sends fewer, larger responses instead of falling
-behind. Each `send` is a round trip to the server process (200-450 us on the H200, one at a time), so
-the thread sends at most `DELTAS_PER_ROUND` deltas between two reads of its queue, streams that waited
-longest first: a final response (which lets a client send its next request) or a new stream's first
-tokens never wait behind a sweep over every open stream (64 streams: ~20 ms of sends). Cancellation is
+behind. Each `send` is a round trip to the server process (130-450 us, one at a time), so the thread
+sends at most `DELTAS_PER_ROUND` deltas between two reads of its queue. A final response (which lets a
+client send its next request) goes out as soon as it is read; a stream's first tokens go before every
+other stream's deltas (they are its TTFT), then the streams that waited longest: neither waits behind a
+sweep over every open stream (16 streams: ~2 ms of sends; 64: ~9 ms). Cancellation is
 polled every `cancel_period` seconds per open request (not per token), engine stats are published every
 `stats_period`, health checked every `health_period`.
 """
@@ -134,9 +135,12 @@ class Responder:
     # ---- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         stop = False
-        dirty: dict[Item, None] = {}  # streams with unsent deltas, the longest waiting first
+        # streams with unsent deltas: `fresh` has sent no token yet (its first goes out first), `dirty` the rest, the
+        # longest waiting first
+        fresh: dict[Item, None] = {}
+        dirty: dict[Item, None] = {}
         while not stop:
-            timeout = 0.0 if dirty else max(0.0, min(self._next_cancel, self._next_stats, self._next_health)
+            timeout = 0.0 if fresh or dirty else max(0.0, min(self._next_cancel, self._next_stats, self._next_health)
                                                - time.monotonic())
             batch = []
             try:
@@ -150,12 +154,13 @@ class Responder:
                     stop = True
                     continue
                 try:
-                    self._handle(msg, dirty)
+                    self._handle(msg, fresh, dirty)
                 except Exception:
                     log(f"response thread: {traceback.format_exc()}")
-            for _ in range(len(dirty) if stop else min(len(dirty), DELTAS_PER_ROUND)):
-                item = next(iter(dirty))
-                del dirty[item]
+            for _ in range(len(fresh) + len(dirty) if stop else min(len(fresh) + len(dirty), DELTAS_PER_ROUND)):
+                waiting = fresh or dirty
+                item = next(iter(waiting))
+                del waiting[item]
                 try:
                     self._flush(item)
                 except Exception:
@@ -170,32 +175,38 @@ class Responder:
         except Exception:
             pass
 
-    def _handle(self, msg, dirty: dict) -> None:
+    def _handle(self, msg, fresh: dict, dirty: dict) -> None:
         kind = msg[0]
         if kind == "out":
             item, out = msg[1], msg[2]
             if item.done or item.group.closed:
                 return
+            first = False
             if out.new_token_ids:
                 now = time.monotonic()
                 if item.t_first is None:
-                    item.t_first = now
+                    item.t_first, first = now, True
                     self.metrics.first_token(now - item.group.arrival)
                 item.t_last = now
             item.builder.add(out)
             if out.finished:
+                fresh.pop(item, None)
                 dirty.pop(item, None)
                 self._finish(item)
-            elif self.coalesce:
-                dirty[item] = None
-            else:
+            elif not self.coalesce:
                 self._flush(item)
+            elif first:
+                dirty.pop(item, None)  # (a response without tokens may wait there)
+                fresh[item] = None
+            elif item not in fresh:
+                dirty[item] = None
         elif kind == "new":
             g = msg[1]
             self._groups[id(g)] = g
             self.num_active = len(self._groups)
         elif kind == "end":
             item, code, message = msg[1], msg[2], msg[3]
+            fresh.pop(item, None)
             dirty.pop(item, None)
             if item.done or item.group.closed:
                 return

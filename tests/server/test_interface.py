@@ -432,30 +432,38 @@ def test_responder_coalesces_sends_one_final_and_handles_cancel():
     assert not r.alive
 
 
+class SlowSender(FakeSender):
+    """A send that takes 10 ms (a round trip to the server process, slowed down), logging its stream's name."""
+
+    def __init__(self, name, order):
+        super().__init__()
+        self.name = name
+        self.order = order
+
+    def send(self, response=None, flags=0):
+        self.order.append(self.name)
+        time.sleep(0.01)
+        super().send(response, flags)
+
+
+def slow_streams(r: Responder, n: int, order: list) -> list:
+    req = text({"text_input": s("x"), "stream": b(True)})
+    items = []
+    for i in range(n):
+        g = Group(SlowSender(f"s{i}", order))
+        items.append(Item(f"r{i}", g, TextStream(req)))
+        r.register(g)
+    return items
+
+
 def test_responder_sends_a_final_between_deltas_of_a_busy_sweep():
     """Sends are slow round trips: with 20 streams waiting for a delta, a final that arrives meanwhile goes out
     after at most DELTAS_PER_ROUND of them (its client can send its next request), not after the whole sweep."""
     order = []
-
-    class SlowSender(FakeSender):
-        def __init__(self, name):
-            super().__init__()
-            self.name = name
-
-        def send(self, response=None, flags=0):
-            order.append(self.name)
-            time.sleep(0.01)
-            super().send(response, flags)
-
     r = Responder(fake_pb(), RecordingMetrics(), abort=lambda rid: None)
     r.start()
     try:
-        req = text({"text_input": s("x"), "stream": b(True)})
-        items = []
-        for i in range(21):
-            g = Group(SlowSender(f"s{i}"))
-            items.append(Item(f"r{i}", g, TextStream(req)))
-            r.register(g)
+        items = slow_streams(r, 21, order)
         for item in items[:20]:
             r.output(item, out([1], "a"))
         wait_for(lambda: order)
@@ -466,3 +474,27 @@ def test_responder_sends_a_final_between_deltas_of_a_busy_sweep():
         r.stop()
     assert sorted(sent) == sorted(f"s{i}" for i in range(21))
     assert sent.index("s20") <= DELTAS_PER_ROUND + 1, sent
+
+
+def test_responder_sends_first_tokens_before_other_streams_deltas():
+    """A stream's first token is its TTFT: with 20 streams past their first token each waiting for a delta, a new
+    stream's first token goes out in the next round, ahead of them, not at the end of the sweep."""
+    order = []
+    r = Responder(fake_pb(), RecordingMetrics(), abort=lambda rid: None)
+    r.start()
+    try:
+        items = slow_streams(r, 21, order)
+        for item in items[:20]:
+            r.output(item, out([1], "a"))
+        wait_for(lambda: len(order) >= 20, timeout=10)
+        order.clear()
+        for item in items[:20]:
+            r.output(item, out([2], "b"))
+        wait_for(lambda: order)
+        r.output(items[20], out([3], "c"))
+        wait_for(lambda: len(order) >= 21, timeout=10)
+        sent = order[:21]
+    finally:
+        r.stop()
+    assert sorted(sent) == sorted(f"s{i}" for i in range(21))
+    assert sent.index("s20") <= DELTAS_PER_ROUND, sent
