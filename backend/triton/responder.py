@@ -140,8 +140,8 @@ class Responder:
         fresh: dict[Item, None] = {}
         dirty: dict[Item, None] = {}
         while not stop:
-            timeout = 0.0 if fresh or dirty else max(0.0, min(self._next_cancel, self._next_stats, self._next_health)
-                                               - time.monotonic())
+            timeout = 0.0 if fresh or dirty else \
+                max(0.0, min(self._next_cancel, self._next_stats, self._next_health) - time.monotonic())
             batch = []
             try:
                 batch.append(self._q.get(timeout=timeout) if timeout else self._q.get_nowait())
