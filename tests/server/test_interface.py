@@ -446,55 +446,46 @@ class SlowSender(FakeSender):
         super().send(response, flags)
 
 
-def slow_streams(r: Responder, n: int, order: list) -> list:
-    req = text({"text_input": s("x"), "stream": b(True)})
-    items = []
-    for i in range(n):
-        g = Group(SlowSender(f"s{i}", order))
-        items.append(Item(f"r{i}", g, TextStream(req)))
-        r.register(g)
-    return items
-
-
-def test_responder_sends_a_final_between_deltas_of_a_busy_sweep():
-    """Sends are slow round trips: with 20 streams waiting for a delta, a final that arrives meanwhile goes out
-    after at most DELTAS_PER_ROUND of them (its client can send its next request), not after the whole sweep."""
+def busy_sweep(last, primed: bool) -> list[str]:
+    """The order of the sends (stream names) of a busy sweep: 20 slow streams each with a delta waiting (`primed`:
+    each past its first token, sent before), and the output `last` of a 21st stream once the sweep's first send
+    has begun."""
     order = []
     r = Responder(fake_pb(), RecordingMetrics(), abort=lambda rid: None)
     r.start()
     try:
-        items = slow_streams(r, 21, order)
+        req = text({"text_input": s("x"), "stream": b(True)})
+        items = []
+        for i in range(21):
+            g = Group(SlowSender(f"s{i}", order))
+            items.append(Item(f"r{i}", g, TextStream(req)))
+            r.register(g)
+        if primed:
+            for item in items[:20]:
+                r.output(item, out([1], "a"))
+            wait_for(lambda: len(order) >= 20, timeout=10)
+            order.clear()
         for item in items[:20]:
-            r.output(item, out([1], "a"))
+            r.output(item, out([2], "b"))
         wait_for(lambda: order)
-        r.output(items[20], out([2], "b", finished=True, reason="stop"))
+        r.output(items[20], last)
         wait_for(lambda: len(order) >= 21, timeout=10)
         sent = order[:21]  # (the stop below fails the 20 open streams: more sends)
     finally:
         r.stop()
     assert sorted(sent) == sorted(f"s{i}" for i in range(21))
+    return sent
+
+
+def test_responder_sends_a_final_between_deltas_of_a_busy_sweep():
+    """Sends are slow round trips: with 20 streams waiting for a delta, a final that arrives meanwhile goes out
+    after at most DELTAS_PER_ROUND of them (its client can send its next request), not after the whole sweep."""
+    sent = busy_sweep(out([3], "c", finished=True, reason="stop"), primed=False)
     assert sent.index("s20") <= DELTAS_PER_ROUND + 1, sent
 
 
 def test_responder_sends_first_tokens_before_other_streams_deltas():
     """A stream's first token is its TTFT: with 20 streams past their first token each waiting for a delta, a new
     stream's first token goes out in the next round, ahead of them, not at the end of the sweep."""
-    order = []
-    r = Responder(fake_pb(), RecordingMetrics(), abort=lambda rid: None)
-    r.start()
-    try:
-        items = slow_streams(r, 21, order)
-        for item in items[:20]:
-            r.output(item, out([1], "a"))
-        wait_for(lambda: len(order) >= 20, timeout=10)
-        order.clear()
-        for item in items[:20]:
-            r.output(item, out([2], "b"))
-        wait_for(lambda: order)
-        r.output(items[20], out([3], "c"))
-        wait_for(lambda: len(order) >= 21, timeout=10)
-        sent = order[:21]
-    finally:
-        r.stop()
-    assert sorted(sent) == sorted(f"s{i}" for i in range(21))
+    sent = busy_sweep(out([3], "c"), primed=True)
     assert sent.index("s20") <= DELTAS_PER_ROUND, sent
