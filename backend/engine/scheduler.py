@@ -59,6 +59,10 @@ class ScheduledBatch:
     # launched ahead of a prompt's chunk, `Scheduler.schedule_ahead`); empty: none
     num_pending: list[int] = field(default_factory=list)
 
+    def add(self, seq: Sequence, n: int, drafts: int = 0) -> None:
+        """A row: `seq` computes `n` tokens this step, `drafts` of them drafts it verifies."""
+        self.seqs.append(seq), self.num_new_tokens.append(n), self.num_draft_tokens.append(drafts)
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
@@ -173,7 +177,7 @@ class Scheduler:
 
         def take(seq: Sequence, n: int, drafts: int = 0) -> None:
             nonlocal budget
-            out.seqs.append(seq), out.num_new_tokens.append(n), out.num_draft_tokens.append(drafts)
+            out.add(seq, n, drafts)
             scheduled.add(id(seq))
             budget -= n
 
@@ -248,7 +252,7 @@ class Scheduler:
         if admit and not out.preempted:
             work += self._admit(left - taken, ahead)
         for seq, n in work:
-            out.seqs.append(seq), out.num_new_tokens.append(n), out.num_draft_tokens.append(0)
+            out.add(seq, n)
         return sum(n for _, n in work)
 
     def _admit(self, left: int, ahead: bool = False) -> list[tuple[Sequence, int]]:
