@@ -157,10 +157,15 @@ def variants(T: int) -> list[tuple]:
     # fused gate_up (`grouped_gemm(..., fuse=True)`): a tile's 128 weight rows are the gate and up rows of 64 columns,
     # one accumulator: 197 registers and no spill at 128 x 128 (sm_90 SASS, 2026-12-07), 254 and none with 256 token
     # rows in 2 stages (each decoded weight tile then serves twice the rows; in 3 stages a 64-byte stack), 128 and
-    # none with 256 rows on 16 warps in 3 stages; the down tiles the table's 128 x 128
+    # none with 256 rows on 16 warps in 3 stages; the down tiles the table's 128 x 128. 64 token rows against 256
+    # weight rows (128 columns): fewer rows of a tile left empty (4096 tokens give each expert 128 +- 11 rows, which
+    # fill 1.5 tiles of 128 on average but 2.5 of 64), 232 registers and no spill on 8 warps (16 warps spill at their
+    # 128-register cap); its down tiles 128 x 128 or 64 x 128 (153 registers; 64 x 256 spills)
     down = sw16((128, 128, 8), (128, 128, 8))[2]
-    fused = [("tl", dict(sw16((bm, 128, w), (128, 128, 8))[1], fuse=True, num_stages=st), down)
-             for bm, w, st in ((128, 8, 3), (256, 8, 2), (256, 16, 3))]
+    down64 = sw16((64, 128, 8), (64, 128, 8))[2]
+    fused = [("tl", dict(sw16((bm, bn, w), (128, 128, 8))[1], fuse=True, num_stages=st), d)
+             for bm, bn, w, st, d in ((128, 128, 8, 3, down), (256, 128, 8, 2, down), (256, 128, 16, 3, down),
+                                      (64, 256, 8, 3, down), (64, 256, 8, 3, down64))]
     return [sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 8), (128, 128, 8)),
             sw((128, 128, 16), (128, 128, 16)), sw16((128, 128, 8), (128, 128, 8)), sw16((64, 128, 8), (64, 128, 8)),
             sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16)), *fused, *few]
