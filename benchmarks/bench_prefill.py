@@ -76,6 +76,11 @@ def fused_moe_rows() -> dict:
                                for lim, path, gu, *rest in dispatch.MOE_TABLE)}
 
 
+def picked(args, variant) -> bool:
+    """Is ``variant`` timed: its repr contains one of --variant-filter's comma-separated strings (all if none)."""
+    return any(f in repr(variant) for f in args.variant_filter.split(","))
+
+
 def without_dense(table: tuple) -> tuple:
     return tuple(r for r in table if r[1] != "dense")
 
@@ -132,7 +137,7 @@ def bench_moe_layer(args, dev, res):
             row["err"] = rel_err(y_d, y_k)
         row["tl_variants"] = []  # larger portable tiles (more rows per decoded weight tile): bench_moe's sweep
         for v in (variants(T) if T >= args.variants_from and dev == "cuda" else []):
-            if args.variant_filter not in repr(v):
+            if not picked(args, v):
                 continue
             if tuple(v) != dispatch.moe_config(T, w, x.device):  # the default's own tiles are timed above
                 row["tl_variants"].append(timed_variant("moe_table", v, lambda: dispatch.moe_config(T, w, x.device),
@@ -190,7 +195,7 @@ def bench_linears(args, dev, res):
                               lambda: quant_linear(x, ql), args.rep, ref=y_k)
                 for v in (linear_variants(M) + (swap_variants(M) if M <= 64 else []) + FP8_LINEAR * (M >= 256)
                           if dev == "cuda" and M >= args.variants_from_rows else [])
-                if args.variant_filter in repr(v)]
+                if picked(args, v)]
             mine.append(row)
             print(json.dumps(row), flush=True)
         res["linear_crossover_rows"][fmt] = crossover(mine, "M")
@@ -307,7 +312,7 @@ def main():
     ap.add_argument("--rep", type=int, default=25)
     ap.add_argument("--variants-from", type=int, default=4096, help="time bench_moe's tl tile variants from here")
     ap.add_argument("--variants-from-rows", type=int, default=16, help="time the linears' swap variants from here")
-    ap.add_argument("--variant-filter", default="", help="time only the variants whose repr contains this")
+    ap.add_argument("--variant-filter", default="", help="time only the variants whose repr contains one of these (comma-separated)")
     ap.add_argument("--ttft-filter", default="",
                     help="run only the TTFT dispatch rows whose name contains one of these (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
