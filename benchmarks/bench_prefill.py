@@ -68,10 +68,10 @@ def recorded(row: dict):
         print(f"dense path failed: {row['dense_error']}", flush=True)
 
 
-def fused_moe_rows() -> dict:
-    """The MoE table with its 128 x 128 gate_up tiles replaced by fused ones of 256 token rows in 2 stages
-    (`grouped_gemm(..., fuse=True)`; their down tiles kept)."""
-    fused = dict(dispatch._MOE_TL, bm=256, num_stages=2, fuse=True)
+def fused_moe_rows(bm: int = 256, bn: int = 128, stages: int = 2) -> dict:
+    """The MoE table with its 128 x 128 gate_up tiles replaced by fused ones of ``bm`` token rows and ``bn`` weight
+    rows (`grouped_gemm(..., fuse=True)`; their down tiles kept)."""
+    fused = dict(dispatch._MOE_TL, bm=bm, bn=bn, num_stages=stages, fuse=True)
     return {"moe_table": tuple((lim, path, fused if gu is dispatch._MOE_TL else gu, *rest)
                                for lim, path, gu, *rest in dispatch.MOE_TABLE)}
 
@@ -279,7 +279,9 @@ def bench_ttft(args, dev, res):
                 (dict(prefill_sorted_blocks=True), "msa prefill sparse sorted walk"),
                 (dict(prefill_sdpa_from=1024, prefill_sparse_block_t=1, prefill_sorted_blocks=True),
                  "msa prefill sdpa, sparse 1-token tiles sorted"),
+                (dict(prefill_sparse_block_t=1, prefill_sorted_blocks=True), "msa prefill 1-token sparse tiles sorted"),
                 (fused_moe_rows(), "moe fused gate_up, 256-token tiles"),
+                (fused_moe_rows(64, 256, 3), "moe fused gate_up, 64 x 256 tiles"),
                 (dict(fused_norm=True), "norm in one launch"))
     for tables, name in (v for v in variants if any(f in v[1] for f in args.ttft_filter.split(","))):
         with tuned(**tables), recorded({}):
@@ -312,7 +314,8 @@ def main():
     ap.add_argument("--rep", type=int, default=25)
     ap.add_argument("--variants-from", type=int, default=4096, help="time bench_moe's tl tile variants from here")
     ap.add_argument("--variants-from-rows", type=int, default=16, help="time the linears' swap variants from here")
-    ap.add_argument("--variant-filter", default="", help="time only the variants whose repr contains one of these (comma-separated)")
+    ap.add_argument("--variant-filter", default="",
+                    help="time only the variants whose repr contains one of these (comma-separated)")
     ap.add_argument("--ttft-filter", default="",
                     help="run only the TTFT dispatch rows whose name contains one of these (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
