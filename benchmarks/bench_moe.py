@@ -166,9 +166,12 @@ def variants(T: int) -> list[tuple]:
     fused = [("tl", dict(sw16((bm, bn, w), (128, 128, 8))[1], fuse=True, num_stages=st), d)
              for bm, bn, w, st, d in ((128, 128, 8, 3, down), (256, 128, 8, 2, down), (256, 128, 16, 3, down),
                                       (64, 256, 8, 3, down), (64, 256, 8, 3, down64))]
+    # a8: FP8 dots (e4m3 activations with a scale per row, the decoded weights rounded to e4m3; lossy, `err` says)
+    a8 = [("tl", dict(gu, a8=True), dict(dn, a8=True)) for _, gu, dn in
+          (sw16((128, 128, 8), (128, 128, 8)), fused[0], fused[4], *few[:1])]
     return [sw((128, 128, 8), (128, 128, 8)), sw((64, 128, 8), (64, 128, 8)), sw((128, 64, 8), (128, 128, 8)),
             sw((128, 128, 16), (128, 128, 16)), sw16((128, 128, 8), (128, 128, 8)), sw16((64, 128, 8), (64, 128, 8)),
-            sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16)), *fused, *few]
+            sw16((64, 128, 8), (128, 128, 8)), sw16((128, 128, 16), (128, 128, 16)), *fused, *few, *a8]
 
 
 STAGES = ("route", "gate_up", "down", "shared_expert", "combine")
@@ -180,8 +183,9 @@ def linear_variants(M: int) -> list[tuple]:
         return [("mma", dict(p=1, nt=8, unroll=2)), ("mma", dict(p=1, nt=16, unroll=2))]
     if M <= 64:
         return [("mma", dict(p=1, nt=64, unroll=2)), ("mma", dict(p=1, nt=32, unroll=2))]
+    a8 = [("tl", dict(c, a8=True)) for _, c in swap_variants(M) if c["wg16"] and c["bn"] == 128]  # FP8 dots (lossy)
     return [("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3)), ("mma", dict(p=1, nt=64, unroll=2)),
-            *swap_variants(M)]
+            *swap_variants(M), *a8]
 
 
 def swap_variants(M: int) -> list[tuple]:

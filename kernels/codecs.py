@@ -14,6 +14,8 @@ In-kernel codecs are plain ``tl`` integer/float ops (portable to ROCm and to the
 * ``f32_to_e4m3_bits``: fp32 -> e4m3fn bits, round-to-nearest-even, saturating at 448 (integer ops, so
   the result is identical on every backend and matches torch's ``.to(torch.float8_e4m3fn)``).
 * ``e4m3_bits_to_f32``: the exact inverse (bits into an fp16, times 2^8).
+* ``to_e4m3``: fp16 / fp32 -> the ``float8e4nv`` dot operand (the hardware convert; the integer codec above in the
+  interpreter).
 * ``f32_to_e2m1_codes``: the threshold chain of ``nvfp4.cast_to_e2m1_codes``.
 * ``nvfp4_words_f16`` / ``fp8_words_f16``: two codes per 32-bit op from int32 words; ``nvfp4_words_f16_asm``:
   the CUDA inline-PTX variant (hardware e4m3x2 -> f16x2 convert), used where ``nvfp4_asm_ok`` holds.
@@ -111,6 +113,15 @@ def f32_to_e4m3_bits(x):
     sub = q + up.to(tl.int32)
     res = tl.where(e >= 121, nrm, sub)
     return (res | sign).to(tl.uint8)
+
+
+@triton.jit
+def to_e4m3(x, EXACT: tl.constexpr):
+    """fp16 / fp32 -> ``float8e4nv``, round to nearest even, saturated at 448: the hardware convert, or with EXACT
+    (the interpreter, whose convert rounds up across a binade wrongly: 1.99 -> 1.0) `f32_to_e4m3_bits`."""
+    if EXACT:
+        return f32_to_e4m3_bits(x.to(tl.float32)).to(tl.float8e4nv, bitcast=True)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit

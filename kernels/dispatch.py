@@ -46,8 +46,9 @@ from .weight_layout import CHUNK_K, PackedWeight
 # tl: bm x bn output tiles of the portable kernels (swap: the transposed product, the decoded weights as the dot's
 # register operand; wg16: fp16 activations in the order of the wgmma register fragments, the weights decoded into
 # it by the words decoders, dropped for dense weights; split (linears): K shared out over that many programs per
-# tile; a row whose tiles need more shared memory than the device has is skipped, `_tl_fits`: bf16 experts take
-# the 64 x 64 row beyond 1,024 tokens on Hopper);
+# tile; a8: FP8 dots, the activations e4m3 with a scale per row and the decoded weights rounded to e4m3 (lossy,
+# `grouped_gemm`; in no default row: not yet timed); a row whose tiles need more shared memory than the device has
+# is skipped, `_tl_fits`: bf16 experts take the 64 x 64 row beyond 1,024 tokens on Hopper);
 # dense: the weights decoded once to bf16, then cuBLAS (`dequant_gemm`; scratch_mb bounds the decoded experts held
 # at once), from MOE_DENSE_FROM tokens where `Tuning.dense_prefill` turns it on: off on CUDA by default, where it
 # was slower than the kernels at every count measured (20.5 / 26.7 ms at 4096 / 8192 tokens vs the wg16 tiles'
@@ -443,7 +444,9 @@ def tl_shared_bytes(cfg: dict, weights: tuple[PackedWeight, ...], tiles: int) ->
                 / (p.groups * p.n_pad * p.k_pad) for p in weights)
     dense = any(p.fmt == FMT_DENSE for p in weights)
     stages, tiles = cfg["num_stages"], 1 if cfg.get("fuse") else tiles  # fuse: gate and up rows in one tile
-    return int(stages * cfg["bm"] * CHUNK_K * 2 + (stages - (0 if dense else 1)) * tiles * cfg["bn"] * CHUNK_K * value)
+    x_bytes = 1 if cfg.get("a8") else 2  # a8: e4m3 activations
+    return int(stages * cfg["bm"] * CHUNK_K * x_bytes
+               + (stages - (0 if dense else 1)) * tiles * cfg["bn"] * CHUNK_K * value)
 
 
 @functools.lru_cache(maxsize=None)
@@ -482,8 +485,11 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
                 return portable
             if not _tl_fits(cfgs, weights, tiles, device):
                 continue
-            if any(p.fmt == FMT_DENSE for p in weights):  # wg16 would gather dense weights' columns
-                cfgs = [dict(c, wg16=False) if c.get("wg16") else c for c in cfgs]
+            # wg16 would gather dense weights' columns, a8 serves quantized weights on FP8 tensor cores (sm_89+)
+            off = ("wg16", "a8") if any(p.fmt == FMT_DENSE for p in weights) else ()
+            if any(c.get("a8") for c in cfgs) and platform.capability(device) < (8, 9):
+                off += ("a8",)
+            cfgs = [dict(c, **{k: False for k in off if c.get(k)}) for c in cfgs]
         return (path, *cfgs)
     return portable
 

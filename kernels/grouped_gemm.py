@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .codecs import (DENSE, FMT_NVFP4, MXFP8, NVFP4, cast_to, e2m1_to_f16, e4m3_bits_to_f32, fp8_words_f16,
-                     nvfp4_asm_ok, nvfp4_words_f16, nvfp4_words_f16_asm)
+from .codecs import (DENSE, FMT_DENSE, FMT_NVFP4, MXFP8, NVFP4, cast_to, e2m1_to_f16, e4m3_bits_to_f32,
+                     fp8_words_f16, nvfp4_asm_ok, nvfp4_words_f16, nvfp4_words_f16_asm, to_e4m3)
 from .moe_router import wg16_position
-from .platform import interpreting
+from .platform import compiled_cuda, interpreting
 from .weight_layout import CHUNK_K, TILE_N, PackedWeight, unpack
 
 MODE_GATE_UP, MODE_DOWN, MODE_LINEAR = 0, 1, 2
@@ -173,13 +173,16 @@ def _weight_tile(data, scale, g, rows, c, NT16, KC, N_PAD, K_PAD, FMT: tl.conste
 @triton.jit
 def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
                TWO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
-               WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr):
+               WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, A8: tl.constexpr = False,
+               W8S: tl.constexpr = 1.0, EXACT: tl.constexpr = False):
     """acc [BM, BN] over all K chunks (SPLIT > 1: this program's share of them, `_tile_body`), and a second one for
     rows ``wrows2`` when TWO (gate / up share x's tile).
     SWAP computes the transposed product ``W x^T`` [BN, BM] and transposes it once at the end: the decoded weight
     tile is then the dot's first operand, which a Hopper wgmma reads from registers, where the activation tile (the
     second) is loaded into shared memory by cp.async; unswapped, every decoded tile is written to shared memory
-    before its wgmma. WG16: x and the weight tiles in the wg16 order (`load_weight_tile_wg16`)."""
+    before its wgmma. WG16: x and the weight tiles in the wg16 order (`load_weight_tile_wg16`). A8: x is e4m3 (its
+    rows' scales applied by the caller) and each decoded weight tile, times W8S, is rounded to e4m3 (`to_e4m3`;
+    EXACT: the interpreter's codec): FP8 dots."""
     if SWAP:
         acc = tl.zeros((BN, BM), tl.float32)
         acc2 = tl.zeros((BN, BM), tl.float32)
@@ -194,11 +197,16 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
     for c in range(c_lo, c_hi):
         k = c * 128 + kk
         xt = tl.load(x_ptr + xrow[:, None] * sx + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
-        xt = xt.to(WDT)
+        if not A8:
+            xt = xt.to(WDT)
         w = _weight_tile(data, scale, g, wrows, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, WG16, ASM)
+        if A8:
+            w = to_e4m3(w * W8S, EXACT)
         acc = tl.dot(w, tl.trans(xt), acc) if SWAP else tl.dot(xt, tl.trans(w), acc)
         if TWO:
             w2 = _weight_tile(data, scale, g, wrows2, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT, WG16, ASM)
+            if A8:
+                w2 = to_e4m3(w2 * W8S, EXACT)
             acc2 = tl.dot(w2, tl.trans(xt), acc2) if SWAP else tl.dot(xt, tl.trans(w2), acc2)
     if SWAP:
         acc = tl.trans(acc)
@@ -207,10 +215,11 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
 
 
 @triton.jit
-def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG,
-               out_ptr, so, ss, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
+def _tile_body(x_ptr, sx, xs_ptr, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT,
+               NG, out_ptr, so, ss, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr, WG16: tl.constexpr, ASM: tl.constexpr,
-               SPLIT: tl.constexpr, FUSE: tl.constexpr = False):
+               SPLIT: tl.constexpr, FUSE: tl.constexpr = False, A8: tl.constexpr = False,
+               EXACT: tl.constexpr = False):
     """One output tile: the GEMM over all K chunks (SPLIT > 1, LINEAR: over this program's share of them, its
     partial product stored at ``out_ptr + split * ss``, ss = the rows times their stride, summed by
     `_split_sum_kernel`), the mode's epilogue, the store (WG16: GATE_UP stores its columns in the wg16 order, the
@@ -218,31 +227,45 @@ def _tile_body(x_ptr, sx, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, K
     may reach past N_PAD (N_PAD is a multiple of 16 only, BN of 64 or 128), and those columns are never stored, but
     an unclamped read would run past the weight (the last group's rows, the shared expert's: an illegal memory
     access on the GPU). FUSE (GATE_UP): one product over BN weight rows, the gate rows of BN / 2 output columns then
-    their up rows, split in the epilogue: one accumulator where the gate / up pair of tiles holds two."""
+    their up rows, split in the epilogue: one accumulator where the gate / up pair of tiles holds two.
+    A8: FP8 dots (`_tile_gemm`); the decoded weights are rounded to e4m3 in units of their row scale times
+    ``2^3`` (NVFP4: E2M1 * S is at most 6 * 448), ``2^15`` (MXFP8: E4M3 times a multiplier of at most 2^15) or 1
+    (FP8), so that the largest fits e4m3's 448; the products are scaled back, and by x's row scales, here."""
     if WG16:
         UNS: tl.constexpr = 128.0 if FMT == NVFP4 else (1.0 if FMT == DENSE else 256.0)  # the decoders' units
     else:
         UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
+    if A8:
+        RSU: tl.constexpr = 8.0 if FMT == NVFP4 else (32768.0 if FMT == MXFP8 else 1.0)  # the e4m3 weights' unit
+        xsr = tl.load(xs_ptr + xrow, mask=rmask, other=0.0)
+    else:
+        RSU: tl.constexpr = UNS
+    W8S: tl.constexpr = UNS / RSU
     if FUSE:
         HALF: tl.constexpr = BN // 2
         cols = n0 + tl.arange(0, HALF)
         r = tl.arange(0, BN)
         wrows = tl.minimum(tl.where(r < HALF, n0 + r, NG + n0 + r - HALF), N_PAD - 1)
         both, _ = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows, NT16, KC, N_PAD, K_PAD, FMT,
-                             False, BM, BN, WDT, SWAP, WG16, ASM, SPLIT)
+                             False, BM, BN, WDT, SWAP, WG16, ASM, SPLIT, A8, W8S, EXACT)
         if FMT != DENSE:
-            both = both * (tl.load(rsc + g * N_PAD + wrows) * UNS)[None, :]
+            both = both * (tl.load(rsc + g * N_PAD + wrows) * RSU)[None, :]
+        if A8:
+            both = both * xsr[:, None]
         y, up = tl.split(tl.permute(tl.reshape(both, (BM, 2, HALF)), (0, 2, 1)))
     else:
         cols = n0 + tl.arange(0, BN)
         wcols = tl.minimum(cols, N_PAD - 1)
         wcols2 = tl.minimum(cols + NG, N_PAD - 1)
         y, up = _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wcols, wcols2, NT16, KC, N_PAD, K_PAD, FMT,
-                           MODE == 0, BM, BN, WDT, SWAP, WG16, ASM, SPLIT)
+                           MODE == 0, BM, BN, WDT, SWAP, WG16, ASM, SPLIT, A8, W8S, EXACT)
         if FMT != DENSE:
-            y = y * (tl.load(rsc + g * N_PAD + wcols) * UNS)[None, :]
+            y = y * (tl.load(rsc + g * N_PAD + wcols) * RSU)[None, :]
             if MODE == 0:
-                up = up * (tl.load(rsc + g * N_PAD + wcols2) * UNS)[None, :]
+                up = up * (tl.load(rsc + g * N_PAD + wcols2) * RSU)[None, :]
+        if A8:
+            y = y * xsr[:, None]
+            up = up * xsr[:, None]
     if MODE == 0:
         y = swiglu_oai_f32(y, up, alpha, limit) * wt[:, None]
         omask = rmask[:, None] & (cols < NG)[None, :]
@@ -269,7 +292,7 @@ def _split_sum_kernel(part_ptr, ss, out_ptr, so, N, SPLIT: tl.constexpr, BLOCK: 
 
 @triton.jit(do_not_specialize=["T", "cap", "n_plain_tiles", "x_off", "out_off"])
 def _grouped_gemm_kernel(
-    x_ptr, sx,
+    x_ptr, sx, xs_ptr,
     w_data, w_scale, w_rows,
     s_data, s_scale, s_rows,
     counts_ptr, bucket_ptr, cap, tw_ptr,
@@ -279,16 +302,17 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, ROUTED: tl.constexpr, X_DIV: tl.constexpr,
     E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
     WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr = False,
+    A8: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     n0 = tl.program_id(1) * (BN // 2 if FUSE else BN)  # FUSE: BN weight rows serve BN / 2 output columns
     i = tl.arange(0, BM)
     if tile < n_plain_tiles:  # shared expert / dense linear: rows t of all T tokens, group 0 of s_*
         t = tile * BM + i
-        _tile_body(x_ptr, sx, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
+        _tile_body(x_ptr, sx, xs_ptr, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
                    tl.full((BM,), 1.0, tl.float32), K, s_data, s_scale, s_rows, 0, S_NT16, KC, S_N_PAD, K_PAD, n0,
                    N_OUT, NG, out_ptr, so, (T + out_off).to(tl.int64) * so, alpha, limit, MODE, SFMT, BM, BN, WDT,
-                   SWAP, WG16, ASM, SPLIT, FUSE)
+                   SWAP, WG16, ASM, SPLIT, FUSE, A8, EXACT)
     elif ROUTED:
         e, first, nrows = routed_tile(counts_ptr, tile - n_plain_tiles, E, E_PAD, BM)
         if nrows > 0:
@@ -298,9 +322,9 @@ def _grouped_gemm_kernel(
                 wt = tl.load(tw_ptr + a, mask=rmask, other=0.0) * scaling
             else:
                 wt = tl.full((BM,), 1.0, tl.float32)
-            _tile_body(x_ptr, sx, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale, w_rows,
-                       e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, 0, alpha, limit, MODE, FMT, BM, BN,
-                       WDT, SWAP, WG16, ASM, SPLIT, FUSE)
+            _tile_body(x_ptr, sx, xs_ptr, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale,
+                       w_rows, e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, 0, alpha, limit, MODE, FMT, BM,
+                       BN, WDT, SWAP, WG16, ASM, SPLIT, FUSE, A8, EXACT)
 
 
 def work_dtype(x: torch.Tensor):
@@ -334,7 +358,8 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
                  plain: PackedWeight | None = None, routing=None, T: int, x_div: int = 1, x_off: int = 0,
                  out_off: int = 0, ng: int = 0, scaling: float = 1.0, alpha: float = 1.702, limit: float = 7.0,
                  bm: int = 16, bn: int = 64, num_warps: int = 4, num_stages: int = 2, swap: bool = False,
-                 wg16: bool = False, split: int = 1, fuse: bool = False) -> torch.Tensor:
+                 wg16: bool = False, split: int = 1, fuse: bool = False, a8: bool = False,
+                 xs: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the portable kernel (see the module doc). ``routing`` = `moe_router.Routing` (counts, bucket,
     weights) for routed tiles; ``plain`` = the shared-expert / linear weight for ``T`` plain rows; ``ng`` = the
     gate rows (GATE_UP); ``swap``: the transposed product in the K loop (`_tile_gemm`); ``wg16``: x is fp16
@@ -343,12 +368,23 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
     that many programs per tile (more programs where the tiles alone do not fill the GPU), their fp32 partial
     products summed by a second launch; ``fuse`` (GATE_UP): each tile's ``bn`` weight rows are the gate and the up
     rows of bn / 2 output columns, one product split in the epilogue (one accumulator where the pair of gate / up
-    tiles holds two). ``out`` rows / columns as the mode says; it is written, never read."""
+    tiles holds two); ``a8``: FP8 dots, x e4m3 ``[rows, k_pad]`` with its rows' scales ``xs`` (`moe_router.to_x8`;
+    in the wg16 order with ``wg16``), the weights rounded to e4m3 as they are decoded (lossy: quantized weights
+    only; compiled CUDA or the interpreter). ``out`` rows / columns as the mode says; it is written, never read."""
     if split > 1 and (mode != MODE_LINEAR or routed is not None):
         raise ValueError("split K serves plain LINEAR launches only")
     if fuse and mode != MODE_GATE_UP:
         raise ValueError("fuse serves GATE_UP launches only")
-    if wg16 and (x.dtype != torch.float16 or x.shape[1] != (routed if routed is not None else plain).k_pad):
+    k_pad = (routed if routed is not None else plain).k_pad
+    if a8:
+        if x.dtype != torch.float8_e4m3fn or x.shape[1] != k_pad or xs is None or xs.shape != (x.shape[0],):
+            raise ValueError(f"a8 activations must be e4m3 [rows, k_pad] with fp32 scales [rows], got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if any(p is not None and p.fmt == FMT_DENSE for p in (routed, plain)):
+            raise ValueError("a8 serves quantized weights only")
+        if not (compiled_cuda(x.device) or interpreting()):
+            raise ValueError("a8 runs on compiled CUDA (sm_89+) or in the interpreter")
+    elif wg16 and (x.dtype != torch.float16 or x.shape[1] != k_pad):
         raise ValueError(f"wg16 activations must be fp16 [rows, k_pad], got {x.dtype} {tuple(x.shape)}")
     k = x.shape[1]
     n_out = ng if mode == MODE_GATE_UP else (routed if routed is not None else plain).n
@@ -360,7 +396,7 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
     split = max(1, min(split, rr.k_pad // CHUNK_K))
     dest = out if split == 1 else torch.empty(split, T + out_off, n_out, dtype=torch.float32, device=out.device)
     _grouped_gemm_kernel[grid + (split,)](
-        x, x.stride(0),
+        x, x.stride(0), xs if a8 else x,
         rr.data, _dummy(rr.scale, rr.data), _dummy(rr.rowscale, x),
         pr.data, _dummy(pr.scale, pr.data), _dummy(pr.rowscale, x),
         routing.counts if routing is not None else out, routing.bucket if routing is not None else out,
@@ -369,9 +405,10 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
         T, k, n_out, ng, n_plain, x_off, out_off, float(scaling), float(alpha), float(limit),
         rr.groups, rr.n_pad // TILE_N, rr.k_pad // CHUNK_K, rr.n_pad, rr.k_pad, pr.n_pad // TILE_N, pr.n_pad,
         MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,
-        E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn, WDT=work_dtype(x), SWAP=swap,
+        E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn,
+        WDT=tl.float16 if a8 and not interpreting() else work_dtype(x), SWAP=swap,
         WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), SPLIT=split, FUSE=fuse,
-        num_warps=num_warps, num_stages=num_stages,
+        A8=a8, EXACT=a8 and interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n_out))
@@ -383,10 +420,11 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
 
 def grouped_gemm_ref(x: torch.Tensor, w: PackedWeight, rows: torch.Tensor, groups: torch.Tensor,
                      mode: int, ng: int = 0, row_weight: torch.Tensor | None = None, alpha: float = 1.702,
-                     limit: float = 7.0) -> torch.Tensor:
+                     limit: float = 7.0, e4m3: bool = False) -> torch.Tensor:
     """Torch reference, fp32: output row i = f(x[rows[i]] @ W[groups[i]]^T) for the given mode (GATE_UP: SwiGLU of
-    the gate / up halves times ``row_weight[i]``; else the product itself, logical columns only)."""
-    wd = unpack(w)[:, :, : x.shape[1]]
+    the gate / up halves times ``row_weight[i]``; else the product itself, logical columns only); ``e4m3``: the
+    weights as the ``a8`` tiles round them (`unpack`; x is then the e4m3 activations times their scales)."""
+    wd = unpack(w, e4m3=e4m3)[:, :, : x.shape[1]]
     y = torch.einsum("rk,rnk->rn", x[rows].float(), wd[groups])
     if mode != MODE_GATE_UP:
         return y[:, : w.n]

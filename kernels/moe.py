@@ -43,7 +43,7 @@ import triton.language as tl
 from . import dispatch
 from .dequant_gemm import dense_grouped_gemm
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, work_dtype
-from .moe_router import Routing, route, route_ref, to_x16
+from .moe_router import Routing, route, route_ref, to_x8, to_x16
 from .codecs import cast_to
 from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
 
@@ -187,6 +187,15 @@ def _wg16(path: str, cfg: dict) -> bool:
     return path == "tl" and bool(cfg.get("wg16"))
 
 
+def _fp8_input(path: str, cfg: dict, x: torch.Tensor, k_pad: int, wg16: bool) -> tuple | None:
+    """(e4m3 x, {"xs": its row scales}) for a launch of the portable kernel's ``a8`` tiles (`moe_router.to_x8`; in the
+    wg16 order where ``wg16`` asks for it), else None."""
+    if path != "tl" or not cfg.get("a8"):
+        return None
+    x8, xs = to_x8(x, k_pad, wg16=wg16)
+    return x8, dict(xs=xs)
+
+
 class MoEStep:
     """One layer call split into its launches, buffers allocated up front: `fused_moe` runs them (`run`), benchmarks
     time them one by one. The shared expert's tiles ride in the routed launches (`gate_up`, `down`) when it has the
@@ -256,18 +265,22 @@ class MoEStep:
 
     def gate_up(self):
         w, rides = self.w, self.shared and not self.apart
-        if _wg16(self.path, self.gu_cfg):
+        fp8, kw = _fp8_input(self.path, self.gu_cfg, self.x, w.gate_up.k_pad, _wg16(self.path, self.gu_cfg)), {}
+        if fp8 is not None:
+            src, kw = fp8
+        elif _wg16(self.path, self.gu_cfg):
             self.xwg = src = to_x16(self.x, w.gate_up.k_pad, wg16=True)
         else:
             src = self.x if self.x16 is None else self.x16
         self._gemm(self.path, MODE_GATE_UP, src, self.inter,
                    routed=w.gate_up, plain=w.shared_gate_up if rides else None, x_div=self.top_k, out_off=self.A,
-                   ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha, limit=self.limit, **self.gu_cfg)
+                   ng=w.inter_pad, scaling=self.scaling, alpha=self.alpha, limit=self.limit, **self.gu_cfg, **kw)
 
     def down(self):
         rides = self.shared and not self.apart
-        self._gemm(self.path, MODE_DOWN, self.inter, self.y, routed=self.w.down,
-                   plain=self.w.shared_down if rides else None, x_off=self.A, out_off=self.A, **self.dn_cfg)
+        src, kw = _fp8_input(self.path, self.dn_cfg, self.inter, self.w.inter_pad, False) or (self.inter, {})
+        self._gemm(self.path, MODE_DOWN, src, self.y, routed=self.w.down,
+                   plain=self.w.shared_down if rides else None, x_off=self.A, out_off=self.A, **self.dn_cfg, **kw)
 
     def shared_expert(self):
         """The shared expert alone, into rows [A, A + T) of y. Its fp16 activations on the mma path or in wg16 tiles:
@@ -275,7 +288,10 @@ class MoEStep:
         (overlapped: no wait for the router)."""
         w = self.w
         wg16 = _wg16(self.s_path, self.s_gu_cfg)
-        if self.s_path != "mma" and not wg16:
+        fp8, kw = _fp8_input(self.s_path, self.s_gu_cfg, self.x, w.shared_gate_up.k_pad, wg16), {}
+        if fp8 is not None:
+            src, kw = fp8
+        elif self.s_path != "mma" and not wg16:
             src = self.x
         elif not self.overlap and (self.xwg if wg16 else self.x16) is not None:
             src = self.xwg if wg16 else self.x16
@@ -283,8 +299,9 @@ class MoEStep:
             src = to_x16(self.x, w.shared_gate_up.k_pad, wg16=wg16)
         inter = self._shared_buffer()
         self._gemm(self.s_path, MODE_GATE_UP, src, inter, plain=w.shared_gate_up, ng=w.shared_inter_pad,
-                   alpha=self.alpha, limit=self.limit, **self.s_gu_cfg)
-        self._gemm(self.s_path, MODE_DOWN, inter, self.y, plain=w.shared_down, out_off=self.A, **self.s_dn_cfg)
+                   alpha=self.alpha, limit=self.limit, **self.s_gu_cfg, **kw)
+        src, kw = _fp8_input(self.s_path, self.s_dn_cfg, inter, w.shared_inter_pad, False) or (inter, {})
+        self._gemm(self.s_path, MODE_DOWN, src, self.y, plain=w.shared_down, out_off=self.A, **self.s_dn_cfg, **kw)
 
     def combine(self) -> torch.Tensor:
         local = (self.routing.ids, self.first, self.first + self.w.n_experts) if self.ep else None

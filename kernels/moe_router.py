@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import platform
+from .codecs import to_e4m3
 
 F16_MAX = tl.constexpr(65504.0)
 
@@ -88,6 +89,47 @@ def to_x16(x: torch.Tensor, k_pad: int, wg16: bool = False) -> torch.Tensor:
         _to_x16_kernel[(x.shape[0], triton.cdiv(k_pad, 1024))](x, x.stride(0), out, out.stride(0), x.shape[1], k_pad,
                                                               BK=1024, WG16=wg16, num_warps=4)
     return out
+
+
+@triton.jit
+def _to_x8_kernel(x_ptr, sx, out_ptr, so, xs_ptr, K, K_PAD, BK: tl.constexpr, WG16: tl.constexpr,
+                  EXACT: tl.constexpr):
+    """One row of x times 448 / its largest |value| -> e4m3 (``xs`` = that largest / 448; 0 for a zero row), in the
+    wg16 order (WG16) or its own; zeros past K."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BK,), tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32)))
+    m = tl.max(amax, 0)
+    tl.store(xs_ptr + row, m / 448.0)
+    inv = tl.where(m > 0, 448.0 / tl.where(m > 0, m, 1.0), 0.0)
+    for k0 in range(0, K_PAD, BK):
+        k = k0 + tl.arange(0, BK)
+        v = tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32) * inv
+        tl.store(out_ptr + row * so + (wg16_position(k) if WG16 else k), to_e4m3(v, EXACT), mask=k < K_PAD)
+
+
+def to_x8(x: torch.Tensor, k_pad: int, wg16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, k_pad], fp32 [M]): the portable kernel's FP8 activations (its ``a8`` tiles), each row
+    scaled by 448 / its largest |value| and rounded to nearest, with ``x ~ x8 * xs[:, None]``; in the wg16 order
+    (`wg16_position`) or x's own (an intermediate gate_up already wrote in that order keeps it); zeros past K."""
+    out = torch.empty(x.shape[0], k_pad, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _to_x8_kernel[(x.shape[0],)](x, x.stride(0), out, out.stride(0), xs, x.shape[1], k_pad, BK=1024, WG16=wg16,
+                                     EXACT=platform.interpreting(), num_warps=4)
+    return out, xs
+
+
+def to_x8_ref(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`to_x8` in torch (x's own order): the same fp32 operations, so the same bits."""
+    xf = x.float()
+    m = xf.abs().amax(1)
+    inv = torch.where(m > 0, 448.0 / m, torch.zeros_like(m))
+    out = torch.zeros(x.shape[0], k_pad, dtype=torch.float8_e4m3fn, device=x.device)
+    out[:, : x.shape[1]] = (xf * inv[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return out, m / 448.0
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -7,7 +7,8 @@ Paths: the mma kernel of `grouped_gemm_mma` (sm_89 / sm_90, up to `dispatch.LINE
 the mma's M side, the activations converted once to its fp16 layout by one small launch) or the portable kernel of
 `grouped_gemm` (interpreter, ROCm, larger M); both are the MoE kernels with one group and no routing. At large M
 `dequant_gemm` decodes the weight once per call into a bf16 scratch and calls cuBLAS (or, path "dense8", requantizes it
-and x to e4m3 per row for cuBLAS's FP8 GEMM: lossy, in no default row). The path and tiles by M:
+and x to e4m3 per row for cuBLAS's FP8 GEMM: lossy, in no default row; or the portable kernel's ``a8`` tiles: x in
+e4m3 per row, the weights rounded to e4m3 as they are decoded, FP8 dots: lossy, in no default row). The path and tiles by M:
 `dispatch.linear_config` (its table: `dispatch.LINEAR_TABLE`).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from . import dispatch
 from .dequant_gemm import dense_linear, fp8_linear
 from .grouped_gemm import MODE_LINEAR, grouped_gemm
-from .moe_router import to_x16
+from .moe_router import to_x8, to_x16
 from .weight_layout import PackedWeight, pack_quant_weight, unpack
 
 
@@ -66,6 +67,9 @@ def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
         fp8_linear(x2, pw, out)
     elif path == "mma":
         dispatch.gemm_mma_kernels().grouped_gemm_mma(to_x16(x2, pw.k_pad), out, MODE_LINEAR, plain=pw, T=M, **cfg)
+    elif cfg.get("a8"):
+        x8, xs = to_x8(x2, pw.k_pad, wg16=bool(cfg.get("wg16")))
+        grouped_gemm(x8, out, MODE_LINEAR, plain=pw, T=M, xs=xs, **cfg)
     else:
         grouped_gemm(to_x16(x2, pw.k_pad, wg16=True) if cfg.get("wg16") else x2, out, MODE_LINEAR, plain=pw, T=M,
                      **cfg)

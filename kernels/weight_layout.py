@@ -203,11 +203,19 @@ def concat_rows(parts: list[PackedWeight], n_each: int) -> PackedWeight:
     return PackedWeight(parts[0].fmt, g, n_each * len(parts), parts[0].k, data, sc, rs)
 
 
-def unpack(pw: PackedWeight, group: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+# The unit of a weight row, in its row scales, in which the portable kernel's FP8 dots round the decoded weights to
+# e4m3 (`grouped_gemm`'s ``a8`` tiles; the kernel's constexpr RSU): the largest value of each format then fits 448
+# (NVFP4: E2M1 * S <= 6 * 448; MXFP8: E4M3 times a multiplier <= 2^15; FP8: E4M3 itself, exact).
+A8_UNIT = {FMT_NVFP4: 8.0, FMT_MXFP8: 32768.0, FMT_FP8: 1.0}
+
+
+def unpack(pw: PackedWeight, group: int | None = None, dtype: torch.dtype = torch.float32,
+           e4m3: bool = False) -> torch.Tensor:
     """The torch reference: PackedWeight -> dense ``[G, N_pad, K_pad]`` (padding included, zeros), or ``[N_pad,
-    K_pad]`` of one ``group``."""
+    K_pad]`` of one ``group``; ``e4m3``: the values the ``a8`` tiles multiply (each rounded to e4m3 in the units of
+    `A8_UNIT`)."""
     if group is None:
-        return torch.stack([unpack(pw, g, dtype) for g in range(pw.groups)])
+        return torch.stack([unpack(pw, g, dtype, e4m3) for g in range(pw.groups)])
     sel = lambda t: t[group: group + 1]
     if pw.fmt == FMT_DENSE:
         return pw.data[group].to(dtype)
@@ -221,4 +229,7 @@ def unpack(pw: PackedWeight, group: int | None = None, dtype: torch.dtype = torc
         if pw.fmt == FMT_MXFP8:
             sc = _untile(sel(pw.scale)).float()
             w = (w.reshape(*sc.shape, 32) * sc.unsqueeze(-1)).flatten(-2)
+    if e4m3:
+        unit = A8_UNIT[pw.fmt]
+        w = (w / unit).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * unit
     return (w * sel(pw.rowscale).unsqueeze(-1))[0].to(dtype)

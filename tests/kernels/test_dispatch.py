@@ -228,6 +228,27 @@ def test_wg16_tiles_are_not_taken_for_dense_weights(monkeypatch, gemm_weights):
         assert dispatch.moe_config(500, dense, CUDA) == ("tl", dict(cfg, wg16=False), dict(cfg, wg16=False))
 
 
+def test_a8_tiles_need_quantized_weights_and_fp8_tensor_cores(monkeypatch, gemm_weights):
+    """A tl row with ``a8`` (FP8 dots) keeps it for quantized weights on sm_89+ and drops it, its other keys kept,
+    where a weight of the launch is dense (nothing to round: a8 serves quantized weights) or the device has no FP8
+    tensor cores (sm_80)."""
+    from m3serve.kernels.moe import moe_prepare_module
+    from support.moe import random_moe, tiny_moe_config
+    moe, lin = gemm_weights
+    _nvidia(monkeypatch)
+    _mma_available(monkeypatch, False)
+    cfg = dict(bm=64, bn=128, num_warps=8, num_stages=3, swap=True, wg16=True, a8=True)
+    dense = moe_prepare_module(random_moe(tiny_moe_config(hidden=256, inter=128, experts=2, top_k=1), "nvfp4",
+                                          "dense", torch.Generator().manual_seed(0)))
+    off = dict(cfg, wg16=False, a8=False)
+    for cap, kept in (((9, 0), cfg), ((8, 9), cfg), ((8, 0), dict(cfg, a8=False))):
+        monkeypatch.setattr(platform, "capability", lambda device, cap=cap: cap)
+        with tuned(moe_table=((None, "tl", cfg, cfg),), linear_table=((None, "tl", cfg),)):
+            assert dispatch.moe_config(500, moe, CUDA) == ("tl", kept, kept)
+            assert dispatch.linear_config(500, lin, CUDA) == ("tl", kept)
+            assert dispatch.moe_config(500, dense, CUDA) == ("tl", off, off)
+
+
 def test_rocm_takes_the_portable_choices(monkeypatch, gemm_weights):
     """A ROCm device reports type "cuda": with a HIP torch (faked here) every NVIDIA-only choice is off: no mma or
     PTX kernels, the portable GEMM tiles instead of the H200's tl rows, the portable decode key tile."""

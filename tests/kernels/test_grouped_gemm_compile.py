@@ -13,42 +13,55 @@ from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
 from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 
 
-def _compile(mode: int, bm: int, bn: int, split: int, cubin: str, fuse: bool = False, stages: int = 3) -> None:
+def _compile(mode: int, bm: int, bn: int, split: int, cubin: str, fuse: bool = False, stages: int = 3,
+             a8: bool = False) -> None:
     """In a child process without TRITON_INTERPRET (see support.compiled)."""
     import triton.language as tl
 
     from m3serve.kernels import grouped_gemm as G
 
     I, F = "i32", "fp32"
-    sig = {"x_ptr": "*fp16", "sx": I, "w_data": "*u8", "w_scale": "*u8", "w_rows": "*fp32", "s_data": "*u8",
-           "s_scale": "*fp16" if mode != MODE_LINEAR else "*u8", "s_rows": "*fp32", "counts_ptr": "*i32",
-           "bucket_ptr": "*i32", "cap": I,
-           "tw_ptr": "*fp32", "out_ptr": "*fp16" if mode == MODE_GATE_UP else "*fp32", "so": I, "T": I, "K": I,
+    sig = {"x_ptr": "*fp8e4nv" if a8 else "*fp16", "sx": I, "xs_ptr": "*fp32", "w_data": "*u8", "w_scale": "*u8",
+           "w_rows": "*fp32", "s_data": "*u8", "s_scale": "*fp16" if mode != MODE_LINEAR else "*u8", "s_rows": "*fp32",
+           "counts_ptr": "*i32", "bucket_ptr": "*i32", "cap": I, "tw_ptr": "*fp32",
+           "out_ptr": "*fp16" if mode == MODE_GATE_UP else "*fp32", "so": I, "T": I, "K": I,
            "N_OUT": I, "NG": I, "n_plain_tiles": I, "x_off": I, "out_off": I, "scaling": F, "alpha": F, "limit": F,
            "E": I, "NT16": I, "KC": I, "N_PAD": I, "K_PAD": I, "S_NT16": I, "S_N_PAD": I}
     linear = mode == MODE_LINEAR
     cx = dict(MODE=mode, FMT=FMT_NVFP4, SFMT=FMT_NVFP4 if linear else FMT_MXFP8, ROUTED=not linear,
               X_DIV=4 if mode == MODE_GATE_UP else 1, E_PAD=128 if not linear else 2, BM=bm, BN=bn, WDT=tl.float16,
-              SWAP=True, WG16=True, ASM=True, SPLIT=split, FUSE=fuse)
+              SWAP=True, WG16=True, ASM=True, SPLIT=split, FUSE=fuse, A8=a8, EXACT=False)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
     compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=8, num_stages=stages)
     Path(cubin).write_bytes(compiled.asm["cubin"])
 
 
-@pytest.mark.parametrize("mode,bm,bn,split,fuse,stages", [
-    (MODE_GATE_UP, 128, 64, 1, False, 3), (MODE_DOWN, 128, 128, 1, False, 3), (MODE_LINEAR, 64, 64, 4, False, 3),
+@pytest.mark.parametrize("mode,bm,bn,split,fuse,stages,a8", [
+    (MODE_GATE_UP, 128, 64, 1, False, 3, False), (MODE_DOWN, 128, 128, 1, False, 3, False),
+    (MODE_LINEAR, 64, 64, 4, False, 3, False),
     # fused gate_up: one accumulator for the gate and up rows of 64 columns, where the pair of 128 x 128 tiles
-    # spilled (255 registers, a 112-byte stack, 2026-12-07); 256 token rows fit in 2 stages
-    (MODE_GATE_UP, 128, 128, 1, True, 3), (MODE_GATE_UP, 256, 128, 1, True, 2)])
-def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, fuse, stages, tmp_path):
+    # spilled (255 registers, a 112-byte stack, 2026-12-07); 256 token rows fit in 2 stages; 64 token rows against
+    # 256 weight rows (232 registers)
+    (MODE_GATE_UP, 128, 128, 1, True, 3, False), (MODE_GATE_UP, 256, 128, 1, True, 2, False),
+    (MODE_GATE_UP, 64, 256, 1, True, 3, False),
+    # a8: FP8 dots
+    (MODE_GATE_UP, 128, 128, 1, True, 3, True), (MODE_DOWN, 128, 128, 1, False, 3, True),
+    (MODE_LINEAR, 128, 128, 1, False, 3, True)])
+def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, fuse, stages, a8, tmp_path):
     cubin = tmp_path / "k.cubin"
-    run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {split}, {str(cubin)!r}, {fuse}, {stages})")
+    run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {split}, {str(cubin)!r}, {fuse}, {stages}, {a8})")
     sass = cuobjdump("--dump-sass", cubin)
-    assert "HGMMA" in sass  # the dots are wgmma
     assert re.search(r"F2FP\.F16\.E4M3", sass)  # the PTX decoder's cvt.rn.f16x2.e4m3x2
-    # the decoded tiles are the wgmma's register fragments as they stand: no trip through shared memory (a tile in
-    # another order, the mma kernels' x16 one, compiled to 16-32 LDSM here, 2026-12-07)
-    assert "LDSM" not in sass
+    # a8: FP8 wgmma (QGMMA), the decoded fp16 rounded by the hardware convert (cvt.rn.satfinite.e4m3x2.f16x2); its
+    # e4m3 fragments hold 4 K values a register where wg16 places 2, so its tiles go through shared memory
+    if a8:
+        assert "QGMMA" in sass and "HGMMA" not in sass
+        assert re.search(r"F2FP\.SATFINITE\.E4M3\.F16", sass)
+    else:
+        assert "HGMMA" in sass  # the dots are wgmma
+        # the decoded tiles are the wgmma's register fragments as they stand: no trip through shared memory (a tile
+        # in another order, the mma kernels' x16 one, compiled to 16-32 LDSM here, 2026-12-07)
+        assert "LDSM" not in sass
     usage = cuobjdump("--dump-resource-usage", cubin).replace(" ", "")
     assert "STACK:0" in usage and "LOCAL:0" in usage  # no spills
 
@@ -72,15 +85,15 @@ def _shared(fmt: int, sfmt: int, out: str, fused: bool = False) -> None:
     data, scale, rows = types[fmt]
     sdata, sscale, srows = types[sfmt]
     I, F = "i32", "fp32"
-    sig = {"x_ptr": act, "sx": I, "w_data": data, "w_scale": scale, "w_rows": rows, "s_data": sdata,
-           "s_scale": sscale, "s_rows": srows, "counts_ptr": "*i32", "bucket_ptr": "*i32", "cap": I, "tw_ptr": "*fp32",
+    sig = {"x_ptr": act, "sx": I, "xs_ptr": "*fp32", "w_data": data, "w_scale": scale, "w_rows": rows,
+           "s_data": sdata, "s_scale": sscale, "s_rows": srows, "counts_ptr": "*i32", "bucket_ptr": "*i32", "cap": I, "tw_ptr": "*fp32",
            "out_ptr": act, "so": I, "T": I, "K": I, "N_OUT": I, "NG": I, "n_plain_tiles": I, "x_off": I,
            "out_off": I, "scaling": F, "alpha": F, "limit": F, "E": I, "NT16": I, "KC": I, "N_PAD": I, "K_PAD": I,
            "S_NT16": I, "S_N_PAD": I}
     cfg = FUSED_256 if fused else dispatch._MOE_TL
     cx = dict(MODE=MODE_GATE_UP, FMT=fmt, SFMT=sfmt, ROUTED=True, X_DIV=4, E_PAD=128, BM=cfg["bm"], BN=cfg["bn"],
               WDT=tl.float16 if wg16 else tl.bfloat16, SWAP=cfg["swap"], WG16=wg16, ASM=FMT_NVFP4 in (fmt, sfmt),
-              SPLIT=1, FUSE=fused)
+              SPLIT=1, FUSE=fused, A8=False, EXACT=False)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
     compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"])

@@ -152,6 +152,57 @@ def test_grouped_gemm_routed_and_shared_in_one_launch(routed_fmt, shared_fmt, sw
             grouped_gemm(x, inter, MODE_GATE_UP, routed=w.gate_up, routing=r, T=T, x_div=k, ng=ip, wg16=True)
 
 
+@pytest.mark.parametrize("swap,wg16,fuse", [(True, False, False), (True, True, False), (True, True, True),
+                                           (False, False, False)])
+@pytest.mark.parametrize("routed_fmt,shared_fmt", [("nvfp4", "mxfp8"), ("fp8", "nvfp4"), ("mxfp8", "fp8")])
+def test_grouped_gemm_fp8_activations(routed_fmt, shared_fmt, swap, wg16, fuse, gen):
+    """The ``a8`` tiles: x as e4m3 with a scale per row (`to_x8`: the bits of `to_x8_ref`, in the wg16 order with
+    ``wg16``; a zero row's scale is 0), each decoded weight rounded to e4m3 (`unpack(..., e4m3=True)`), FP8 dots:
+    gate_up then down, routed and shared rows in one launch, against the fp32 references of those values; their
+    error against the unrounded product is FP8's, not more."""
+    from m3serve.kernels.moe_router import to_x8, to_x8_ref
+
+    cfg = tiny_moe_config(hidden=96, inter=64 if fuse else 32, experts=6, top_k=2)
+    moe = random_moe(cfg, routed_fmt, shared_fmt, gen)
+    w = moe_prepare_module(moe)
+    T, k, ip = 11, 2, w.inter_pad
+    x = torch.randn(T, 96, generator=gen) * torch.logspace(-2, 2, T)[:, None]  # rows four decades apart
+    x[3] = 0.0
+    bias = torch.zeros(6)
+    bias[1], bias[4] = 5.0, -9.0
+    r = route(x, moe.gate.weight, bias, k)
+    A = T * k
+    unorder = _from_wg16 if wg16 else (lambda t: t.float())
+    x8, xs = to_x8(x, w.gate_up.k_pad, wg16=wg16)
+    r8, rs = to_x8_ref(x, w.gate_up.k_pad)
+    assert torch.equal(unorder(x8), r8.float()) and torch.equal(xs, rs) and xs[3] == 0
+    xq = r8.float()[:, :96] * rs[:, None]
+    inter = torch.full((A + T, ip), float("nan"), dtype=torch.float16 if wg16 else torch.float32)
+    grouped_gemm(x8, inter, MODE_GATE_UP, routed=w.gate_up, plain=w.shared_gate_up, routing=r, T=T, x_div=k,
+                 out_off=A, ng=ip, scaling=2.0, swap=swap, wg16=wg16, fuse=fuse, a8=True, xs=xs)
+    rows = torch.cat([torch.arange(A) // k, torch.arange(T)])
+    ids = r.ids.reshape(-1).long()
+    shared = torch.zeros(T, dtype=torch.long)
+    ref_r = grouped_gemm_ref(xq, w.gate_up, rows[:A], ids, MODE_GATE_UP, ng=ip, row_weight=r.weights.reshape(-1) * 2.0,
+                             e4m3=True)
+    ref_s = grouped_gemm_ref(xq, w.shared_gate_up, rows[A:], shared, MODE_GATE_UP, ng=ip, e4m3=True)
+    plain = unorder(inter)
+    tol = 2e-3 if wg16 else 1e-5  # wg16: the intermediate is written in fp16
+    assert rel_err(plain[:A], ref_r) < tol and rel_err(plain[A:], ref_s) < tol
+    exact = grouped_gemm_ref(x, w.gate_up, rows[:A], ids, MODE_GATE_UP, ng=ip, row_weight=r.weights.reshape(-1) * 2.0)
+    assert 1e-3 < rel_err(plain[:A], exact) < 0.12  # e4m3's rounding: 4-8% on these rows (2026-12-07), not more
+    i8, i_s = to_x8(inter, ip)  # the intermediate keeps the order gate_up wrote it in
+    y = torch.full((A + T, 96), float("nan"))
+    grouped_gemm(i8, y, MODE_DOWN, routed=w.down, plain=w.shared_down, routing=r, T=T, x_off=A, out_off=A,
+                 swap=swap, wg16=wg16, a8=True, xs=i_s)
+    iq = unorder(i8) * i_s[:, None]
+    assert rel_err(y[:A], grouped_gemm_ref(iq, w.down, torch.arange(A), ids, MODE_DOWN, e4m3=True)) < 1e-5
+    assert rel_err(y[A:], grouped_gemm_ref(iq, w.shared_down, torch.arange(A, A + T), shared, MODE_DOWN,
+                                           e4m3=True)) < 1e-5
+    with pytest.raises(ValueError, match="a8 activations"):  # bf16 / fp16 activations, or no scales, are refused
+        grouped_gemm(x8, inter, MODE_GATE_UP, routed=w.gate_up, routing=r, T=T, x_div=k, ng=ip, a8=True)
+
+
 def _layer(moe, cfg, w, x, **kw):
     out = torch.full_like(x, float("nan"))
     rl = []
@@ -239,6 +290,50 @@ def test_quant_linear_wg16_tiles(monkeypatch, gen):
     x = torch.randn(5, 208, generator=gen)
     y = quant_linear(x, ql)
     assert y.dtype == x.dtype and rel_err(y, quant_linear_ref(x.half().float(), ql)) < 1e-5
+
+
+@pytest.mark.parametrize("inter,shared_inter", [(64, 64), (64, 160)])
+def test_layer_with_fp8_tiles(monkeypatch, inter, shared_inter, gen):
+    """The layer on a table whose tl rows take the a8 tiles (FP8 dots, in the wg16 order), the shared expert riding in
+    the routed launches or in its own: every launch reads e4m3 activations (x, then each intermediate), and the
+    layer is FP8's few per cent from `SparseMoE`."""
+    from m3serve.kernels import dispatch
+    from m3serve.kernels import moe as M
+
+    cfg = tiny_moe_config(hidden=128, inter=inter, experts=8, top_k=2, shared_inter=shared_inter)
+    moe = random_moe(cfg, "nvfp4", "mxfp8", gen)
+    w = moe_prepare_module(moe)
+    a8 = dict(bm=16, bn=64, num_warps=4, num_stages=2, swap=True, wg16=True, a8=True)
+    monkeypatch.setattr(dispatch, "moe_config", lambda T, w, d: ("tl", a8, a8))
+    monkeypatch.setattr(dispatch, "moe_shared_config", lambda T, w, d: ("tl", a8, a8))
+    seen, real = [], M.grouped_gemm
+    monkeypatch.setattr(M, "grouped_gemm", lambda x, *a, **k: seen.append((x.dtype, k["xs"].shape)) or real(x, *a, **k))
+    x = torch.randn(9, cfg.hidden_size, generator=gen)
+    y, _ = _layer(moe, cfg, w, x)
+    assert len(seen) == (2 if inter == shared_inter else 4)
+    assert all(dt == torch.float8_e4m3fn for dt, _ in seen)
+    assert 1e-3 < rel_err(y, moe(x)) < 0.1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
+def test_quant_linear_fp8_tiles(monkeypatch, fmt, gen):
+    """A linear on the a8 tiles equals the fp32 product of its e4m3 activations (`to_x8_ref`) and e4m3-rounded weights
+    (`unpack(..., e4m3=True)`)."""
+    from m3serve.kernels import dispatch
+    from m3serve.kernels.moe_router import to_x8_ref
+    from m3serve.kernels.weight_layout import unpack
+
+    monkeypatch.setattr(dispatch, "linear_config",
+                        lambda M, w, d: ("tl", dict(bm=16, bn=64, swap=True, wg16=fmt != "fp8", a8=True)))
+    qw = QuantWeight(40, 224, fmt)
+    fill_random(qw, gen)
+    ql = quant_linear_prepare(qw)
+    x = torch.randn(5, 224, generator=gen)
+    y = quant_linear(x, ql)
+    x8, xs = to_x8_ref(x, ql.packed.k_pad)
+    ref = (x8.float() * xs[:, None]) @ unpack(ql.packed, 0, e4m3=True).T
+    assert y.dtype == x.dtype and rel_err(y, ref[:, :40]) < 1e-5
+    assert 1e-3 < rel_err(y, quant_linear_ref(x, ql)) < 0.1
 
 
 def test_layer_skewed_routing(gen):
