@@ -282,6 +282,7 @@ def bench_ttft(args, dev, res):
                 (dict(prefill_sparse_block_t=1, prefill_sorted_blocks=True), "msa prefill 1-token sparse tiles sorted"),
                 (fused_moe_rows(), "moe fused gate_up, 256-token tiles"),
                 (fused_moe_rows(64, 256, 3), "moe fused gate_up, 64 x 256 tiles"),
+                (dict(a8=True), "moe a8 tiles (fp8 dots)"),
                 (dict(fused_norm=True), "norm in one launch"))
     for tables, name in (v for v in variants if any(f in v[1] for f in args.ttft_filter.split(","))):
         with tuned(**tables), recorded({}):

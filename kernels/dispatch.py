@@ -115,6 +115,9 @@ class Tuning:
     #   the MoE's off on CUDA (slower there, as measured by benchmarks/bench_prefill.py) and on elsewhere (the paths
     #   CI checks)
     asm: bool | None = None  # the inline-PTX NVFP4 word decoder in the portable kernels (None: where it self-checks)
+    a8: bool = False  # the tables' tl rows with FP8 dots for quantized weights (`grouped_gemm`'s a8 tiles: e4m3
+    #   activations with a scale per row, the decoded weights rounded to e4m3; lossy); off: not yet timed, nor judged
+    #   by the learned model's accuracy table (`m3serve eval-tasks --paths nvfp4-a8`)
     fused_norm: bool = False  # the model's RMSNorm on a GPU in one launch (`rms_norm.rms_norm`) instead of about eight
     #   torch kernels; not yet timed
     # MSA decode attention (msa_decode)
@@ -485,6 +488,8 @@ def _gemm_config(table: tuple, T: int, device: torch.device, weights: tuple[Pack
                 return portable
             if not _tl_fits(cfgs, weights, tiles, device):
                 continue
+            if tuning().a8:
+                cfgs = [dict(c, a8=True) for c in cfgs]
             # wg16 would gather dense weights' columns, a8 serves quantized weights on FP8 tensor cores (sm_89+)
             off = ("wg16", "a8") if any(p.fmt == FMT_DENSE for p in weights) else ()
             if any(c.get("a8") for c in cfgs) and platform.capability(device) < (8, 9):

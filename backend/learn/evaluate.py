@@ -7,6 +7,8 @@ Paths (each gets the same prompts, the chat template's generation prompt, and th
   nvfp4            routed experts NVFP4 + shared expert MXFP8 (`m3serve quantize --modules experts
                    shared_experts:mxfp8` into a temporary directory)
   nvfp4-kv         that, plus kv_cache_dtype nvfp4 and attention_config indexer_kv_dtype nvfp4
+  nvfp4-a8         nvfp4 with the portable expert kernels' FP8 dots at every step (`Tuning(mma=False, a8=True)`:
+                   e4m3 activations, the decoded weights rounded to e4m3; on a GPU of sm_89+, elsewhere nvfp4's path)
   dspark-greedy    speculative_config dspark, K=7, the draft in MODEL/dspark, greedy
   dspark-sampled   the same at temperature 1, probabilistic drafts, a fixed seed per prompt
   triton-m3        a running tritonserver (--triton-url), model `m3` (text contract; messages + tools on the server)
@@ -36,7 +38,7 @@ from collections.abc import Callable
 from m3serve.learn.render import prompt_ids
 from m3serve.learn.tasks import TASKS, Example, make_examples
 
-PATHS = ("reference", "engine", "nvfp4", "nvfp4-kv", "dspark-greedy", "dspark-sampled", "triton-m3",
+PATHS = ("reference", "engine", "nvfp4", "nvfp4-kv", "nvfp4-a8", "dspark-greedy", "dspark-sampled", "triton-m3",
          "triton-ensemble", "openai")
 DEFAULT_PATHS = ("reference", "engine")
 SLACK_TOKENS = 16  # tokens allowed past the longest answer of a task
@@ -283,6 +285,12 @@ def path_runner(path: str, model_dir: str, tmp: str, device: str, dtype: str, tr
         return lambda s, t, b: generate_engine(model_dir, s, t, b, **eng)
     if path == "nvfp4":
         return lambda s, t, b: generate_engine(_quantized(model_dir, tmp), s, t, b, **eng)
+    if path == "nvfp4-a8":
+        def fp8_dots(s, t, b):
+            from m3serve.kernels.dispatch import tuned
+            with tuned(mma=False, a8=True):
+                return generate_engine(_quantized(model_dir, tmp), s, t, b, **eng)
+        return fp8_dots
     if path == "nvfp4-kv":
         return lambda s, t, b: generate_engine(_quantized(model_dir, tmp), s, t, b, kv_cache_dtype="nvfp4",
                                                attention_config={"indexer_kv_dtype": "nvfp4"}, **eng)

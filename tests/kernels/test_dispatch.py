@@ -241,6 +241,13 @@ def test_a8_tiles_need_quantized_weights_and_fp8_tensor_cores(monkeypatch, gemm_
     dense = moe_prepare_module(random_moe(tiny_moe_config(hidden=256, inter=128, experts=2, top_k=1), "nvfp4",
                                           "dense", torch.Generator().manual_seed(0)))
     off = dict(cfg, wg16=False, a8=False)
+    plain = dict(cfg, a8=False)
+    with tuned(moe_table=((None, "tl", plain, plain),)):  # Tuning.a8 turns a8 on in every tl row (quantized weights)
+        assert dispatch.moe_config(500, moe, CUDA) == ("tl", plain, plain)
+        monkeypatch.setattr(platform, "capability", lambda device: (9, 0))
+        with tuned(a8=True):
+            assert dispatch.moe_config(500, moe, CUDA) == ("tl", cfg, cfg)
+            assert dispatch.moe_config(500, dense, CUDA) == ("tl", off, off)
     for cap, kept in (((9, 0), cfg), ((8, 9), cfg), ((8, 0), dict(cfg, a8=False))):
         monkeypatch.setattr(platform, "capability", lambda device, cap=cap: cap)
         with tuned(moe_table=((None, "tl", cfg, cfg),), linear_table=((None, "tl", cfg),)):

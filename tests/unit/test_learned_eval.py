@@ -146,3 +146,20 @@ def test_openai_messages_are_written_back_as_the_models_text():
             wrong = message(ex, content="7") if task != "tool_call" else message(ex, tool_calls=[
                 {"type": "function", "function": {"name": ex.expected["name"], "arguments": "{}"}}])
             assert not ex.check(ex.reply_text(openai_reply(wrong))), task
+
+
+def test_nvfp4_a8_path_runs_the_quantized_model_on_fp8_dots(monkeypatch, tmp_path):
+    """`--paths nvfp4-a8`: the nvfp4 checkpoint's engine, built and run inside `tuned(mma=False, a8=True)` (the
+    portable expert kernels with FP8 dots at every step); the nvfp4 path itself under the default tuning."""
+    from m3serve.kernels import dispatch
+    from m3serve.learn import evaluate as E
+
+    seen = []
+    monkeypatch.setattr(E, "_quantized", lambda model_dir, tmp: os.path.join(tmp, "nvfp4"))
+    monkeypatch.setattr(E, "generate_engine", lambda model, s, t, b, **kw: seen.append(
+        (model, dispatch.tuning().a8, dispatch.tuning().mma)) or ({}, {}))
+    for path in ("nvfp4-a8", "nvfp4"):
+        E.path_runner(path, "m", str(tmp_path), "cpu", "float32", None, 64)({}, None, {})
+    assert seen == [(os.path.join(str(tmp_path), "nvfp4"), True, False), (os.path.join(str(tmp_path), "nvfp4"),
+                                                                          False, True)]
+    assert not dispatch.tuning().a8
