@@ -279,7 +279,7 @@ def bench_ttft(args, dev, res):
                 (dict(prefill_sorted_blocks=True), "msa prefill sparse sorted walk"),
                 (dict(prefill_sdpa_from=1024, prefill_sparse_block_t=1, prefill_sorted_blocks=True),
                  "msa prefill sdpa, sparse 1-token tiles sorted"),
-                (dict(prefill_sparse_block_t=1, prefill_sorted_blocks=True), "msa prefill 1-token sparse tiles sorted"),
+                (dict(prefill_sparse_block_t=1, prefill_sorted_blocks=True), "msa prefill t1-sorted sparse tiles"),
                 (fused_moe_rows(), "moe fused gate_up, 256-token tiles"),
                 (fused_moe_rows(64, 256, 3), "moe fused gate_up, 64 x 256 tiles"),
                 (dict(a8=True), "moe a8 tiles (fp8 dots)"),
