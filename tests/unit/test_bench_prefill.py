@@ -32,7 +32,8 @@ def test_bench_prefill_smoke(tmp_path):
                          "msa prefill plain pages", "msa prefill plain pages, sdpa",
                          "msa prefill sparse 1-token tiles", "msa prefill sparse 2-token tiles",
                          "msa prefill sparse sorted walk", "msa prefill sdpa, sparse 1-token tiles sorted",
-                         "moe fused gate_up, 256-token tiles", "norm in one launch"}
+                         "msa prefill t1-sorted sparse tiles", "moe fused gate_up, 256-token tiles",
+                         "moe fused gate_up, 64 x 256 tiles", "moe a8 tiles (fp8 dots)", "norm in one launch"}
     assert res["ttft"]["profiles"] == []  # the kernel profile is a GPU measurement
     for row in rows.values():  # the share is the step's FLOPs over the TTFT, against the GEMM rate of the same run
         assert row["prompt_tokens"] == 48 and row["ttft_ms"] > 0
