@@ -183,18 +183,24 @@ def linear_variants(M: int) -> list[tuple]:
         return [("mma", dict(p=1, nt=8, unroll=2)), ("mma", dict(p=1, nt=16, unroll=2))]
     if M <= 64:
         return [("mma", dict(p=1, nt=64, unroll=2)), ("mma", dict(p=1, nt=32, unroll=2))]
-    a8 = [("tl", dict(c, a8=True)) for _, c in swap_variants(M) if c["wg16"] and c["bn"] == 128]  # FP8 dots (lossy)
     return [("tl", dict(bm=128, bn=128, num_warps=8, num_stages=3)), ("mma", dict(p=1, nt=64, unroll=2)),
-            *swap_variants(M), *a8]
+            *swap_variants(M)]
 
 
 def swap_variants(M: int) -> list[tuple]:
     """Portable-kernel configs with ``swap`` for a linear of M rows: (path, config); bm = rows per tile (the
-    wgmma's N side), bn = weight rows (its M side: 64 per warp group); wg16 tiles, and split K for few rows."""
+    wgmma's N side), bn = weight rows (its M side: 64 per warp group); wg16 tiles, and split K for few rows; wg16
+    tiles of 256 weight rows on 16 warps (each x tile, re-read from L2 by every program of its rows, read by half as
+    many: at 64 rows x [64, 8192] is 1 MB, 96 MB read by 96 tiles of 64 weight rows, as many bytes as the bf16
+    weight; 106 registers, no spill, sm_90 SASS, 2026-12-07); and the wg16 tiles of 128 and 256 rows with FP8 dots
+    (a8: half the activation bytes; lossy, `err` says)."""
     bms = sorted({min(max(16, triton.next_power_of_2(M)), 128), min(max(16, triton.next_power_of_2(M)), 256)})
     splits = (1, 4) if M <= 256 else (1,)  # few rows: 6144 / bn tiles alone leave most of the SMs idle
-    return [("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=wg16, split=k))
-            for bm in bms for bn in (64, 128) for wg16 in (False, True) for k in splits]
+    tile = lambda bm, bn, wg16, k, **kw: ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True,
+                                                     wg16=wg16, split=k, **kw))
+    return ([tile(bm, bn, wg16, k) for bm in bms for bn in (64, 128) for wg16 in (False, True) for k in splits]
+            + [tile(bm, 256, True, k) for bm in bms for k in splits]
+            + [tile(bm, bn, True, k, a8=True) for bm in bms for bn in (128, 256) for k in splits])
 
 
 def bench_layer(args, dev, bw, res):

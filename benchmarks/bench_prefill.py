@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -77,8 +78,10 @@ def fused_moe_rows(bm: int = 256, bn: int = 128, stages: int = 2) -> dict:
 
 
 def picked(args, variant) -> bool:
-    """Is ``variant`` timed: its repr contains one of --variant-filter's comma-separated strings (all if none)."""
-    return any(f in repr(variant) for f in args.variant_filter.split(","))
+    """Is ``variant`` timed: its repr matches one of --variant-filter's comma-separated regular expressions (all if
+    none; "bn...256": a weight tile of 256 rows, the quotes and colon matched by dots, since `*_ARGS` of
+    device_run.sh are word-split)."""
+    return any(re.search(f, repr(variant)) for f in args.variant_filter.split(","))
 
 
 def without_dense(table: tuple) -> tuple:
@@ -316,7 +319,7 @@ def main():
     ap.add_argument("--variants-from", type=int, default=4096, help="time bench_moe's tl tile variants from here")
     ap.add_argument("--variants-from-rows", type=int, default=16, help="time the linears' swap variants from here")
     ap.add_argument("--variant-filter", default="",
-                    help="time only the variants whose repr contains one of these (comma-separated)")
+                    help="time only the variants whose repr matches one of these regular expressions (comma-separated)")
     ap.add_argument("--ttft-filter", default="",
                     help="run only the TTFT dispatch rows whose name contains one of these (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
