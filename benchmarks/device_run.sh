@@ -50,7 +50,10 @@
 #                      tritonserver), gateway312.tar.xz (FastAPI, uvicorn, ...; make_carry_gateway.sh)
 #   .carry-reference/  transformers 5.25 for Python 3.12
 #   .carry-tests/      suite312.tar.xz (import-linter, pip 25.3), gwtests312.tar.xz (openai, schemathesis): what
-#                      "suite" needs beyond the image; carry the file(s) that fit
+#                      "suite" needs beyond the image. The README's command takes two calls: SUITE_ARGS=
+#                      "--ignore=tests/gateway" with .carry-server's three tars (tests/unit imports the gateway:
+#                      FastAPI, pydantic), .carry-reference, .carry-model and suite312 (63 MiB with the tree); then
+#                      SUITE_ARGS=tests/gateway with .carry-server's tars, suite312 and gwtests312
 #   .carry-model/      the learned checkpoint as an 18 MiB xz, unpacked where models/m3-tiny-learned is missing (move
 #                      that folder out for a call that carries .carry-server and .carry-reference)
 #   .carry-baseline/   an earlier commit's package, to time a benchmark on it and on the tree in one call

@@ -191,7 +191,10 @@ def fp8_linear(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor) -> torch.T
     group0 = torch.zeros(1, dtype=torch.int32, device=x2.device)
     w8, sw = fp8_rows(dequant(pw, group0, x2.dtype)[0])  # [N_pad, K_pad]: K_pad a multiple of 128
     x8, sx = fp8_rows(F.pad(x2, (0, pw.k_pad - k)) if pw.k_pad != k else x2)
-    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+    if x2.is_cuda:
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+    else:  # the same product in fp32 (torch 2.11's CPU _scaled_mm takes per-tensor scales only; 2.13's both)
+        y = (x8.float() @ w8.float().t()) * sx * sw.t()
     out.copy_(y[:, :n])
     return out
 

@@ -418,7 +418,7 @@ def _mma_gemm_fits(cfg: dict, rows: tuple[int, ...], k_pads: tuple[int, ...]) ->
 
 def fp8_gemm_ok(device: torch.device) -> bool:
     """``torch._scaled_mm`` with a scale per row here (a "dense8" row of `LINEAR_TABLE`, `dequant_gemm.fp8_linear`):
-    NVIDIA sm_89+ (FP8 tensor cores; not ROCm's fnuz types) or the CPU (torch's own kernel: the tests)."""
+    NVIDIA sm_89+ (FP8 tensor cores; not ROCm's fnuz types) or the CPU (the same product in fp32: the tests)."""
     if device.type != "cuda":
         return device.type == "cpu"
     return (torch.cuda.is_available() and not platform.rocm() and not platform.interpreting()

@@ -138,9 +138,12 @@ def _mma_available(monkeypatch, yes: bool):
 
 
 def _nvidia(monkeypatch):
-    """Compiled NVIDIA CUDA (not the interpreter this suite runs under, not ROCm)."""
+    """Compiled NVIDIA CUDA (not the interpreter this suite runs under, not ROCm), with no shared-memory limit read
+    from a device (on a GPU host the real one would pass over tl rows these tests pin: a test that needs one sets
+    it)."""
     monkeypatch.setattr(platform, "interpreting", lambda: False)
     monkeypatch.setattr(platform, "rocm", lambda: False)
+    monkeypatch.setattr(dispatch, "_shared_memory", lambda index: None)
 
 
 def _fits(cfg: dict, rows, k_pads) -> bool:
