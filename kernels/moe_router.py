@@ -102,8 +102,8 @@ def _to_x8_kernel(x_ptr, sx, out_ptr, so, xs_ptr, K, K_PAD, BK: tl.constexpr, WG
         k = k0 + tl.arange(0, BK)
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32)))
     m = tl.max(amax, 0)
-    tl.store(xs_ptr + row, m / 448.0)
-    inv = tl.where(m > 0, 448.0 / tl.where(m > 0, m, 1.0), 0.0)
+    tl.store(xs_ptr + row, tl.math.div_rn(m, 448.0))  # IEEE divisions: the bits of `to_x8_ref` on every backend
+    inv = tl.where(m > 0, tl.math.div_rn(448.0, tl.where(m > 0, m, 1.0)), 0.0)
     for k0 in range(0, K_PAD, BK):
         k = k0 + tl.arange(0, BK)
         v = tl.load(x_ptr + row * sx + k, mask=k < K, other=0.0).to(tl.float32) * inv

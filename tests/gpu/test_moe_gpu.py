@@ -251,6 +251,50 @@ def test_quant_linear_with_the_transposed_product(fmt, M, bm, bn, wg16, split):
         assert rel_err(quant_linear(x, ql), quant_linear_ref(x, ql)) < 1e-2
 
 
+@pytest.mark.parametrize("expert_fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("T,bm,bn,fuse,down_bn", [(520, 128, 128, False, 128), (1500, 128, 128, True, 128),
+                                                  (2000, 64, 256, True, 256)])
+def test_portable_tiles_with_fp8_dots(expert_fmt, T, bm, bn, fuse, down_bn):
+    """The a8 tiles (e4m3 activations with a scale per row, the decoded weights rounded to e4m3, FP8 wgmma) in the
+    layer at M3 shapes, the MXFP8 shared expert riding along: every output written, within FP8's error of the fp32
+    reference and of the fp16 tiles (the exact check of the rounding: `test_quant_linear_fp8_tiles`)."""
+    cfg, moe, w = _layer(expert_fmt)
+    x = torch.randn(T, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    gu = dict(bm=bm, bn=bn, num_warps=8, num_stages=3, swap=True, wg16=True, fuse=fuse)
+    dn = dict(bm=bm, bn=down_bn, num_warps=8, num_stages=3, swap=True, wg16=True)
+    y16, _ = _run_with(("tl", gu, dn), cfg, moe, w, x)
+    y, r = _run_with(("tl", dict(gu, a8=True), dict(dn, a8=True)), cfg, moe, w, x)
+    assert not torch.isnan(y).any()
+    assert 1e-3 < rel_err(y, _ref(cfg, moe, w, x, r)) < 0.08 and rel_err(y, y16) < 0.08
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
+@pytest.mark.parametrize("M,bm,bn,split", [(33, 64, 128, 4), (600, 128, 128, 1), (1100, 64, 256, 1)])
+def test_quant_linear_fp8_tiles(fmt, M, bm, bn, split):
+    """The a8 tiles compiled (the hardware e4m3 converts, FP8 wgmma): `to_x8` gives `to_x8_ref`'s bits, and the
+    output is the fp32 product of the e4m3 activations and the e4m3-rounded weights (`unpack(..., e4m3=True)`) to
+    bf16's rounding; FP8's error against the exact product."""
+    from m3serve.kernels.moe_router import to_x8, to_x8_ref
+    from m3serve.kernels.weight_layout import unpack
+
+    g = torch.Generator(device=DEV).manual_seed(M)
+    with torch.device(DEV):
+        qw = QuantWeight(6144 + 16, 3072, fmt, torch.bfloat16)
+    fill_random(qw, g)
+    ql = quant_linear_prepare(qw)
+    x = torch.randn(M, 3072, device=DEV, dtype=torch.bfloat16) * torch.logspace(-2, 2, M, device=DEV)[:, None]
+    x8, xs = to_x8_ref(x, ql.packed.k_pad)
+    got8, got_s = to_x8(x, ql.packed.k_pad)
+    assert torch.equal(got8.view(torch.uint8), x8.view(torch.uint8)) and torch.equal(got_s, xs)
+    cfg = ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=True, split=split, a8=True))
+    with tuned(linear_table=((None, *cfg),)):
+        assert dispatch.linear_config(M, ql.packed, x.device) == cfg
+        y = quant_linear(x, ql)
+    ref = (x8.float() * xs[:, None]) @ unpack(ql.packed, 0, e4m3=True).T
+    assert rel_err(y, ref[:, : qw.n]) < 5e-3
+    assert 1e-3 < rel_err(y, quant_linear_ref(x, ql)) < 0.08
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
 @pytest.mark.parametrize("M", [1, 16, 200, 600])
 def test_quant_linear(fmt, M):
