@@ -27,9 +27,9 @@ Activations: x's own dtype and element order, the weights decoded element by ele
 ``wg16``, fp16 in the wg16 order (`moe_router.wg16_position`), the weights decoded a 32-bit word at a time straight
 into the wgmma's register fragments (`load_weight_tile_wg16`), gate_up's intermediate written in that order. With
 ``a8`` (FP8 dots, sm_89+; lossy, in no default row): e4m3 activations with a scale per row (`moe_router.to_x8`, in
-either order), each decoded weight tile rounded to e4m3 in the units of `weight_layout.A8_UNIT` (the e4m3 fragments
-hold 4 K values a register where wg16 places 2: the tiles pass through shared memory), both scales applied in the
-epilogue.
+either order), each decoded weight tile rounded to e4m3 in the units of `weight_layout.A8_UNIT` by the hardware
+convert and packed into the FP8 wgmma's register operand (byte permutes, no shared memory: sm_90 SASS,
+tests/kernels/test_grouped_gemm_compile.py), both scales applied in the epilogue.
 """
 from __future__ import annotations
 

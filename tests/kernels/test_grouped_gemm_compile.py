@@ -52,16 +52,15 @@ def test_wg16_tiles_compile_with_the_ptx_decoder(mode, bm, bn, split, fuse, stag
     run_uninterpreted(__file__, f"t._compile({mode}, {bm}, {bn}, {split}, {str(cubin)!r}, {fuse}, {stages}, {a8})")
     sass = cuobjdump("--dump-sass", cubin)
     assert re.search(r"F2FP\.F16\.E4M3", sass)  # the PTX decoder's cvt.rn.f16x2.e4m3x2
-    # a8: FP8 wgmma (QGMMA), the decoded fp16 rounded by the hardware convert (cvt.rn.satfinite.e4m3x2.f16x2); its
-    # e4m3 fragments hold 4 K values a register where wg16 places 2, so its tiles go through shared memory
-    if a8:
-        assert "QGMMA" in sass and "HGMMA" not in sass
+    if a8:  # FP8 wgmma (QGMMA) with the weights from registers, rounded by the hardware convert
+        # (cvt.rn.satfinite.e4m3x2.f16x2) and packed 4 K values a register by byte permutes
+        assert re.search(r"QGMMA\.\S+\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass) and "HGMMA" not in sass
         assert re.search(r"F2FP\.SATFINITE\.E4M3\.F16", sass)
     else:
         assert "HGMMA" in sass  # the dots are wgmma
-        # the decoded tiles are the wgmma's register fragments as they stand: no trip through shared memory (a tile
-        # in another order, the mma kernels' x16 one, compiled to 16-32 LDSM here, 2026-12-07)
-        assert "LDSM" not in sass
+    # the decoded tiles reach the wgmma's register fragments without a trip through shared memory (a tile in another
+    # order, the mma kernels' x16 one, compiled to 16-32 LDSM here, 2026-12-07)
+    assert "LDSM" not in sass
     usage = cuobjdump("--dump-resource-usage", cubin).replace(" ", "")
     assert "STACK:0" in usage and "LOCAL:0" in usage  # no spills
 
