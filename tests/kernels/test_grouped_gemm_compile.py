@@ -85,7 +85,8 @@ def _shared(fmt: int, sfmt: int, out: str, fused: bool = False) -> None:
     sdata, sscale, srows = types[sfmt]
     I, F = "i32", "fp32"
     sig = {"x_ptr": act, "sx": I, "xs_ptr": "*fp32", "w_data": data, "w_scale": scale, "w_rows": rows,
-           "s_data": sdata, "s_scale": sscale, "s_rows": srows, "counts_ptr": "*i32", "bucket_ptr": "*i32", "cap": I, "tw_ptr": "*fp32",
+           "s_data": sdata, "s_scale": sscale, "s_rows": srows, "counts_ptr": "*i32", "bucket_ptr": "*i32", "cap": I,
+           "tw_ptr": "*fp32",
            "out_ptr": act, "so": I, "T": I, "K": I, "N_OUT": I, "NG": I, "n_plain_tiles": I, "x_off": I,
            "out_off": I, "scaling": F, "alpha": F, "limit": F, "E": I, "NT16": I, "KC": I, "N_PAD": I, "K_PAD": I,
            "S_NT16": I, "S_N_PAD": I}
