@@ -8,7 +8,7 @@ Paths (each gets the same prompts, the chat template's generation prompt, and th
                    shared_experts:mxfp8` into a temporary directory)
   nvfp4-kv         that, plus kv_cache_dtype nvfp4 and attention_config indexer_kv_dtype nvfp4
   nvfp4-a8         nvfp4 with the portable expert kernels' FP8 dots at every step (`Tuning(mma=False, a8=True)`:
-                   e4m3 activations, the decoded weights rounded to e4m3; on a GPU of sm_89+, elsewhere nvfp4's path)
+                   e4m3 activations, the decoded weights rounded to e4m3; on GPUs of sm_89+, elsewhere without them)
   dspark-greedy    speculative_config dspark, K=7, the draft in MODEL/dspark, greedy
   dspark-sampled   the same at temperature 1, probabilistic drafts, a fixed seed per prompt
   triton-m3        a running tritonserver (--triton-url), model `m3` (text contract; messages + tools on the server)
