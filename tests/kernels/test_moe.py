@@ -315,16 +315,17 @@ def test_layer_with_fp8_tiles(monkeypatch, inter, shared_inter, gen):
     assert 1e-3 < rel_err(y, moe(x)) < 0.1
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
-def test_quant_linear_fp8_tiles(monkeypatch, fmt, gen):
+@pytest.mark.parametrize("fmt,split", [("nvfp4", 1), ("mxfp8", 1), ("fp8", 1), ("nvfp4", 2)])
+def test_quant_linear_fp8_tiles(monkeypatch, fmt, split, gen):
     """A linear on the a8 tiles equals the fp32 product of its e4m3 activations (`to_x8_ref`) and e4m3-rounded weights
-    (`unpack(..., e4m3=True)`)."""
+    (`unpack(..., e4m3=True)`), its K split over two programs too (each partial scaled by x's row scales)."""
     from m3serve.kernels import dispatch
     from m3serve.kernels.moe_router import to_x8_ref
     from m3serve.kernels.weight_layout import unpack
 
     monkeypatch.setattr(dispatch, "linear_config",
-                        lambda M, w, d: ("tl", dict(bm=16, bn=64, swap=True, wg16=fmt != "fp8", a8=True)))
+                        lambda M, w, d: ("tl", dict(bm=16, bn=64, swap=True, wg16=fmt != "fp8", a8=True,
+                                                    split=split)))
     qw = QuantWeight(40, 224, fmt)
     fill_random(qw, gen)
     ql = quant_linear_prepare(qw)
