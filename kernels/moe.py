@@ -43,8 +43,8 @@ import triton.language as tl
 from . import dispatch
 from .dequant_gemm import dense_grouped_gemm
 from .grouped_gemm import MODE_DOWN, MODE_GATE_UP, grouped_gemm, work_dtype
-from .moe_router import Routing, route, route_ref, to_x8, to_x16
-from .codecs import cast_to
+from .moe_router import Routing, route, route_ref, to_x8, to_x8_ref, to_x16
+from .codecs import FMT_DENSE, cast_to
 from .weight_layout import CHUNK_K, PackedWeight, concat_rows, pack_quant_weight, round_up, unpack
 
 
@@ -345,12 +345,23 @@ def _torch_dtype(t):
     return {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}[t]
 
 
+def _e4m3_rows(t: torch.Tensor) -> torch.Tensor:
+    """t's rows as the a8 tiles see them (`moe_router.to_x8_ref`): rounded to e4m3 times 448 / each row's largest
+    |value|, scaled back, fp32."""
+    x8, xs = to_x8_ref(t, t.shape[1])
+    return x8.float() * xs[:, None]
+
+
 def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, weights: MoEWeights, *,
                   top_k: int, routed_scaling: float, alpha: float, limit: float,
-                  routing: Routing | None = None, first_expert: int = 0) -> torch.Tensor:
+                  routing: Routing | None = None, first_expert: int = 0, a8: bool = False) -> torch.Tensor:
     """Torch reference in fp32 on the packed weights (same math as `SparseMoE.forward`). With ``routing`` the
     kernel's expert choice is used (so near-tie flips of the top-k do not count as errors). ``first_expert``: as
-    `fused_moe` (only the assignments to the experts the weights hold count)."""
+    `fused_moe` (only the assignments to the experts the weights hold count). ``a8``: the arithmetic of the ``a8``
+    tiles (`Tuning.a8`): each GEMM's activations rounded to e4m3 per row, the quantized weights to e4m3 as the tiles
+    round them (`unpack(..., e4m3=True)`); where a weight is dense dispatch drops a8, and so does this."""
+    packed = (weights.gate_up, weights.down, weights.shared_gate_up, weights.shared_down)
+    a8 = a8 and all(p.fmt != FMT_DENSE for p in packed if p is not None)
     if routing is not None:
         w, idx = routing.weights.float(), routing.ids.long()
     else:
@@ -358,23 +369,25 @@ def fused_moe_ref(x: torch.Tensor, router_weight: torch.Tensor, correction_bias:
     xf = x.float()
     out = torch.zeros_like(xf)
     h = weights.hidden
+    rows = _e4m3_rows if a8 else (lambda t: t)
 
     def ffn(xs, g_u, d):
+        g_u, d = (unpack(p, j, e4m3=a8) for p, j in (g_u, d))
         ip = g_u.shape[0] // 2
-        z = xs @ g_u[:, :h].T
+        z = rows(xs) @ g_u[:, :h].T
         g, u = z[:, :ip].clamp(max=limit), z[:, ip:].clamp(-limit, limit)
-        return ((u + 1.0) * (g * torch.sigmoid(alpha * g))) @ d.T
+        return rows((u + 1.0) * (g * torch.sigmoid(alpha * g))) @ d.T
 
     for e in torch.unique(idx).tolist():
         if not first_expert <= e < first_expert + weights.n_experts:
             continue
         tok, slot = torch.where(idx == e)
         j = e - first_expert
-        y = ffn(xf[tok], unpack(weights.gate_up, j), unpack(weights.down, j))
+        y = ffn(xf[tok], (weights.gate_up, j), (weights.down, j))
         out.index_add_(0, tok, y[:, :h] * w[tok, slot, None])
     out = out * routed_scaling
     if weights.shared_gate_up is not None:
-        out = out + ffn(xf, unpack(weights.shared_gate_up, 0), unpack(weights.shared_down, 0))[:, :h]
+        out = out + ffn(xf, (weights.shared_gate_up, 0), (weights.shared_down, 0))[:, :h]
     return out.to(x.dtype)
 
 

@@ -309,10 +309,38 @@ def test_layer_with_fp8_tiles(monkeypatch, inter, shared_inter, gen):
     seen, real = [], M.grouped_gemm
     monkeypatch.setattr(M, "grouped_gemm", lambda x, *a, **k: seen.append((x.dtype, k["xs"].shape)) or real(x, *a, **k))
     x = torch.randn(9, cfg.hidden_size, generator=gen)
-    y, _ = _layer(moe, cfg, w, x)
+    y, r = _layer(moe, cfg, w, x)
     assert len(seen) == (2 if inter == shared_inter else 4)
     assert all(dt == torch.float8_e4m3fn for dt, _ in seen)
     assert 1e-3 < rel_err(y, moe(x)) < 0.1
+    kw = dict(top_k=2, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    ref8 = fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias, w, routing=r, a8=True, **kw)
+    assert rel_err(y, ref8) < 1e-2  # the a8 reference: its arithmetic, but for the fp16 intermediate's rounding
+
+
+def test_fp8_dots_on_the_cpu_run_their_reference(gen):
+    """Off CUDA, `Tuning.a8` gives a quantized layer the a8 tiles' arithmetic in torch (`Fp8DotsReferenceMoE`:
+    `fused_moe_ref(..., a8=True)`), a few per cent from the exact layer; dense experts keep the torch reference, and
+    so does a quantized layer without a8."""
+    from m3serve.kernels.dispatch import tuned
+    from m3serve.model.layers.moe import Fp8DotsReferenceMoE, TorchMoE
+
+    cfg = tiny_moe_config(hidden=128, inter=64, experts=8, top_k=2, shared_inter=96)
+    moe = random_moe(cfg, "nvfp4", "mxfp8", gen)
+    x = torch.randn(7, cfg.hidden_size, generator=gen)
+    exact = moe(x)
+    with tuned(a8=True):
+        moe.prepare(torch.device("cpu"))
+        dense = random_moe(cfg, "dense", "dense", gen)
+        dense.prepare(torch.device("cpu"))
+    assert isinstance(moe.method, Fp8DotsReferenceMoE) and isinstance(dense.method, TorchMoE)
+    y = moe(x)
+    kw = dict(top_k=2, routed_scaling=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    assert torch.equal(y, fused_moe_ref(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.method.weights,
+                                        a8=True, **kw))
+    assert 1e-3 < rel_err(y, exact) < 0.1
+    moe.prepare(torch.device("cpu"))
+    assert isinstance(moe.method, TorchMoE) and torch.equal(moe(x), exact)
 
 
 @pytest.mark.parametrize("fmt,split", [("nvfp4", 1), ("mxfp8", 1), ("fp8", 1), ("nvfp4", 2)])

@@ -13,6 +13,8 @@ Its method is picked once at load (`SparseMoE.prepare`), by the experts' weight 
   host synchronisation either, exact, E times the work. On CUDA for fp32 dense experts only (the small test models,
   whose fp32 tests expect fp32 products, not the kernels' tf32 dots). Every quantized or bf16 expert / shared-expert
   format pair at any shape runs `KernelMoE` (tests/gpu/test_odd_shapes_gpu.py).
+- `Fp8DotsReferenceMoE`: off CUDA with `Tuning.a8` on and quantized experts, the kernels' FP8-dot arithmetic in torch
+  (the accuracy table of the a8 tiles on the CPU).
 
 Tensor parallelism: the shared expert and the dense MLPs split their FFN over the ranks (gate_up by rows, down by
 columns); the routed experts either split each expert's FFN the same way or, with expert parallelism, each rank
@@ -159,9 +161,29 @@ class KernelMoE:
                          first_expert=e.first_expert)
 
 
+class Fp8DotsReferenceMoE:
+    """The arithmetic of the kernels' FP8 dots (`Tuning.a8`) in torch, where no GPU runs them (`kernels.moe.
+    fused_moe_ref(..., a8=True)`: activations rounded to e4m3 per row, the quantized weights as the a8 tiles round
+    them), so that the accuracy table can judge them on the CPU (`m3serve eval-tasks --paths nvfp4-a8`)."""
+
+    name = "fp8-dots-reference"
+
+    def __init__(self, layer: "SparseMoE"):
+        from m3serve.kernels.moe import moe_prepare_module
+        self.weights = moe_prepare_module(layer, layer.experts.gate_up_proj.dtype)
+
+    def apply(self, layer: "SparseMoE", x: torch.Tensor) -> torch.Tensor:
+        from m3serve.kernels.moe import fused_moe_ref
+        e = layer.experts
+        return fused_moe_ref(x, layer.gate.weight, layer.gate.e_score_correction_bias, self.weights,
+                             top_k=layer.gate.top_k, routed_scaling=layer.scaling, alpha=e.alpha, limit=e.limit,
+                             first_expert=e.first_expert, a8=True)
+
+
 def select_moe_method(layer: "SparseMoE", device: torch.device):
     if device.type != "cuda":
-        return TorchMoE()
+        from m3serve.kernels.dispatch import tuning
+        return Fp8DotsReferenceMoE(layer) if tuning().a8 and layer.experts.gate_up_proj.fmt != "dense" else TorchMoE()
     if isinstance(layer.method, KernelMoE):
         return layer.method
     e = layer.experts
