@@ -25,18 +25,21 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .codecs import cast_to
+from .codecs import MXFP8, NVFP4, cast_to, to_e4m3
 from .grouped_gemm import MODE_GATE_UP, MODE_LINEAR, load_weight_tile
+from .moe_router import to_x8
 from .platform import interpreting, rocm
-from .weight_layout import CHUNK_K, FMT_DENSE, TILE_N, PackedWeight
+from .weight_layout import A8_UNIT, CHUNK_K, FMT_DENSE, TILE_N, PackedWeight
 
 SCRATCH_MB = 2048  # default bound of the decoded experts held at once (dispatch's "dense" rows may say otherwise)
 
 
 @triton.jit
 def _dequant_kernel(data, scale, rowscale, groups_ptr, out_ptr, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
-                    BN: tl.constexpr, WDT: tl.constexpr):
-    """One [BN rows, 128] tile of group groups[program 0] -> out[program 0, rows, chunk] (rowscale applied)."""
+                    BN: tl.constexpr, WDT: tl.constexpr, E8: tl.constexpr = False, EXACT: tl.constexpr = False):
+    """One [BN rows, 128] tile of group groups[program 0] -> out[program 0, rows, chunk] (rowscale applied; E8: e4m3
+    in the a8 tiles' units, `weight_layout.A8_UNIT`, the rowscale left to the caller; EXACT: the interpreter's
+    codec, `codecs.to_e4m3`)."""
     j = tl.program_id(0)
     g = tl.load(groups_ptr + j)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -44,11 +47,15 @@ def _dequant_kernel(data, scale, rowscale, groups_ptr, out_ptr, NT16, KC, N_PAD,
     rmask = rows < N_PAD
     r = tl.minimum(rows, N_PAD - 1)  # BN may reach past N_PAD (a multiple of 16 only): read a valid row, store none
     w = load_weight_tile(data, scale, g, r, c, NT16, KC, N_PAD, K_PAD, FMT, BN, WDT).to(tl.float32)
-    UNS: tl.constexpr = 256.0 if (FMT == 1) and (WDT != tl.float32) else 1.0
-    w = w * (tl.load(rowscale + g * N_PAD + r) * UNS)[:, None]
+    UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
     k = c * 128 + tl.arange(0, 128)
     dst = out_ptr + (j * N_PAD + rows.to(tl.int64))[:, None] * K_PAD + k[None, :]
-    tl.store(dst, cast_to(w, out_ptr.dtype.element_ty), mask=rmask[:, None])
+    if E8:
+        RSU: tl.constexpr = 8.0 if FMT == NVFP4 else (32768.0 if FMT == MXFP8 else 1.0)  # A8_UNIT
+        tl.store(dst, to_e4m3(w * (UNS / RSU), EXACT), mask=rmask[:, None])
+    else:
+        w = w * (tl.load(rowscale + g * N_PAD + r) * UNS)[:, None]
+        tl.store(dst, cast_to(w, out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def dequant(pw: PackedWeight, groups: torch.Tensor | list[int] | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -76,6 +83,25 @@ def dequant(pw: PackedWeight, groups: torch.Tensor | list[int] | None = None, dt
                           pw.n_pad // TILE_N, pw.k_pad // CHUNK_K, pw.n_pad, pw.k_pad, FMT=pw.fmt, BN=bn, WDT=wdt,
                           num_warps=4)
     return out
+
+
+def dequant_e4m3(pw: PackedWeight, groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups ``groups`` (default: all) of quantized ``pw`` as the ``a8`` tiles round them, in one launch: (e4m3
+    ``[n, N_pad, K_pad]``, fp32 row scales ``[n, N_pad]``), their product `weight_layout.unpack(..., e4m3=True)`."""
+    dev = pw.data.device
+    if pw.fmt == FMT_DENSE:
+        raise ValueError("dequant_e4m3 serves quantized weights only")
+    if groups is None:
+        groups = torch.arange(pw.groups, dtype=torch.int32, device=dev)
+    n = groups.numel()
+    out = torch.empty(n, pw.n_pad, pw.k_pad, dtype=torch.float8_e4m3fn, device=dev)
+    if n:
+        bn, wdt = 64, tl.float32 if interpreting() else tl.float16
+        grid = (n, triton.cdiv(pw.n_pad, bn), pw.k_pad // CHUNK_K)
+        _dequant_kernel[grid](pw.data, pw.scale if pw.scale is not None else pw.data, pw.rowscale, groups, out,
+                              pw.n_pad // TILE_N, pw.k_pad // CHUNK_K, pw.n_pad, pw.k_pad, FMT=pw.fmt, BN=bn,
+                              WDT=wdt, E8=True, EXACT=interpreting(), num_warps=4)
+    return out, pw.rowscale.index_select(0, groups.long()) * A8_UNIT[pw.fmt]
 
 
 def bf16_bytes_per_group(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -172,29 +198,19 @@ def dense_linear(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor) -> torch
     return dense_grouped_gemm(x2, out, MODE_LINEAR, plain=pw, T=x2.shape[0])
 
 
-FP8_MAX = 448.0  # e4m3's largest finite value
-
-
-def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [R, K] -> (e4m3 [R, K], fp32 [R, 1] scales): each row scaled so that its largest magnitude is FP8_MAX (an
-    all-zero row keeps a tiny scale); t ~= e4m3 * scale."""
-    s = t.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-30) / FP8_MAX
-    return (t.float() / s).to(torch.float8_e4m3fn), s
-
-
 def fp8_linear(x2: torch.Tensor, pw: PackedWeight, out: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] @ W^T -> out [M, N] on FP8 tensor cores (path "dense8"): the weight decoded once (`dequant`), it and
-    the activations requantized to e4m3 with one scale per output channel / per row, then ``torch._scaled_mm``
-    (twice bf16's rate on Hopper). Lossy: e4m3 keeps 3 mantissa bits; an NVFP4 value times its block scale needs up
-    to 5. Decoding and requantizing cost what the dense path's decode does, plus a pass over x."""
-    k, n = x2.shape[1], out.shape[1]
-    group0 = torch.zeros(1, dtype=torch.int32, device=x2.device)
-    w8, sw = fp8_rows(dequant(pw, group0, x2.dtype)[0])  # [N_pad, K_pad]: K_pad a multiple of 128
-    x8, sx = fp8_rows(F.pad(x2, (0, pw.k_pad - k)) if pw.k_pad != k else x2)
+    """x2 [M, K] @ W^T -> out [M, N] on FP8 tensor cores (path "dense8"): the weight decoded once straight to e4m3 with
+    a scale per row (`dequant_e4m3`: 1 byte a value written where `dequant` writes 2), x to e4m3 with a scale per row
+    (`moe_router.to_x8`), then ``torch._scaled_mm`` (twice bf16's rate on Hopper). The arithmetic of the ``a8``
+    tiles (`grouped_gemm`): lossy, e4m3 keeps 4 significant bits where an NVFP4 value times its block scale can
+    need 6."""
+    n = out.shape[1]
+    w8, sw = dequant_e4m3(pw, torch.zeros(1, dtype=torch.int32, device=x2.device))
+    x8, sx = to_x8(x2, pw.k_pad)
     if x2.is_cuda:
-        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+        y = torch._scaled_mm(x8, w8[0].t(), scale_a=sx[:, None], scale_b=sw[0][None, :], out_dtype=torch.bfloat16)
     else:  # the same product in fp32 (torch 2.11's CPU _scaled_mm takes per-tensor scales only; 2.13's both)
-        y = (x8.float() @ w8.float().t()) * sx * sw.t()
+        y = (x8.float() @ w8[0].float().t()) * sx[:, None] * sw[0][None, :]
     out.copy_(y[:, :n])
     return out
 

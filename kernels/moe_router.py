@@ -123,13 +123,14 @@ def to_x8(x: torch.Tensor, k_pad: int, wg16: bool = False) -> tuple[torch.Tensor
 
 
 def to_x8_ref(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`to_x8` in torch (x's own order): the same fp32 operations, so the same bits."""
+    """`to_x8` in torch (x's own order): the same fp32 operations, so the same bits (``448 / m`` as a tensor
+    division: torch computes a number over a tensor as the tensor's reciprocal times it, two roundings)."""
     xf = x.float()
     m = xf.abs().amax(1)
-    inv = torch.where(m > 0, 448.0 / m, torch.zeros_like(m))
+    inv = torch.where(m > 0, torch.full_like(m, 448.0) / m, torch.zeros_like(m))
     out = torch.zeros(x.shape[0], k_pad, dtype=torch.float8_e4m3fn, device=x.device)
     out[:, : x.shape[1]] = (xf * inv[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return out, m / 448.0
+    return out, m / torch.full_like(m, 448.0)
 
 
 @triton.jit(do_not_specialize=["T"])
