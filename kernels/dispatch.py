@@ -78,10 +78,9 @@ MOE_TABLE = (
 # 256 rows (0.076-0.083 ms vs the dense path's 0.104-0.111); the decode-once-then-cuBLAS path from
 # LINEAR_DENSE_FROM rows (512: 0.125-0.131 ms vs the tiles' 0.145-0.159; on by default, `Tuning.dense_prefill`).
 # A "dense" row is skipped where that path cannot run (`dequant_gemm.dense_path_ok`: ROCm), so each "dense" row is
-# followed by the row to use then. A "dense8" row (`dequant_gemm.fp8_linear`: the decoded weights and the activations
-# requantized to e4m3 per row, cuBLAS's FP8 GEMM; lossy: 3.6-3.9% relative error on random data against 0.2% for
-# the bf16 dense path, CPU, 2026-12-07) is in no default row: not yet timed, nor judged by the learned model's
-# accuracy table; bench_prefill times it from 256 rows (`fp8_gemm_ok` says where it runs).
+# followed by the row to use then. A "dense8" row (`dequant_gemm.fp8_linear`: the weights decoded straight to e4m3 as
+# the a8 tiles round them, x to e4m3 per row, cuBLAS's FP8 GEMM; lossy, the a8 tiles' arithmetic) is in no default
+# row: not yet timed; bench_prefill times it from 256 rows (`fp8_gemm_ok` says where it runs).
 LINEAR_MMA_MAX_ROWS = 8
 LINEAR_DENSE_FROM = 512
 
