@@ -268,12 +268,10 @@ def test_portable_tiles_with_fp8_dots(expert_fmt, T, bm, bn, fuse, down_bn):
     assert 1e-3 < rel_err(y, _ref(cfg, moe, w, x, r)) < 0.08 and rel_err(y, y16) < 0.08
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
-@pytest.mark.parametrize("M,bm,bn,split", [(33, 64, 128, 4), (600, 128, 128, 1), (1100, 64, 256, 1)])
-def test_quant_linear_fp8_tiles(fmt, M, bm, bn, split):
-    """The a8 tiles compiled (the hardware e4m3 converts, FP8 wgmma): `to_x8` gives `to_x8_ref`'s bits, and the
-    output is the fp32 product of the e4m3 activations and the e4m3-rounded weights (`unpack(..., e4m3=True)`) to
-    bf16's rounding; FP8's error against the exact product."""
+def _fp8_linear_case(fmt: str, M: int, cfg: tuple):
+    """A linear at M3's widths whose x rows span four decades, run on the dispatch row ``cfg``: `to_x8` gives
+    `to_x8_ref`'s bits, the output is the fp32 product of the e4m3 activations and the e4m3-rounded weights
+    (`unpack(..., e4m3=True)`) to bf16's rounding, and FP8's error from the exact product."""
     from m3serve.kernels.moe_router import to_x8, to_x8_ref
     from m3serve.kernels.weight_layout import unpack
 
@@ -286,13 +284,28 @@ def test_quant_linear_fp8_tiles(fmt, M, bm, bn, split):
     x8, xs = to_x8_ref(x, ql.packed.k_pad)
     got8, got_s = to_x8(x, ql.packed.k_pad)
     assert torch.equal(got8.view(torch.uint8), x8.view(torch.uint8)) and torch.equal(got_s, xs)
-    cfg = ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=True, split=split, a8=True))
     with tuned(linear_table=((None, *cfg),)):
         assert dispatch.linear_config(M, ql.packed, x.device) == cfg
         y = quant_linear(x, ql)
     ref = (x8.float() * xs[:, None]) @ unpack(ql.packed, 0, e4m3=True).T
     assert rel_err(y, ref[:, : qw.n]) < 5e-3
     assert 1e-3 < rel_err(y, quant_linear_ref(x, ql)) < 0.08
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
+@pytest.mark.parametrize("M,bm,bn,split", [(33, 64, 128, 4), (600, 128, 128, 1), (1100, 64, 256, 1)])
+def test_quant_linear_fp8_tiles(fmt, M, bm, bn, split):
+    """The a8 tiles compiled (the hardware e4m3 converts, FP8 wgmma) against their exact reference."""
+    _fp8_linear_case(fmt, M, ("tl", dict(bm=bm, bn=bn, num_warps=bn // 16, num_stages=3, swap=True, wg16=True,
+                                         split=split, a8=True)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
+@pytest.mark.parametrize("M", [256, 1024])
+def test_quant_linear_dense8(fmt, M):
+    """The "dense8" path (`dequant_e4m3`, `to_x8`, cuBLAS's FP8 GEMM with a scale per row and per column): the same
+    arithmetic as the a8 tiles, against the same reference."""
+    _fp8_linear_case(fmt, M, ("dense8", {}))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "fp8"])
