@@ -58,49 +58,50 @@ def _dequant_kernel(data, scale, rowscale, groups_ptr, out_ptr, NT16, KC, N_PAD,
         tl.store(dst, cast_to(w, out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+def _all_groups(pw: PackedWeight, groups: torch.Tensor | list[int] | None) -> torch.Tensor:
+    """int32 group indices on pw's device: all of them by default (a list: a host-to-device copy, not while a CUDA
+    graph is being captured)."""
+    if groups is None:
+        return torch.arange(pw.groups, dtype=torch.int32, device=pw.data.device)
+    if isinstance(groups, list):
+        return torch.tensor(groups, dtype=torch.int32, device=pw.data.device)
+    return groups
+
+
+def _decode(pw: PackedWeight, groups: torch.Tensor, out: torch.Tensor, wdt, e8: bool = False) -> torch.Tensor:
+    """One `_dequant_kernel` launch over ``groups`` of quantized ``pw`` into ``out``; ``wdt``: the decode dtype (exact
+    fp16 ops on the GPU, fp32 under the interpreter, as `grouped_gemm`)."""
+    n, bn = groups.numel(), 64
+    if n:
+        grid = (n, triton.cdiv(pw.n_pad, bn), pw.k_pad // CHUNK_K)
+        _dequant_kernel[grid](pw.data, pw.scale if pw.scale is not None else pw.data, pw.rowscale, groups, out,
+                              pw.n_pad // TILE_N, pw.k_pad // CHUNK_K, pw.n_pad, pw.k_pad, FMT=pw.fmt, BN=bn,
+                              WDT=wdt, E8=e8, EXACT=e8 and interpreting(), num_warps=4)
+    return out
+
+
 def dequant(pw: PackedWeight, groups: torch.Tensor | list[int] | None = None, dtype: torch.dtype = torch.bfloat16,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """Groups ``groups`` (default: all) of ``pw`` decoded -> ``[len(groups), N_pad, K_pad]`` in ``dtype`` (padding
     zero): `weight_layout.unpack` in one launch. Dense weights are returned as they are (a view, no copy) when
     they already have ``dtype``."""
-    dev = pw.data.device
-    if groups is None:
-        groups = torch.arange(pw.groups, dtype=torch.int32, device=dev)
-    if isinstance(groups, list):  # a host-to-device copy (not during graph capture)
-        groups = torch.tensor(groups, dtype=torch.int32, device=dev)
+    groups = _all_groups(pw, groups)
     n = groups.numel()
     if pw.fmt == FMT_DENSE:
         sel = pw.data.index_select(0, groups.long()) if n != pw.groups else pw.data
         return sel if sel.dtype == dtype else sel.to(dtype)
-    out = torch.empty(n, pw.n_pad, pw.k_pad, dtype=dtype, device=dev) if out is None else out
-    if n == 0:
-        return out
-    bn = 64
-    # decode dtype: exact fp16 ops on the GPU, fp32 under the interpreter (as `grouped_gemm`)
-    wdt = tl.float32 if interpreting() or dtype == torch.float32 else tl.float16
-    grid = (n, triton.cdiv(pw.n_pad, bn), pw.k_pad // CHUNK_K)
-    _dequant_kernel[grid](pw.data, pw.scale if pw.scale is not None else pw.data, pw.rowscale, groups, out,
-                          pw.n_pad // TILE_N, pw.k_pad // CHUNK_K, pw.n_pad, pw.k_pad, FMT=pw.fmt, BN=bn, WDT=wdt,
-                          num_warps=4)
-    return out
+    out = torch.empty(n, pw.n_pad, pw.k_pad, dtype=dtype, device=pw.data.device) if out is None else out
+    return _decode(pw, groups, out, tl.float32 if interpreting() or dtype == torch.float32 else tl.float16)
 
 
 def dequant_e4m3(pw: PackedWeight, groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups ``groups`` (default: all) of quantized ``pw`` as the ``a8`` tiles round them, in one launch: (e4m3
     ``[n, N_pad, K_pad]``, fp32 row scales ``[n, N_pad]``), their product `weight_layout.unpack(..., e4m3=True)`."""
-    dev = pw.data.device
     if pw.fmt == FMT_DENSE:
         raise ValueError("dequant_e4m3 serves quantized weights only")
-    if groups is None:
-        groups = torch.arange(pw.groups, dtype=torch.int32, device=dev)
-    n = groups.numel()
-    out = torch.empty(n, pw.n_pad, pw.k_pad, dtype=torch.float8_e4m3fn, device=dev)
-    if n:
-        bn, wdt = 64, tl.float32 if interpreting() else tl.float16
-        grid = (n, triton.cdiv(pw.n_pad, bn), pw.k_pad // CHUNK_K)
-        _dequant_kernel[grid](pw.data, pw.scale if pw.scale is not None else pw.data, pw.rowscale, groups, out,
-                              pw.n_pad // TILE_N, pw.k_pad // CHUNK_K, pw.n_pad, pw.k_pad, FMT=pw.fmt, BN=bn,
-                              WDT=wdt, E8=True, EXACT=interpreting(), num_warps=4)
+    groups = _all_groups(pw, groups)
+    out = torch.empty(groups.numel(), pw.n_pad, pw.k_pad, dtype=torch.float8_e4m3fn, device=pw.data.device)
+    _decode(pw, groups, out, tl.float32 if interpreting() else tl.float16, e8=True)
     return out, pw.rowscale.index_select(0, groups.long()) * A8_UNIT[pw.fmt]
 
 
