@@ -54,3 +54,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_RUNNING: list[str] = []  # the test in progress (one at a time per process)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _RUNNING[:] = [nodeid]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _RUNNING.clear()
+
+
+def pytest_keyboard_interrupt(excinfo):
+    """An interrupted run (tests/run_suite.py stops its processes so at a timeout) names the test it was in; `-q`
+    alone prints only the deepest frame, somewhere in torch."""
+    if _RUNNING:
+        print(f"\ninterrupted in {_RUNNING[0]}", flush=True)

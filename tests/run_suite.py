@@ -145,30 +145,56 @@ def run_together(runs, log_dir: str) -> list[tuple[int, str]]:
         path = os.path.join(log_dir, f"pytest-{i}.log")
         print(f"[run_suite] {label}: pytest {' '.join(args)} (log: {path})", flush=True)
         with open(path, "w") as log:
+            # a session of its own: a timeout's signal to the group reaches only this process, which stops each
+            # pytest so that it reports (_stop_the_rest)
             procs.append((path, subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT,
-                                                 env=_env(interpret), stdout=log, stderr=subprocess.STDOUT)))
+                                                 env=_env(interpret), stdout=log, stderr=subprocess.STDOUT,
+                                                 start_new_session=True)))
     results: dict[int, tuple[int, str]] = {}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: end the processes too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: stop the processes too
     try:
         _collect(runs, procs, results)
     finally:
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
+        _stop_the_rest(runs, procs, results)
     return [results[i] for i in range(len(procs))]
+
+
+def _report(runs, procs, results, i: int, how: str) -> None:
+    """Process i's whole log under a header saying how it ended; its last line becomes its summary."""
+    path, proc = procs[i]
+    with open(path, errors="replace") as f:
+        text = f.read()
+    sys.stdout.write(f"[run_suite] ---- {runs[i][0]}: {how} ----\n{text}")
+    sys.stdout.flush()
+    results[i] = (proc.returncode, _last_line(text))
 
 
 def _collect(runs, procs, results) -> None:
     while len(results) < len(procs):
-        for i, (path, proc) in enumerate(procs):
-            if i in results or proc.poll() is None:
-                continue
-            with open(path, errors="replace") as f:
-                text = f.read()
-            sys.stdout.write(f"[run_suite] ---- {runs[i][0]}: exit {proc.returncode} ----\n{text}")
-            sys.stdout.flush()
-            results[i] = (proc.returncode, _last_line(text))
+        for i, (_, proc) in enumerate(procs):
+            if i not in results and proc.poll() is not None:
+                _report(runs, procs, results, i, f"exit {proc.returncode}")
         time.sleep(0.5)
+
+
+def _stop_the_rest(runs, procs, results) -> None:
+    """Stopped early (a timeout's SIGTERM, Ctrl-C): interrupt the pytest processes still running, as Ctrl-C would (each
+    then names the test it was in and prints its summary), and print each one's log, so a run cut short still says
+    what passed and where it stood."""
+    running = [i for i, (_, proc) in enumerate(procs) if i not in results and proc.poll() is None]
+    for i in running:
+        procs[i][1].send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 20
+    for i, (_, proc) in enumerate(procs):
+        if i in results:
+            continue
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        how = "still running when the suite was stopped; its log" if i in running else f"exit {proc.returncode}"
+        _report(runs, procs, results, i, how)
 
 
 def main(args: list[str]) -> int:

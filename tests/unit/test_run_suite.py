@@ -89,3 +89,47 @@ def test_failing_process_fails_the_run_and_its_summary_line_ends_the_output(tmp_
     assert lines[-4].endswith("exit 1") and lines[-3].startswith("1 failed"), lines[-6:]
     assert lines[-2].endswith("exit 0") and lines[-1].startswith("1 passed"), lines[-6:]
     assert "made to fail" in (tmp_path / "logs" / "pytest-0.log").read_text() and "made to fail" in r.stdout
+
+
+def test_a_stopped_run_prints_where_each_process_stood(tmp_path):
+    """A timeout's SIGTERM to the run (GNU timeout signals the whole process group) while one process is still in a
+    test: that process is interrupted as by Ctrl-C, so its log names the test it was in (tests/conftest.py) and ends
+    with its pytest summary, and the run prints it; the process that had finished is reported as before."""
+    import signal
+    import time
+
+    (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
+    started = tmp_path / "started"
+    (tmp_path / "slow_unit.py").write_text(
+        "import pathlib, time\n"
+        "def pytest_runtest_call(item):\n"
+        "    if item.nodeid.startswith('tests/unit'):\n"
+        f"        pathlib.Path({str(started)!r}).write_text('x')\n"
+        "        time.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               M3SERVE_SUITE_LOG_DIR=str(tmp_path / "logs"))
+    slow = "tests/unit/test_run_suite.py::test_no_gpu_is_one_process"
+    proc = subprocess.Popen([sys.executable, "tests/run_suite.py", *Q, "-p", "slow_unit",
+                             "tests/kernels/test_dispatch.py::test_gates_here", slow],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert started.exists(), "the slow test never started"
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does: the whole group
+        t0 = time.monotonic()
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and time.monotonic() - t0 < 30, out[-3000:]
+    blocks = {b.split(" (", 1)[0]: b for b in out.split("[run_suite] ---- ")[1:]}  # each process's log, by label
+    assert set(blocks) == {"tests/kernels", slow}, out[-3000:]
+    assert blocks["tests/kernels"].rstrip().splitlines()[-1].startswith("1 passed"), out[-3000:]  # ended, or ending
+    mine = blocks[slow]
+    assert "still running when the suite was stopped" in mine.splitlines()[0], mine
+    assert "KeyboardInterrupt" in mine and f"interrupted in {slow}" in mine, mine[-2000:]
+    assert mine.rstrip().splitlines()[-1].startswith("no tests ran"), mine[-2000:]  # its pytest summary
