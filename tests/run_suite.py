@@ -184,7 +184,7 @@ def _stop_the_rest(runs, procs, results) -> None:
     running = [i for i, (_, proc) in enumerate(procs) if i not in results and proc.poll() is None]
     for i in running:
         procs[i][1].send_signal(signal.SIGINT)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 15  # (a device call's limit leaves a stopped suite little time)
     for i, (_, proc) in enumerate(procs):
         if i in results:
             continue
