@@ -105,7 +105,7 @@ def test_a_stopped_run_prints_where_each_process_stood(tmp_path):
         "def pytest_runtest_call(item):\n"
         "    if item.nodeid.startswith('tests/unit'):\n"
         f"        pathlib.Path({str(started)!r}).write_text('x')\n"
-        "        time.sleep(120)\n")
+        "        time.sleep(60)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
                M3SERVE_SUITE_LOG_DIR=str(tmp_path / "logs"))
     slow = "tests/unit/test_run_suite.py::test_no_gpu_is_one_process"
