@@ -137,6 +137,10 @@ def run_one(args: list[str], interpret: bool) -> tuple[int, str]:
     return proc.wait(), last
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_together(runs, log_dir: str) -> list[tuple[int, str]]:
     """The processes side by side (the interpreter tree is CPU-bound, the other mostly on the GPU), each writing
     `<log_dir>/pytest-<i>.log`; each log is printed whole when its process ends."""
@@ -146,10 +150,11 @@ def run_together(runs, log_dir: str) -> list[tuple[int, str]]:
         print(f"[run_suite] {label}: pytest {' '.join(args)} (log: {path})", flush=True)
         with open(path, "w") as log:
             # a session of its own: a timeout's signal to the group reaches only this process, which stops each
-            # pytest so that it reports (_stop_the_rest)
+            # pytest so that it reports (_stop_the_rest); SIGINT as Python's own default, also where the runner was
+            # started in the background without job control (`nohup ... &`), which ignores it
             procs.append((path, subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT,
                                                  env=_env(interpret), stdout=log, stderr=subprocess.STDOUT,
-                                                 start_new_session=True)))
+                                                 start_new_session=True, preexec_fn=_default_sigint)))
     results: dict[int, tuple[int, str]] = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: stop the processes too
     try:
