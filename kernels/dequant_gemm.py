@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .codecs import MXFP8, NVFP4, cast_to, to_e4m3
+from .codecs import MXFP8, cast_to, to_e4m3
 from .grouped_gemm import MODE_GATE_UP, MODE_LINEAR, load_weight_tile
 from .moe_router import to_x8
 from .platform import interpreting, rocm
@@ -36,10 +36,11 @@ SCRATCH_MB = 2048  # default bound of the decoded experts held at once (dispatch
 
 @triton.jit
 def _dequant_kernel(data, scale, rowscale, groups_ptr, out_ptr, NT16, KC, N_PAD, K_PAD, FMT: tl.constexpr,
-                    BN: tl.constexpr, WDT: tl.constexpr, E8: tl.constexpr = False, EXACT: tl.constexpr = False):
+                    BN: tl.constexpr, WDT: tl.constexpr, E8: tl.constexpr = False, A8U: tl.constexpr = 1.0,
+                    EXACT: tl.constexpr = False):
     """One [BN rows, 128] tile of group groups[program 0] -> out[program 0, rows, chunk] (rowscale applied; E8: e4m3
-    in the a8 tiles' units, `weight_layout.A8_UNIT`, the rowscale left to the caller; EXACT: the interpreter's
-    codec, `codecs.to_e4m3`)."""
+    in the a8 tiles' units, A8U = `weight_layout.A8_UNIT` of FMT, the rowscale left to the caller; EXACT: the
+    interpreter's codec, `codecs.to_e4m3`)."""
     j = tl.program_id(0)
     g = tl.load(groups_ptr + j)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -51,8 +52,7 @@ def _dequant_kernel(data, scale, rowscale, groups_ptr, out_ptr, NT16, KC, N_PAD,
     k = c * 128 + tl.arange(0, 128)
     dst = out_ptr + (j * N_PAD + rows.to(tl.int64))[:, None] * K_PAD + k[None, :]
     if E8:
-        RSU: tl.constexpr = 8.0 if FMT == NVFP4 else (32768.0 if FMT == MXFP8 else 1.0)  # A8_UNIT
-        tl.store(dst, to_e4m3(w * (UNS / RSU), EXACT), mask=rmask[:, None])
+        tl.store(dst, to_e4m3(w * (UNS / A8U), EXACT), mask=rmask[:, None])
     else:
         w = w * (tl.load(rowscale + g * N_PAD + r) * UNS)[:, None]
         tl.store(dst, cast_to(w, out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -76,7 +76,8 @@ def _decode(pw: PackedWeight, groups: torch.Tensor, out: torch.Tensor, wdt, e8: 
         grid = (n, triton.cdiv(pw.n_pad, bn), pw.k_pad // CHUNK_K)
         _dequant_kernel[grid](pw.data, pw.scale if pw.scale is not None else pw.data, pw.rowscale, groups, out,
                               pw.n_pad // TILE_N, pw.k_pad // CHUNK_K, pw.n_pad, pw.k_pad, FMT=pw.fmt, BN=bn,
-                              WDT=wdt, E8=e8, EXACT=e8 and interpreting(), num_warps=4)
+                              WDT=wdt, E8=e8, A8U=A8_UNIT[pw.fmt] if e8 else 1.0, EXACT=e8 and interpreting(),
+                              num_warps=4)
     return out
 
 

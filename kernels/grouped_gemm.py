@@ -41,7 +41,7 @@ from .codecs import (DENSE, FMT_DENSE, FMT_NVFP4, MXFP8, NVFP4, cast_to, e2m1_to
                      fp8_words_f16, nvfp4_asm_ok, nvfp4_words_f16, nvfp4_words_f16_asm, to_e4m3)
 from .moe_router import wg16_position
 from .platform import compiled_cuda, interpreting
-from .weight_layout import CHUNK_K, TILE_N, PackedWeight, unpack
+from .weight_layout import A8_UNIT, CHUNK_K, TILE_N, PackedWeight, unpack
 
 MODE_GATE_UP, MODE_DOWN, MODE_LINEAR = 0, 1, 2
 
@@ -222,7 +222,7 @@ def _tile_gemm(x_ptr, sx, xrow, rmask, K, data, scale, g, wrows, wrows2, NT16, K
 def _tile_body(x_ptr, sx, xs_ptr, xrow, orow, rmask, wt, K, data, scale, rsc, g, NT16, KC, N_PAD, K_PAD, n0, N_OUT,
                NG, out_ptr, so, ss, alpha, limit, MODE: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr, WG16: tl.constexpr, ASM: tl.constexpr,
-               SPLIT: tl.constexpr, FUSE: tl.constexpr = False, A8: tl.constexpr = False,
+               SPLIT: tl.constexpr, A8U: tl.constexpr, FUSE: tl.constexpr = False, A8: tl.constexpr = False,
                EXACT: tl.constexpr = False):
     """One output tile: the GEMM over all K chunks (SPLIT > 1, LINEAR: over this program's share of them, its
     partial product stored at ``out_ptr + split * ss``, ss = the rows times their stride, summed by
@@ -232,15 +232,16 @@ def _tile_body(x_ptr, sx, xs_ptr, xrow, orow, rmask, wt, K, data, scale, rsc, g,
     an unclamped read would run past the weight (the last group's rows, the shared expert's: an illegal memory
     access on the GPU). FUSE (GATE_UP): one product over BN weight rows, the gate rows of BN / 2 output columns then
     their up rows, split in the epilogue: one accumulator where the gate / up pair of tiles holds two.
-    A8: FP8 dots (`_tile_gemm`); the decoded weights are rounded to e4m3 in units of their row scale times
-    ``2^3`` (NVFP4: E2M1 * S is at most 6 * 448), ``2^15`` (MXFP8: E4M3 times a multiplier of at most 2^15) or 1
-    (FP8), so that the largest fits e4m3's 448; the products are scaled back, and by x's row scales, here."""
+    A8: FP8 dots (`_tile_gemm`); the decoded weights are rounded to e4m3 in units of their row scale times A8U
+    (`weight_layout.A8_UNIT` of FMT: ``2^3`` for NVFP4, whose E2M1 * S is at most 6 * 448; ``2^15`` for MXFP8, E4M3
+    times a multiplier of at most 2^15; 1 for FP8), so that the largest fits e4m3's 448; the products are scaled
+    back, and by x's row scales, here."""
     if WG16:
         UNS: tl.constexpr = 128.0 if FMT == NVFP4 else (1.0 if FMT == DENSE else 256.0)  # the decoders' units
     else:
         UNS: tl.constexpr = 256.0 if (FMT == MXFP8) and (WDT != tl.float32) else 1.0
     if A8:
-        RSU: tl.constexpr = 8.0 if FMT == NVFP4 else (32768.0 if FMT == MXFP8 else 1.0)  # the e4m3 weights' unit
+        RSU: tl.constexpr = A8U  # the e4m3 weights' unit
         xsr = tl.load(xs_ptr + xrow, mask=rmask, other=0.0)
     else:
         RSU: tl.constexpr = UNS
@@ -305,8 +306,8 @@ def _grouped_gemm_kernel(
     E, NT16, KC, N_PAD, K_PAD, S_NT16, S_N_PAD,
     MODE: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, ROUTED: tl.constexpr, X_DIV: tl.constexpr,
     E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WDT: tl.constexpr, SWAP: tl.constexpr,
-    WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr = False,
-    A8: tl.constexpr = False, EXACT: tl.constexpr = False,
+    WG16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, A8U: tl.constexpr, SA8U: tl.constexpr,
+    FUSE: tl.constexpr = False, A8: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     n0 = tl.program_id(1) * (BN // 2 if FUSE else BN)  # FUSE: BN weight rows serve BN / 2 output columns
@@ -316,7 +317,7 @@ def _grouped_gemm_kernel(
         _tile_body(x_ptr, sx, xs_ptr, (t + x_off).to(tl.int64), (t + out_off).to(tl.int64), t < T,
                    tl.full((BM,), 1.0, tl.float32), K, s_data, s_scale, s_rows, 0, S_NT16, KC, S_N_PAD, K_PAD, n0,
                    N_OUT, NG, out_ptr, so, (T + out_off).to(tl.int64) * so, alpha, limit, MODE, SFMT, BM, BN, WDT,
-                   SWAP, WG16, ASM, SPLIT, FUSE, A8, EXACT)
+                   SWAP, WG16, ASM, SPLIT, SA8U, FUSE, A8, EXACT)
     elif ROUTED:
         e, first, nrows = routed_tile(counts_ptr, tile - n_plain_tiles, E, E_PAD, BM)
         if nrows > 0:
@@ -328,7 +329,7 @@ def _grouped_gemm_kernel(
                 wt = tl.full((BM,), 1.0, tl.float32)
             _tile_body(x_ptr, sx, xs_ptr, (a // X_DIV).to(tl.int64), a.to(tl.int64), rmask, wt, K, w_data, w_scale,
                        w_rows, e, NT16, KC, N_PAD, K_PAD, n0, N_OUT, NG, out_ptr, so, 0, alpha, limit, MODE, FMT, BM,
-                       BN, WDT, SWAP, WG16, ASM, SPLIT, FUSE, A8, EXACT)
+                       BN, WDT, SWAP, WG16, ASM, SPLIT, A8U, FUSE, A8, EXACT)
 
 
 def work_dtype(x: torch.Tensor):
@@ -411,8 +412,9 @@ def grouped_gemm(x: torch.Tensor, out: torch.Tensor, mode: int, *, routed: Packe
         MODE=mode, FMT=rr.fmt, SFMT=pr.fmt, ROUTED=routed is not None, X_DIV=x_div,
         E_PAD=triton.next_power_of_2(max(rr.groups, 2)), BM=bm, BN=bn,
         WDT=tl.float16 if a8 and not interpreting() else work_dtype(x), SWAP=swap,
-        WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), SPLIT=split, FUSE=fuse,
-        A8=a8, EXACT=a8 and interpreting(), num_warps=num_warps, num_stages=num_stages,
+        WG16=wg16, ASM=wg16 and FMT_NVFP4 in (rr.fmt, pr.fmt) and nvfp4_asm_ok(x.device), SPLIT=split,
+        A8U=A8_UNIT.get(rr.fmt, 1.0), SA8U=A8_UNIT.get(pr.fmt, 1.0), FUSE=fuse, A8=a8, EXACT=a8 and interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n_out))

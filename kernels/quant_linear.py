@@ -6,10 +6,10 @@ never converted per call.
 Paths: the mma kernel of `grouped_gemm_mma` (sm_89 / sm_90, up to `dispatch.LINEAR_MMA_MAX_ROWS` rows: weights as
 the mma's M side, the activations converted once to its fp16 layout by one small launch) or the portable kernel of
 `grouped_gemm` (interpreter, ROCm, larger M); both are the MoE kernels with one group and no routing. At large M
-`dequant_gemm` decodes the weight once per call into a bf16 scratch and calls cuBLAS (or, path "dense8", requantizes it
-and x to e4m3 per row for cuBLAS's FP8 GEMM: lossy, in no default row; or the portable kernel's ``a8`` tiles: x in
-e4m3 per row, the weights rounded to e4m3 as they are decoded, FP8 dots: lossy, in no default row). The path and
-tiles by M: `dispatch.linear_config` (its table: `dispatch.LINEAR_TABLE`).
+`dequant_gemm` decodes the weight once per call into a bf16 scratch and calls cuBLAS (or, path "dense8", decodes it
+straight to e4m3 and x to e4m3 per row for cuBLAS's FP8 GEMM: lossy, in no default row; or the portable kernel's
+``a8`` tiles: x in e4m3 per row, the weights rounded to e4m3 as they are decoded, FP8 dots: lossy, in no default
+row). The path and tiles by M: `dispatch.linear_config` (its table: `dispatch.LINEAR_TABLE`).
 """
 from __future__ import annotations
 

@@ -204,8 +204,9 @@ def concat_rows(parts: list[PackedWeight], n_each: int) -> PackedWeight:
 
 
 # The unit of a weight row, in its row scales, in which the portable kernel's FP8 dots round the decoded weights to
-# e4m3 (`grouped_gemm`'s ``a8`` tiles; the kernel's constexpr RSU): the largest value of each format then fits 448
-# (NVFP4: E2M1 * S <= 6 * 448; MXFP8: E4M3 times a multiplier <= 2^15; FP8: E4M3 itself, exact).
+# e4m3 (`grouped_gemm`'s ``a8`` tiles and `dequant_gemm.dequant_e4m3`; their launchers pass it as the constexpr A8U):
+# the largest value of each format then fits 448 (NVFP4: E2M1 * S <= 6 * 448; MXFP8: E4M3 times a multiplier <= 2^15;
+# FP8: E4M3 itself, exact).
 A8_UNIT = {FMT_NVFP4: 8.0, FMT_MXFP8: 32768.0, FMT_FP8: 1.0}
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from m3serve.kernels.codecs import FMT_DENSE, FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.grouped_gemm import MODE_DOWN, MODE_GATE_UP, MODE_LINEAR
+from m3serve.kernels.weight_layout import A8_UNIT
 from support.compiled import compile_sm90, cuobjdump, run_uninterpreted
 
 
@@ -30,7 +31,8 @@ def _compile(mode: int, bm: int, bn: int, split: int, cubin: str, fuse: bool = F
     linear = mode == MODE_LINEAR
     cx = dict(MODE=mode, FMT=FMT_NVFP4, SFMT=FMT_NVFP4 if linear else FMT_MXFP8, ROUTED=not linear,
               X_DIV=4 if mode == MODE_GATE_UP else 1, E_PAD=128 if not linear else 2, BM=bm, BN=bn, WDT=tl.float16,
-              SWAP=True, WG16=True, ASM=True, SPLIT=split, FUSE=fuse, A8=a8, EXACT=False)
+              SWAP=True, WG16=True, ASM=True, SPLIT=split, A8U=A8_UNIT[FMT_NVFP4],
+              SA8U=A8_UNIT[FMT_NVFP4 if linear else FMT_MXFP8], FUSE=fuse, A8=a8, EXACT=False)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
     compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=8, num_stages=stages)
     Path(cubin).write_bytes(compiled.asm["cubin"])
@@ -93,7 +95,7 @@ def _shared(fmt: int, sfmt: int, out: str, fused: bool = False) -> None:
     cfg = FUSED_256 if fused else dispatch._MOE_TL
     cx = dict(MODE=MODE_GATE_UP, FMT=fmt, SFMT=sfmt, ROUTED=True, X_DIV=4, E_PAD=128, BM=cfg["bm"], BN=cfg["bn"],
               WDT=tl.float16 if wg16 else tl.bfloat16, SWAP=cfg["swap"], WG16=wg16, ASM=FMT_NVFP4 in (fmt, sfmt),
-              SPLIT=1, FUSE=fused, A8=False, EXACT=False)
+              SPLIT=1, A8U=A8_UNIT.get(fmt, 1.0), SA8U=A8_UNIT.get(sfmt, 1.0), FUSE=fused, A8=False, EXACT=False)
     aligned = {n for n, v in sig.items() if v.startswith("*")} | {"sx", "so", "K", "NG", "N_PAD", "K_PAD", "S_N_PAD"}
     compiled = compile_sm90(G._grouped_gemm_kernel, sig, cx, aligned, num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"])
